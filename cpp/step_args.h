@@ -1,0 +1,54 @@
+// Shared, ISA-neutral description of one fused optimizer step over a flat range of elements.
+// Every rule in shared/spec/optimizers.md is this one element program with different coefficients:
+//
+//   p <- p - pre_decay * p                  (AdamW: decoupled decay before the step)
+//   p <- p - pre_pull * (p - a)             (prior_wd: pull toward the anchor, applied first)
+//   m <- beta1 * m + (1 - beta1) * g
+//   v <- beta2 * v + (1 - beta2) * g * g
+//   p <- p - step_size * m / (sqrt(v) * denom_scale + eps)
+//   p <- p - post_pull * (p - a)            (RecAdam: annealed pull, after the Adam step)
+//   p <- p - post_decay * p                 (BERTAdam / RecAdam: decay toward zero, last)
+//
+// It is evaluated in "delta form": the total change e is accumulated from small terms, using the
+// difference d = p - a taken once from the stored values, and p is rounded once (p <- p - e).
+// Applying the five lines literally rounds p three times per step, and over 200 steps that fp32
+// noise alone exceeds the 2e-6 (relative) accuracy target against a float64 reference.
+//
+// The anchor terms run only when an anchor pointer is given. Python computes the coefficients
+// (bias corrections, lambda(t)) once per tensor, so the kernel is one pass over memory.
+#pragma once
+#include <cstdint>
+
+namespace ftk {
+
+enum class ElemType : int { F32 = 0, BF16 = 1 };
+
+struct StepCoeffs {
+    float beta1, beta2, eps;
+    // 1 - beta, rounded once from double by the caller: 1.0f - fp32(0.999) is off by 1.3e-5.
+    float one_minus_beta1, one_minus_beta2;
+    float denom_scale;   // multiplies sqrt(v): 1/sqrt(1-beta2^t) for torch-AdamW semantics, else 1
+    float step_size;     // multiplies m / denom
+    float pre_decay;     // fraction of p removed before the step (0 = none)
+    float pre_pull;      // fraction of (p - a) removed before the step (0 = none)
+    float post_pull;     // fraction of (p - a) removed after the step (0 = none)
+    float post_decay;    // fraction of p removed at the end (0 = none)
+};
+
+struct StepArgs {
+    float* param;
+    const void* grad;          // F32 or BF16, see grad_type
+    float* exp_avg;
+    float* exp_avg_sq;
+    const void* anchor;        // nullptr: no anchor terms
+    ElemType grad_type;
+    ElemType anchor_type;
+    StepCoeffs c;
+};
+
+// One implementation per instruction set; each processes elements [begin, end).
+void step_range_scalar(const StepArgs& args, int64_t begin, int64_t end);
+void step_range_avx2(const StepArgs& args, int64_t begin, int64_t end);
+void step_range_avx512(const StepArgs& args, int64_t begin, int64_t end);
+
+}  // namespace ftk

@@ -1,0 +1,30 @@
+// AVX2 + FMA path, 8 floats per register. Compiled with -mavx2 -mfma; only called after the
+// runtime check in dispatch.cpp says the CPU has both.
+#include <immintrin.h>
+#include "step_body.h"
+
+namespace {
+struct Avx2Ops {
+    using Reg = __m256;
+    static constexpr int kWidth = 8;
+    static inline Reg zero() { return _mm256_setzero_ps(); }
+    static inline Reg set1(float x) { return _mm256_set1_ps(x); }
+    static inline Reg load(const float* p) { return _mm256_loadu_ps(p); }
+    static inline Reg load_bf16(const uint16_t* p) {
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    static inline void store(float* p, Reg x) { _mm256_storeu_ps(p, x); }
+    static inline Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+    static inline Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+    static inline Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+    static inline Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
+    static inline Reg sqrt(Reg a) { return _mm256_sqrt_ps(a); }
+    static inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+    static inline Reg fnmadd(Reg a, Reg b, Reg c) { return _mm256_fnmadd_ps(a, b, c); }
+};
+}  // namespace
+
+void ftk::step_range_avx2(const StepArgs& args, int64_t begin, int64_t end) {
+    dispatch_step<Avx2Ops>(args, begin, end);
+}

@@ -1,0 +1,102 @@
+// The element program of step_args.h, written once over a vector-ops type `V`.
+// Included by exactly one translation unit per instruction set, each compiled with its own
+// -m flags. Everything here has internal linkage (anonymous namespace) so the linker can never
+// merge an AVX-512 instantiation into the scalar path (that would crash older CPUs).
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include "step_args.h"
+
+namespace {
+
+template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor>
+struct StepProgram {
+    using R = typename V::Reg;
+    static constexpr int W = V::kWidth;
+
+    // Applies the program to W elements whose operands are already loaded.
+    // e + w * (x - e): moves the accumulated change toward x by w (a lerp on the delta).
+    static inline R lerp(R e, R x, float w) { return V::fmadd(V::set1(w), V::sub(x, e), e); }
+
+    static inline void apply(const ftk::StepCoeffs& c, R& p, R g, R& m, R& v, R a) {
+        const R d = HasAnchor ? V::sub(p, a) : V::zero();   // p - a, before this step
+        R e = V::mul(V::set1(c.pre_decay), p);               // change of p so far
+        if (HasAnchor) e = lerp(e, d, c.pre_pull);
+        m = V::fmadd(V::set1(c.one_minus_beta1), g, V::mul(V::set1(c.beta1), m));
+        v = V::fmadd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(V::set1(c.beta2), v));
+        const R denom = V::fmadd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
+        e = V::fmadd(V::set1(c.step_size), V::div(m, denom), e);
+        if (HasAnchor) e = lerp(e, d, c.post_pull);
+        e = lerp(e, p, c.post_decay);
+        p = V::sub(p, e);
+    }
+
+    static inline R load_typed(const void* base, int64_t i, ftk::ElemType t) {
+        return t == ftk::ElemType::BF16 ? V::load_bf16(static_cast<const uint16_t*>(base) + i)
+                                        : V::load(static_cast<const float*>(base) + i);
+    }
+
+    static void run(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+        const ftk::StepCoeffs c = s.c;
+        int64_t i = begin;
+        for (; i + W <= end; i += W) {
+            R p = V::load(s.param + i), m = V::load(s.exp_avg + i), v = V::load(s.exp_avg_sq + i);
+            R g = load_typed(s.grad, i, GT);
+            R a = HasAnchor ? load_typed(s.anchor, i, AT) : V::zero();
+            apply(c, p, g, m, v, a);
+            V::store(s.param + i, p);
+            V::store(s.exp_avg + i, m);
+            V::store(s.exp_avg_sq + i, v);
+        }
+        const int64_t tail = end - i;
+        if (tail == 0) return;
+        // Tail: stage the last < W elements in zero-padded buffers and run the same vector code,
+        // so tails get bit-identical arithmetic to the body (zeros are safe: sqrt(0) + eps > 0).
+        alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {}, gb[W] = {}, ab[W] = {};
+        std::memcpy(pb, s.param + i, tail * sizeof(float));
+        std::memcpy(mb, s.exp_avg + i, tail * sizeof(float));
+        std::memcpy(vb, s.exp_avg_sq + i, tail * sizeof(float));
+        widen(s.grad, GT, i, tail, gb);
+        if (HasAnchor) widen(s.anchor, AT, i, tail, ab);
+        R p = V::load(pb), m = V::load(mb), v = V::load(vb), g = V::load(gb), a = V::load(ab);
+        apply(c, p, g, m, v, a);
+        V::store(pb, p);
+        V::store(mb, m);
+        V::store(vb, v);
+        std::memcpy(s.param + i, pb, tail * sizeof(float));
+        std::memcpy(s.exp_avg + i, mb, tail * sizeof(float));
+        std::memcpy(s.exp_avg_sq + i, vb, tail * sizeof(float));
+    }
+
+    // Copies `count` elements starting at `offset` into fp32 (bf16 is the top half of an fp32).
+    static void widen(const void* base, ftk::ElemType t, int64_t offset, int64_t count, float* out) {
+        if (t == ftk::ElemType::F32) {
+            std::memcpy(out, static_cast<const float*>(base) + offset, count * sizeof(float));
+            return;
+        }
+        const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+        for (int64_t k = 0; k < count; ++k) {
+            uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+            std::memcpy(out + k, &bits, sizeof(bits));
+        }
+    }
+};
+
+// Picks the template instance for the runtime dtypes and anchor presence.
+template <class V>
+void dispatch_step(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+    using ftk::ElemType;
+    const bool g16 = s.grad_type == ElemType::BF16;
+    if (s.anchor == nullptr) {
+        if (g16) StepProgram<V, ElemType::BF16, ElemType::F32, false>::run(s, begin, end);
+        else     StepProgram<V, ElemType::F32, ElemType::F32, false>::run(s, begin, end);
+        return;
+    }
+    const bool a16 = s.anchor_type == ElemType::BF16;
+    if (g16 && a16)  StepProgram<V, ElemType::BF16, ElemType::BF16, true>::run(s, begin, end);
+    else if (g16)    StepProgram<V, ElemType::BF16, ElemType::F32, true>::run(s, begin, end);
+    else if (a16)    StepProgram<V, ElemType::F32, ElemType::BF16, true>::run(s, begin, end);
+    else             StepProgram<V, ElemType::F32, ElemType::F32, true>::run(s, begin, end);
+}
+
+}  // namespace

@@ -1,0 +1,32 @@
+// Portable path: one float at a time. Compiled with -fno-tree-vectorize -ffp-contract=off so it
+// really is the scalar baseline the vector paths are tested against.
+#include <cmath>
+#include "step_body.h"
+
+namespace {
+struct ScalarOps {
+    using Reg = float;
+    static constexpr int kWidth = 1;
+    static inline Reg zero() { return 0.0f; }
+    static inline Reg set1(float x) { return x; }
+    static inline Reg load(const float* p) { return *p; }
+    static inline Reg load_bf16(const uint16_t* p) {
+        uint32_t bits = static_cast<uint32_t>(*p) << 16;
+        float out;
+        std::memcpy(&out, &bits, sizeof(out));
+        return out;
+    }
+    static inline void store(float* p, Reg x) { *p = x; }
+    static inline Reg add(Reg a, Reg b) { return a + b; }
+    static inline Reg sub(Reg a, Reg b) { return a - b; }
+    static inline Reg mul(Reg a, Reg b) { return a * b; }
+    static inline Reg div(Reg a, Reg b) { return a / b; }
+    static inline Reg sqrt(Reg a) { return std::sqrt(a); }
+    static inline Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }   // unfused on purpose
+    static inline Reg fnmadd(Reg a, Reg b, Reg c) { return c - a * b; }
+};
+}  // namespace
+
+void ftk::step_range_scalar(const StepArgs& args, int64_t begin, int64_t end) {
+    dispatch_step<ScalarOps>(args, begin, end);
+}

@@ -1,0 +1,178 @@
+"""GLUE metrics, the majority-class baseline and the failed-run test of Mosbach et al. (2020).
+
+The formulas are written out with numpy (no scikit-learn/scipy at run time); degenerate inputs such as
+constant predictions give 0 for correlation-type metrics instead of NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ft_framework.data.glue import get_task
+
+# --------------------------------------------------------------------------------------------------
+# Elementary metrics
+# --------------------------------------------------------------------------------------------------
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """numpy view of a numpy array, list or torch tensor (any device / dtype, incl. bf16)."""
+    if hasattr(x, "detach"):
+        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def accuracy(preds: np.ndarray, labels: np.ndarray) -> float:
+    """Fraction of exact matches."""
+    return float(np.mean(preds == labels)) if len(labels) else 0.0
+
+
+def f1_positive(preds: np.ndarray, labels: np.ndarray, positive: int = 1) -> float:
+    """F1 score of the ``positive`` class; 0 when there are no true or predicted positives."""
+    tp = np.sum((preds == positive) & (labels == positive))
+    fp = np.sum((preds == positive) & (labels != positive))
+    fn = np.sum((preds != positive) & (labels == positive))
+    denom = 2 * tp + fp + fn
+    return float(2 * tp / denom) if denom else 0.0
+
+
+def matthews_corrcoef(preds: np.ndarray, labels: np.ndarray) -> float:
+    """Matthews correlation (multiclass R_K form, equal to the binary MCC); 0 when undefined."""
+    classes, encoded = np.unique(np.concatenate([labels, preds]), return_inverse=True)
+    y_true, y_pred = encoded[: len(labels)], encoded[len(labels) :]
+    k = len(classes)
+    confusion = np.zeros((k, k), dtype=np.float64)
+    np.add.at(confusion, (y_true, y_pred), 1.0)
+    t = confusion.sum(axis=1)  # true occurrences per class
+    p = confusion.sum(axis=0)  # predicted occurrences per class
+    c = np.trace(confusion)
+    s = confusion.sum()
+    cov_tp = c * s - t @ p
+    cov_pp = s * s - p @ p
+    cov_tt = s * s - t @ t
+    denom = cov_tt * cov_pp
+    # A constant prediction (or constant truth) makes the denominator 0: MCC is defined as 0 there.
+    return float(cov_tp / np.sqrt(denom)) if denom > 0 else 0.0
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    """Pearson correlation; 0 when either input is constant."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    # Test constancy exactly: x - x.mean() of a constant can be rounding noise rather than 0.
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return 0.0
+    xc, yc = x - x.mean(), y - y.mean()
+    denom = np.sqrt(np.dot(xc, xc) * np.dot(yc, yc))
+    if denom == 0 or not np.isfinite(denom):
+        return 0.0
+    # Clip: rounding can push |r| a hair above 1.
+    return float(np.clip(np.dot(xc, yc) / denom, -1.0, 1.0))
+
+
+def rankdata_average(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties given the average of the ranks they span (scipy's ``method="average"``)."""
+    x = np.asarray(x)
+    order = np.argsort(x, kind="mergesort")
+    sorted_x = x[order]
+    # new_group[i] is True where sorted_x[i] starts a new group of tied values.
+    new_group = np.concatenate([[True], sorted_x[1:] != sorted_x[:-1]])
+    group_of_sorted = np.cumsum(new_group) - 1
+    starts = np.concatenate([np.flatnonzero(new_group), [len(x)]])
+    # A group occupying sorted positions [a, b) has 1-based ranks a+1..b, whose mean is (a + 1 + b) / 2.
+    avg_rank = 0.5 * (starts[:-1] + 1 + starts[1:])
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = avg_rank[group_of_sorted]
+    return ranks
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman rank correlation: Pearson of average ranks; 0 when either input is constant."""
+    return pearson(rankdata_average(x), rankdata_average(y))
+
+
+# --------------------------------------------------------------------------------------------------
+# Task-level API
+# --------------------------------------------------------------------------------------------------
+
+
+def _predicted_classes(predictions: np.ndarray) -> np.ndarray:
+    """Argmax of (N, C) logits; a 1-D array is taken as class ids already."""
+    if predictions.ndim == 2:
+        return predictions.argmax(axis=-1)
+    if predictions.ndim == 1:
+        return predictions.astype(np.int64)
+    raise ValueError(f"classification predictions must be (N, C) logits or (N,) ids, got {predictions.shape}")
+
+
+def _regression_scores(predictions: np.ndarray) -> np.ndarray:
+    if predictions.ndim == 2 and predictions.shape[1] == 1:
+        return predictions[:, 0]
+    if predictions.ndim == 1:
+        return predictions
+    raise ValueError(f"regression predictions must be (N,) or (N, 1), got {predictions.shape}")
+
+
+def compute_metrics(task: str, predictions: Any, labels: Any) -> dict[str, float]:
+    """GLUE metrics of ``predictions`` (logits, or scores for STS-B) against ``labels``.
+
+    CoLA: mcc, accuracy. STS-B: pearson, spearmanr, pearson_spearman_avg. MRPC/QQP: f1, accuracy,
+    accuracy_f1_avg. Other tasks: accuracy.
+    """
+    spec = get_task(task)
+    predictions = _to_numpy(predictions)
+    labels = _to_numpy(labels).reshape(-1)
+    if len(predictions) != len(labels):
+        raise ValueError(f"{len(predictions)} predictions but {len(labels)} labels")
+
+    if spec.is_regression:
+        scores = _regression_scores(predictions).astype(np.float64)
+        p, s = pearson(scores, labels), spearman(scores, labels)
+        return {"pearson": p, "spearmanr": s, "pearson_spearman_avg": (p + s) / 2}
+
+    preds = _predicted_classes(predictions)
+    labels = labels.astype(np.int64)
+    acc = accuracy(preds, labels)
+    if spec.name == "cola":
+        return {"mcc": matthews_corrcoef(preds, labels), "accuracy": acc}
+    if spec.name in ("mrpc", "qqp"):
+        f1 = f1_positive(preds, labels)
+        return {"f1": f1, "accuracy": acc, "accuracy_f1_avg": (acc + f1) / 2}
+    return {"accuracy": acc}
+
+
+def main_metric(task: str) -> str:
+    """Name of the task's headline GLUE metric (cola: mcc, stsb: pearson, mrpc/qqp: f1, else accuracy)."""
+    return get_task(task).main_metric
+
+
+def majority_baseline(task: str, train_labels: Any, eval_labels: Any) -> dict[str, float]:
+    """Metrics on ``eval_labels`` (one split) of always predicting the TRAIN majority class.
+
+    For regression (STS-B) the constant prediction is the train mean. Ties between classes go to the
+    smallest label id.
+    """
+    if isinstance(eval_labels, Mapping):
+        raise TypeError("majority_baseline takes the labels of one eval split, not a dict of splits")
+    spec = get_task(task)
+    train_labels = _to_numpy(train_labels).reshape(-1)
+    eval_labels = _to_numpy(eval_labels).reshape(-1)
+    if len(train_labels) == 0:
+        raise ValueError("majority_baseline needs at least one train label")
+    if spec.is_regression:
+        constant = np.full(len(eval_labels), float(np.mean(train_labels)))
+        return compute_metrics(task, constant, eval_labels)
+    majority = int(np.bincount(train_labels.astype(np.int64), minlength=spec.num_labels).argmax())
+    return compute_metrics(task, np.full(len(eval_labels), majority, dtype=np.int64), eval_labels)
+
+
+def is_failed(task: str, metrics: Mapping[str, float], baseline: Mapping[str, float]) -> bool:
+    """Mosbach et al.'s failed run: the main metric is at or below the majority baseline's (NaN fails)."""
+    name = main_metric(task)
+    for what, values in (("metrics", metrics), ("baseline", baseline)):
+        if name not in values:
+            raise KeyError(f"{what} lack the main metric {name!r} of task {task!r}; got {sorted(values)}")
+    value = float(metrics[name])
+    return bool(np.isnan(value) or value <= float(baseline[name]))

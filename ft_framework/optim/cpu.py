@@ -1,0 +1,122 @@
+"""Python side of the C++ CPU step (ft_framework._cpu_kernel).
+
+The kernel updates memory in place through raw addresses, so every tensor is checked here first:
+a non-contiguous or wrongly typed tensor is refused, never copied (a copy would silently drop the
+update — the failure mode of DeepSpeedCPUAdam's binding).
+
+FT_FRAMEWORK_SIMD=scalar|avx2|avx512 forces a SIMD level at import (it must be one this CPU runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .coefficients import StepCoefficients
+
+SIMD_ENV_VAR = "FT_FRAMEWORK_SIMD"
+
+try:
+    from .. import _cpu_kernel as _kernel
+except ImportError as exc:  # the package was installed without building cpp/
+    _kernel = None
+    _IMPORT_ERROR = exc
+else:
+    _IMPORT_ERROR = None
+    _forced = os.environ.get(SIMD_ENV_VAR)
+    if _forced:
+        try:
+            _kernel.set_level(_forced.strip().lower())
+        except ValueError as exc:
+            raise RuntimeError(f"{SIMD_ENV_VAR}={_forced!r}: {exc}") from None
+
+_PARAM_DTYPES = (torch.float32,)
+_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel_available() -> bool:
+    return _kernel is not None
+
+
+def _require_kernel():
+    if _kernel is None:
+        raise RuntimeError(
+            "the C++ CPU optimizer kernel is not built (ft_framework._cpu_kernel failed to import: "
+            f"{_IMPORT_ERROR}); reinstall with `pip install -e .` on a machine with g++ and cmake, "
+            "or use impl='torch'"
+        )
+    return _kernel
+
+
+def simd_level() -> str:
+    """The SIMD level the kernel runs now: 'scalar', 'avx2' or 'avx512'."""
+    return _require_kernel().get_level()
+
+
+def supported_simd_levels() -> list[str]:
+    """Levels this CPU can run, lowest first."""
+    return list(_require_kernel().supported_levels())
+
+
+def set_simd_level(level: str) -> None:
+    """Switches the SIMD level for this process (tests and benchmarks use it)."""
+    _require_kernel().set_level(level)
+
+
+def tensor_problem(t: torch.Tensor, role: str, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """Why the kernel cannot take `t` in place, or None when it can."""
+    if t.device.type != "cpu":
+        return f"{role} is on {t.device}, the CPU kernel needs CPU tensors"
+    if t.dtype not in dtypes:
+        return f"{role} has dtype {t.dtype}, the CPU kernel takes {' or '.join(map(str, dtypes))}"
+    if not t.is_contiguous():
+        return f"{role} is not contiguous (the kernel updates memory in place and never copies)"
+    if t.is_sparse:
+        return f"{role} is sparse"
+    return None
+
+
+def check_param(p: torch.Tensor) -> str | None:
+    return tensor_problem(p, "parameter", _PARAM_DTYPES)
+
+
+def fused_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    anchor: torch.Tensor | None,
+    coeffs: StepCoefficients,
+    num_threads: int | None = None,
+) -> None:
+    """Runs one fused step on one tensor in place; raises TypeError/ValueError on unusable inputs."""
+    kernel = _require_kernel()
+    checks = [
+        tensor_problem(param, "parameter", _PARAM_DTYPES),
+        tensor_problem(grad, "gradient", _INPUT_DTYPES),
+        tensor_problem(exp_avg, "exp_avg", _PARAM_DTYPES),
+        tensor_problem(exp_avg_sq, "exp_avg_sq", _PARAM_DTYPES),
+    ]
+    if anchor is not None:
+        checks.append(tensor_problem(anchor, "anchor", _INPUT_DTYPES))
+    problems = [c for c in checks if c]
+    if problems:
+        raise TypeError("cannot run the CPU optimizer kernel: " + "; ".join(problems))
+    n = param.numel()
+    sizes = {"gradient": grad.numel(), "exp_avg": exp_avg.numel(), "exp_avg_sq": exp_avg_sq.numel()}
+    if anchor is not None:
+        sizes["anchor"] = anchor.numel()
+    wrong = {k: v for k, v in sizes.items() if v != n}
+    if wrong:
+        raise ValueError(f"size mismatch with the parameter's {n} elements: {wrong}")
+    if n == 0:
+        return
+    kernel.fused_step(
+        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        0 if anchor is None else anchor.data_ptr(), n,
+        grad.dtype == torch.bfloat16, anchor is not None and anchor.dtype == torch.bfloat16,
+        coeffs.beta1, coeffs.beta2, 1.0 - coeffs.beta1, 1.0 - coeffs.beta2, coeffs.eps, coeffs.denom_scale, coeffs.step_size,
+        coeffs.pre_decay, coeffs.pre_pull, coeffs.post_pull, coeffs.post_decay,
+        torch.get_num_threads() if num_threads is None else int(num_threads),
+    )

@@ -1,0 +1,26 @@
+"""Weight decay toward the pretrained weights (Lee et al. 2020; Zhang et al. 2021 §7.1):
+a decoupled pull lr * weight_decay * (theta - theta*) first, then debiased Adam without decay.
+Parameters without an anchor decay toward zero instead."""
+
+from __future__ import annotations
+
+import math
+
+from .base import AnchoredOptimizer
+from .coefficients import StepCoefficients
+from .registry import register_optimizer
+
+
+@register_optimizer("prior_wd")
+class PriorWD(AnchoredOptimizer):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, impl: str = "auto",
+                 anchor_dtype: str = "float32"):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
+
+    def coefficients(self, group, step, has_anchor):
+        lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        pull = dict(pre_pull=lr * wd) if has_anchor else dict(pre_decay=lr * wd)
+        return StepCoefficients(beta1=b1, beta2=b2, eps=group["eps"], step_size=lr / (1 - b1**step),
+                                denom_scale=1.0 / math.sqrt(1 - b2**step), **pull)

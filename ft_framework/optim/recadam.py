@@ -1,0 +1,59 @@
+"""RecAdam (Chen et al. 2020) with the semantics of the authors' released code (see
+shared/spec/optimizers.md): Adam step scaled by lambda(t), then a decoupled pull
+lr * (anneal_w - lambda(t)) * pretrain_cof toward theta*, then weight decay."""
+
+from __future__ import annotations
+
+import warnings
+
+from .adam import hf_step_size
+from .anneal import anneal_lambda, validate_anneal
+from .base import AnchoredOptimizer, PullOvershootWarning
+from .coefficients import StepCoefficients
+from .registry import register_optimizer
+
+
+@register_optimizer("recadam")
+class RecAdam(AnchoredOptimizer):
+    """Parameters with an anchor and ``anneal_w > 0`` get the RecAdam rule; others (the new
+    classifier head) plain Adam. Defaults are those of the authors' release."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, correct_bias: bool = True,
+                 anneal_fun: str = "sigmoid", anneal_k: float = 0.0, anneal_t0: float = 0.0,
+                 anneal_w: float = 1.0, pretrain_cof: float = 5000.0, *, impl: str = "auto",
+                 anchor_dtype: str = "float32"):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        correct_bias=bool(correct_bias), anneal_fun=anneal_fun,
+                        anneal_k=float(anneal_k), anneal_t0=float(anneal_t0),
+                        anneal_w=float(anneal_w), pretrain_cof=float(pretrain_cof))
+        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
+
+    def validate_group(self, group):
+        super().validate_group(group)
+        validate_anneal(group["anneal_fun"], group["anneal_k"], group["anneal_t0"], group["anneal_w"])
+        if not group["pretrain_cof"] >= 0:
+            raise ValueError(f"pretrain_cof must be >= 0, got {group['pretrain_cof']}")
+        # lambda(t) only rises with t, so the strongest pull is at the first step.
+        worst = group["lr"] * (group["anneal_w"] - self.group_lambda(group, 1)) * group["pretrain_cof"]
+        if worst >= 1.0:
+            warnings.warn(
+                f"RecAdam group with lr={group['lr']:g}, anneal_w={group['anneal_w']:g}, "
+                f"pretrain_cof={group['pretrain_cof']:g}: lr*(anneal_w - lambda)*pretrain_cof reaches "
+                f"{worst:.3g} >= 1, so the pull overshoots theta* and training diverges; lower lr, "
+                "pretrain_cof or anneal_w", PullOvershootWarning, stacklevel=4)
+
+    def group_lambda(self, group, step):
+        return anneal_lambda(group["anneal_fun"], step, group["anneal_k"], group["anneal_t0"],
+                             group["anneal_w"])
+
+    def coefficients(self, group, step, has_anchor):
+        s = hf_step_size(group, step)
+        w = group["anneal_w"]
+        common = dict(beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                      post_decay=group["lr"] * group["weight_decay"])
+        if has_anchor and w > 0:
+            lam = self.group_lambda(group, step)
+            return StepCoefficients(step_size=s * lam,
+                                    post_pull=group["lr"] * (w - lam) * group["pretrain_cof"], **common)
+        return StepCoefficients(step_size=s, **common)
