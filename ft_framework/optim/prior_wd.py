@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import math
 
-from .base import AnchoredOptimizer
+from .adam import AdamW
 from .coefficients import StepCoefficients
 from .registry import register_optimizer
 
 
 @register_optimizer("prior_wd")
-class PriorWD(AnchoredOptimizer):
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, impl: str = "auto",
-                 anchor_dtype: str = "float32"):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
+class PriorWD(AdamW):
+    """AdamW's hyper-parameters and defaults; only where the decay pulls to differs."""
 
     def coefficients(self, group, step, has_anchor):
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
