@@ -135,3 +135,19 @@ def test_two_rank_ddp_equals_single_process(tiny_bert_dir, tmp_path):
     dist_b = [r["forgetting_distance"] for r in read_jsonl(tmp_path / "ddp" / "metrics.jsonl") if r["type"] == "train"]
     assert len(losses_a) == len(losses_b) == 5
     assert dist_b == pytest.approx(dist_a, rel=1e-4)
+
+
+def test_best_on_validation_with_held_out_half_of_dev(tiny_bert_dir, tmp_path):
+    cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out",
+                           training={"max_steps": 6}, evaluation={"num_evals": 3, "select_best": True},
+                           data={"split_dev_in_half": True, "max_train_examples": 16},
+                           optimizer={"name": "adamw", "hparams": {"lr": 5e-3}})
+    _, results = run(cfg)
+    evals = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["type"] == "eval"]
+    assert all(set(r["metrics"]) == {"validation", "test"} for r in evals)
+    best_score = max(r["metrics"]["validation"]["accuracy"] for r in evals)
+    first_best = next(r for r in evals if r["metrics"]["validation"]["accuracy"] == best_score)
+    assert results["reported"] == "best"
+    assert results["best"] == {"step": first_best["step"], "metrics": first_best["metrics"]}
+    assert set(results["majority_baseline"]) == {"validation", "test"}
+    assert (tmp_path / "out" / "best" / "model.pt").is_file()
