@@ -1,0 +1,349 @@
+"""The fine-tuning loop. Backend-agnostic: everything device- or sharding-specific goes through the
+Strategy, so this file reads the same for one CPU, DDP, DeepSpeed or FSDP.
+
+    results = Trainer(load_config("configs/quickstart.yaml")).fit()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .checkpoint import CheckpointManager
+from .config import RunConfig
+from .data import load_glue, make_collator
+from .metrics import compute_metrics, is_failed, majority_baseline
+from .models import load_model_and_tokenizer
+from .optim import build_optimizer
+from .optim.groups import build_param_groups
+from .resources import quickstart_glue_dir
+from .run_logging import MetricsLogger
+from .strategies import Strategy, build_strategy
+
+logger = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.json"
+
+
+@dataclass
+class TrainState:
+    """Everything besides model and optimizer that a resumed run needs to continue exactly."""
+
+    step: int = 0                  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0        # micro-batches of `epoch` already consumed
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+    window_loss: float = 0.0       # running sums for the next log line
+    window_micro_batches: int = 0
+    train_seconds: float = 0.0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Linear warm-up to 1, then linear decay to 0 at total_steps (or constant after warm-up)."""
+    if warmup_steps and step < warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def eval_steps(total_steps: int, num_evals: int | None, every_steps: int | None) -> list[int]:
+    """Optimizer steps after which to evaluate; the last step is always one of them."""
+    if every_steps:
+        steps = set(range(every_steps, total_steps + 1, every_steps))
+    elif num_evals:
+        steps = {max(1, round(total_steps * i / num_evals)) for i in range(1, num_evals + 1)}
+    else:
+        steps = set()
+    return sorted(steps | {total_steps})
+
+
+class Trainer:
+    """One run: data, model, optimizer, loop, evaluation, logs, checkpoints, results.json."""
+
+    def __init__(self, cfg: RunConfig, strategy: Strategy | None = None):
+        self.cfg = cfg
+        self.strategy = strategy or build_strategy(cfg.strategy, cfg.training)
+        self.output_dir = Path(cfg.logging.output_dir)
+        self.data_seed = cfg.training.data_seed if cfg.training.data_seed is not None else cfg.training.seed
+        self.state = TrainState()
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _data_source(self) -> str:
+        source = self.cfg.data.source
+        if source == "builtin:quickstart":
+            return str(quickstart_glue_dir())
+        return source
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        from .data.glue import get_task
+
+        self.task = get_task(cfg.data.task)
+        # The init seed drives everything random in the model (head, RI, re-init); the data seed
+        # drives data order and dropout, so the two can be varied separately (Dodge et al.).
+        loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
+                                          is_regression=self.task.is_regression, seed=cfg.training.seed)
+        self.loaded = loaded
+        self.data = load_glue(cfg.data.task, tokenizer=loaded.tokenizer, max_seq_length=cfg.data.max_seq_length,
+                              source=self._data_source(), hub_id=cfg.data.hub_id,
+                              split_dev_in_half=cfg.data.split_dev_in_half, split_seed=cfg.data.split_seed,
+                              max_train_examples=cfg.data.max_train_examples,
+                              max_eval_examples=cfg.data.max_eval_examples)
+        self.collate = make_collator(loaded.tokenizer)
+        seed_everything(self.data_seed)
+
+        opt_cfg = cfg.optimizer
+        self.base_lr = float(opt_cfg.resolved_hparams()["lr"])
+
+        def make_optimizer(model):
+            groups = build_param_groups(
+                model, loaded.pretrained_state, lr=self.base_lr, weight_decay=opt_cfg.weight_decay,
+                no_decay_bias_and_norm=opt_cfg.no_decay_bias_and_norm,
+                layerwise_lr_decay=opt_cfg.layerwise_lr_decay)
+            return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **opt_cfg.optimizer_kwargs())
+
+        self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer)
+        # Each group's own peak lr (LLRD scales it); the schedule multiplies it.
+        self.peak_lrs = [g["lr"] for g in self.optimizer.param_groups]
+
+        tcfg = cfg.training
+        self.micro_batches_per_epoch = math.ceil(
+            len(self.data.train) / (tcfg.per_device_batch_size * self.strategy.world_size))
+        steps_per_epoch = max(1, self.micro_batches_per_epoch // tcfg.gradient_accumulation_steps)
+        self.total_steps = tcfg.max_steps or max(1, math.ceil(steps_per_epoch * tcfg.num_epochs))
+        sch = cfg.schedule
+        self.warmup_steps = (sch.warmup_steps if sch.warmup_steps is not None
+                             else round((sch.warmup_ratio or 0.0) * self.total_steps))
+        self.eval_at = set(eval_steps(self.total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps))
+        self.selection_split = self.data.task.eval_splits[0]
+        self.baselines = {split: majority_baseline(cfg.data.task, self.data.train_labels, labels)
+                          for split, labels in self.data.eval_labels.items()}
+
+        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                                             is_main_process=self.strategy.is_main_process,
+                                             barrier=self.strategy.barrier)
+        self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
+                                 tensorboard=cfg.logging.tensorboard)
+        if cfg.checkpoint.resume_from:
+            self._resume(cfg.checkpoint.resume_from)
+
+    def _resume(self, where: str) -> None:
+        directory = self.checkpoints.resolve(where)
+        self.strategy.load_checkpoint(directory)
+        saved = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.state = TrainState(**saved["train_state"])
+        torch.set_rng_state(saved["rng"]["torch"])
+        if torch.cuda.is_available() and saved["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+        np.random.set_state(saved["rng"]["numpy"])
+        random.setstate(saved["rng"]["python"])
+        # Logs past the checkpoint belong to the interrupted attempt: drop them so they are not doubled.
+        self.log.truncate_after(self.state.step)
+        logger.info("resumed from %s at step %d", directory, self.state.step)
+
+    # ---- data ---------------------------------------------------------------------------------
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's micro-batches of `epoch`: a permutation fixed by (data seed, epoch)."""
+        n = len(self.data.train)
+        gen = torch.Generator().manual_seed(self.data_seed * 1_000_003 + epoch)
+        order = torch.randperm(n, generator=gen).tolist()
+        bs, world, rank = self.cfg.training.per_device_batch_size, self.strategy.world_size, self.strategy.rank
+        batches = []
+        for start in range(0, n, bs * world):
+            chunk = order[start:start + bs * world]
+            mine = chunk[rank::world]
+            if mine:
+                batches.append(mine)
+        return batches
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.strategy.device) for k, v in batch.items()}
+
+    def _micro_batches(self):
+        """Yields collated micro-batches from the saved position on, across epochs, forever."""
+        while True:
+            batches = self._epoch_batches(self.state.epoch)
+            while self.state.batch_in_epoch < len(batches):
+                idx = batches[self.state.batch_in_epoch]
+                self.state.batch_in_epoch += 1
+                yield self.collate([self.data.train[i] for i in idx])
+            self.state.epoch += 1
+            self.state.batch_in_epoch = 0
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self, stop_after_step: int | None = None) -> dict[str, Any]:
+        """Trains to the configured length (or stops after `stop_after_step`, as a preempted run
+        would, after saving a checkpoint) and returns the results written to results.json."""
+        self.setup()
+        cfg, st = self.cfg, self.state
+        accum = cfg.training.gradient_accumulation_steps
+        progress = self._progress_bar()
+        batches = self._micro_batches()
+        started = time.perf_counter() - st.train_seconds
+        try:
+            while st.step < self.total_steps:
+                self.model.train()
+                for _ in range(accum):
+                    out = self.strategy.forward(self._to_device(next(batches)))
+                    self.strategy.backward(out.loss / accum)
+                    st.window_loss += float(out.loss.detach())
+                    st.window_micro_batches += 1
+                self._set_lr(st.step)
+                grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
+                st.step += 1
+                st.train_seconds = time.perf_counter() - started
+                if progress is not None:
+                    progress.update(1)
+                if st.step % cfg.logging.log_every_steps == 0 or st.step == self.total_steps:
+                    self._log_train(grad_norm, progress)
+                if st.step in self.eval_at:
+                    self._evaluate_and_select()
+                stopping = stop_after_step is not None and st.step >= stop_after_step
+                every = cfg.checkpoint.every_steps
+                if (every and st.step % every == 0) or stopping:
+                    self._save_checkpoint()
+                if stopping and st.step < self.total_steps:
+                    return {"stopped_at_step": st.step}
+        finally:
+            if progress is not None:
+                progress.close()
+        results = self._finish()
+        return results
+
+    def _set_lr(self, step: int) -> None:
+        # The lr of optimizer step `step`+1 (0-based step index): warm-up starts above zero.
+        mult = lr_multiplier(step + 1, self.total_steps, self.warmup_steps, self.cfg.schedule.name)
+        for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
+            group["lr"] = peak * mult
+
+    def _progress_bar(self):
+        if not (self.cfg.logging.progress_bar and self.strategy.is_main_process):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.state.step, desc=f"{self.cfg.data.task}",
+                    unit="step", dynamic_ncols=True)
+
+    def _log_train(self, grad_norm: float, progress) -> None:
+        st = self.state
+        loss = st.window_loss / max(1, st.window_micro_batches)
+        st.window_loss, st.window_micro_batches = 0.0, 0
+        record = {"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss,
+                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+        lambdas = self.strategy.current_lambdas()
+        if lambdas is not None:
+            record["lambda"] = lambdas
+        distance = self.strategy.forgetting_distance()
+        if distance is not None:
+            record["forgetting_distance"] = distance
+        self.log.write(record)
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Metrics of every eval split; each rank scores a slice, rank 0's view is complete."""
+        self.model.eval()
+        out = {}
+        bs = self.cfg.evaluation.batch_size
+        rank, world = self.strategy.rank, self.strategy.world_size
+        for split, dataset in self.data.eval.items():
+            indices = list(range(rank, len(dataset), world))
+            loader = DataLoader([dataset[i] for i in indices], batch_size=bs, collate_fn=self.collate)
+            preds = []
+            for batch in loader:
+                batch = self._to_device(batch)
+                batch.pop("labels")
+                preds.append(self.strategy.forward(batch).logits.float().cpu())
+            local = torch.cat(preds) if preds else torch.empty(0)
+            gathered = self.strategy.gather_objects((indices, local))
+            order = [i for idx, _ in gathered for i in idx]
+            logits = torch.cat([t for _, t in gathered])[torch.tensor(np.argsort(order))]
+            out[split] = compute_metrics(self.cfg.data.task, logits.numpy(), self.data.eval_labels[split])
+        return out
+
+    def _evaluate_and_select(self) -> None:
+        st = self.state
+        metrics = self.evaluate()
+        record = {"step": st.step, "metrics": metrics}
+        st.evals.append(record)
+        self.log.write({"type": "eval", **record})
+        main = self.task.main_metric
+        score = metrics[self.selection_split][main]
+        if st.best is None or score > st.best["metrics"][self.selection_split][main]:
+            st.best = record
+            if self.cfg.evaluation.select_best:
+                self.checkpoints.save_best(self.strategy)
+
+    # ---- checkpoints and results -------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        extra = {"train_state": vars(self.state).copy(), "rng": rng}
+        self.checkpoints.save(self.state.step, self.strategy, extra)
+
+    def _finish(self) -> dict[str, Any]:
+        st = self.state
+        if not st.evals or st.evals[-1]["step"] != st.step:
+            self._evaluate_and_select()
+        final = st.evals[-1]
+        reported = st.best if self.cfg.evaluation.select_best else final
+        main = self.task.main_metric
+        results = {
+            "task": self.cfg.data.task,
+            "main_metric": main,
+            "selection_split": self.selection_split,
+            "steps": st.step,
+            "train_seconds": round(st.train_seconds, 3),
+            "final": final,
+            "best": st.best,
+            "reported": "best" if self.cfg.evaluation.select_best else "final",
+            "majority_baseline": self.baselines,
+            "failed": bool(is_failed(self.cfg.data.task, reported["metrics"][self.selection_split],
+                                     self.baselines[self.selection_split])),
+            "config": self.cfg.to_dict(),
+        }
+        if self.strategy.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.output_dir / (RESULTS_FILE + ".tmp")
+            tmp.write_text(json.dumps(results, indent=2, allow_nan=True))
+            tmp.replace(self.output_dir / RESULTS_FILE)
+        self.log.close()
+        return results
+
+
+def format_results_table(results: dict[str, Any]) -> str:
+    """A plain-text table of the reported metrics against the majority-class baseline."""
+    reported = results[results["reported"]]
+    rows = [("split", "metric", "run", "majority baseline")]
+    for split, metrics in reported["metrics"].items():
+        base = results["majority_baseline"].get(split, {})
+        for name, value in metrics.items():
+            rows.append((split, name, f"{value:.4f}", f"{base.get(name, float('nan')):.4f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    verdict = "FAILED (at or below the majority baseline)" if results["failed"] else "ok (above the majority baseline)"
+    lines.append("")
+    lines.append(f"{results['task']}: {results['reported']} at step {reported['step']} of {results['steps']}, "
+                 f"{results['main_metric']} on {results['selection_split']}: {verdict}")
+    return "\n".join(lines)
