@@ -40,5 +40,94 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def sweep_main(argv: list[str] | None = None) -> int:
+    """ft-sweep --config FILE [--dry-run] [--runner local|ray] [key.sub=value ...]: a grid of runs."""
+    parser = argparse.ArgumentParser(
+        prog="ft-sweep", description="Run a grid of fine-tuning runs (configs/sweeps/*.yaml) locally or on Ray. "
+        "Re-running the same command skips finished runs and runs failed or interrupted ones again.",
+        epilog="Example: ft-sweep --config configs/sweeps/quickstart_grid.yaml --max-parallel 2")
+    parser.add_argument("--config", required=True, help="YAML sweep file (see configs/sweeps/)")
+    parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
+    parser.add_argument("--runner", choices=("local", "ray"), help="overrides runner.name of the sweep file")
+    parser.add_argument("--max-parallel", type=int, help="local runner: runs at a time")
+    parser.add_argument("--address", help="ray runner: cluster address (default: the file's, else a local instance)")
+    parser.add_argument("--num-cpus-per-run", type=float, help="CPUs (threads) each run gets")
+    parser.add_argument("--num-gpus-per-run", type=int, help="GPUs each run gets")
+    parser.add_argument("--output-dir", help="results store (default: output_dir of the sweep file)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="set a config value in every run (parsed as YAML); changes the run ids")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from .config import ConfigError
+    from .sweep import SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner, plan_sweep, run_sweep
+
+    try:
+        spec = load_sweep(args.config)
+        updates = {"name": args.runner, "max_parallel": args.max_parallel, "address": args.address,
+                   "num_cpus_per_run": args.num_cpus_per_run, "num_gpus_per_run": args.num_gpus_per_run}
+        updates = {k: v for k, v in updates.items() if v is not None}
+        if args.address and not args.runner:
+            updates["name"] = "ray"  # an address only means something to the Ray runner
+        if updates:
+            spec.runner = type(spec.runner).model_validate({**spec.runner.model_dump(), **updates})
+        planned = plan_sweep(spec, args.overrides, args.output_dir)
+    except (ConfigError, ValueError) as exc:
+        print(f"ft-sweep: {exc}", file=sys.stderr)
+        return 2
+    store, runs = planned
+    if args.dry_run:
+        try:
+            print(format_plan(store, runs), flush=True)
+        except BrokenPipeError:  # ft-sweep --dry-run | head
+            sys.stdout = None
+        return 0
+    try:
+        result = run_sweep(spec, args.overrides, output_dir=store.root, runner=make_runner(spec.runner),
+                           progress=not args.no_progress, planned=planned)
+    except SweepLockedError as exc:
+        print(f"ft-sweep: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(f"\nft-sweep: interrupted; finished runs are kept in {store.root}. Run the same command again "
+              "to run the rest.", file=sys.stderr)
+        return 143 if isinstance(exc, SweepInterrupted) else 130
+    counts = result.counts
+    print(f"{len(result.runs)} runs in {store.root}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    failed = [r for r in result.runs if not store.is_finished(r.run_id)]
+    for run in failed[:20]:
+        status = store.read_status(run.run_id)
+        print(f"  {run.run_id} {status.get('state')}: {status.get('error')} (log: {store.run_dir(run.run_id)}/log.txt)")
+    print(f"tables and plots: ft-report {store.root}")
+    return 0 if result.complete else 1
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    """ft-report DIR [--out DIR]: Table 1, best settings, Levene's test, expected best of n, plots."""
+    parser = argparse.ArgumentParser(
+        prog="ft-report", description="Tables (Markdown and CSV) and plots of a sweep directory or of one run.",
+        epilog="Example: ft-report runs/sweeps/quickstart_grid")
+    parser.add_argument("directory", help="a sweep's output directory (or one run's output directory)")
+    parser.add_argument("--out", help="where to write report.md, *.csv and plots/ (default: DIRECTORY)")
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--bootstrap-samples", type=int, default=10_000,
+                        help="bootstrap draws for the expected best score of n trials")
+    args = parser.parse_args(argv)
+
+    from .sweep import build_report
+
+    try:
+        report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples)
+    except FileNotFoundError as exc:
+        print(f"ft-report: {exc}", file=sys.stderr)
+        return 2
+    print(report.markdown())
+    written = report.write(args.out or args.directory, plots=not args.no_plots)
+    print(f"\nwrote {len(written)} files to {args.out or args.directory}: "
+          + ", ".join(sorted({p.name if p.parent.name != 'plots' else 'plots/' for p in written})))
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(train_main())

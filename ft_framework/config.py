@@ -326,6 +326,9 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(1, gt=0)
     # None: start fresh; "latest": newest checkpoint in logging.output_dir; or a checkpoint path.
     resume_from: str | None = None
+    # Write the final model (best one with evaluation.select_best) as a consolidated Hugging Face
+    # model (save_pretrained, with its tokenizer) into this directory, whatever the strategy.
+    export_dir: str | None = None
 
 
 class RunConfig(_Section):

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from .checkpoint import CheckpointManager
 from .config import RunConfig
 from .data import load_glue, make_collator
+from .memory_plan import format_memory_plan, plan_memory
 from .metrics import compute_metrics, is_failed, majority_baseline
 from .models import load_model_and_tokenizer
 from .optim import build_optimizer
@@ -42,6 +43,7 @@ class TrainState:
     step: int = 0                  # optimizer steps done
     epoch: int = 0
     batch_in_epoch: int = 0        # micro-batches of `epoch` already consumed
+    examples_per_round: int = 0    # examples one micro-batch index covers on all ranks together
     evals: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
     window_loss: float = 0.0       # running sums for the next log line
@@ -120,7 +122,16 @@ class Trainer:
                 layerwise_lr_decay=opt_cfg.layerwise_lr_decay)
             return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **opt_cfg.optimizer_kwargs())
 
+        num_params = sum(p.numel() for p in loaded.model.parameters())
+        num_anchored = sum(t.numel() for t in loaded.pretrained_state.values())
         self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer)
+        # The optimizer holds theta* now (sharded under ZeRO/FSDP); a full copy per rank would undo that.
+        loaded.pretrained_state = None
+        if self.strategy.is_main_process:
+            plan = plan_memory(cfg, world_size=self.strategy.world_size, num_params=num_params,
+                               num_anchored=num_anchored)
+            logger.info("%s", format_memory_plan(plan, strategy=cfg.strategy.name,
+                                                 world_size=self.strategy.world_size))
         # Each group's own peak lr (LLRD scales it); the schedule multiplies it.
         self.peak_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
@@ -150,6 +161,12 @@ class Trainer:
         self.strategy.load_checkpoint(directory)
         saved = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
         self.state = TrainState(**saved["train_state"])
+        here = self.cfg.training.per_device_batch_size * self.strategy.world_size
+        if self.state.examples_per_round and self.state.examples_per_round != here:
+            # Resumed on another number of ranks: keep the position in examples, not in batches.
+            self.state.batch_in_epoch = self.state.batch_in_epoch * self.state.examples_per_round // here
+            logger.warning("resuming with %d examples per micro-batch round instead of %d: data order "
+                           "continues from the same example, batches differ", here, self.state.examples_per_round)
         torch.set_rng_state(saved["rng"]["torch"])
         if torch.cuda.is_available() and saved["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
@@ -169,9 +186,10 @@ class Trainer:
         batches = []
         for start in range(0, n, bs * world):
             chunk = order[start:start + bs * world]
-            mine = chunk[rank::world]
-            if mine:
-                batches.append(mine)
+            if len(chunk) < world:
+                # Every rank must get a batch (their collectives pair up): wrap around the epoch.
+                chunk = chunk + order[:world - len(chunk)]
+            batches.append(chunk[rank::world])
         return batches
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -268,13 +286,18 @@ class Trainer:
         rank, world = self.strategy.rank, self.strategy.world_size
         for split, dataset in self.data.eval.items():
             indices = list(range(rank, len(dataset), world))
-            loader = DataLoader([dataset[i] for i in indices], batch_size=bs, collate_fn=self.collate)
+            # Same number of batches on every rank (sharded forwards are collective): pad the short
+            # ranks with a repeated example whose logits are dropped below.
+            per_rank = -(-len(dataset) // world)
+            real = len(indices)
+            padded = indices + [indices[-1] if indices else 0] * (per_rank - real)
+            loader = DataLoader([dataset[i] for i in padded], batch_size=bs, collate_fn=self.collate)
             preds = []
             for batch in loader:
                 batch = self._to_device(batch)
                 batch.pop("labels")
                 preds.append(self.strategy.forward(batch).logits.float().cpu())
-            local = torch.cat(preds) if preds else torch.empty(0)
+            local = (torch.cat(preds) if preds else torch.empty(0))[:real]
             gathered = self.strategy.gather_objects((indices, local))
             order = [i for idx, _ in gathered for i in idx]
             logits = torch.cat([t for _, t in gathered])[torch.tensor(np.argsort(order))]
@@ -298,6 +321,7 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        self.state.examples_per_round = self.cfg.training.per_device_batch_size * self.strategy.world_size
         extra = {"train_state": vars(self.state).copy(), "rng": rng}
         self.checkpoints.save(self.state.step, self.strategy, extra)
 
@@ -322,6 +346,8 @@ class Trainer:
                                      self.baselines[self.selection_split])),
             "config": self.cfg.to_dict(),
         }
+        if self.cfg.checkpoint.export_dir:
+            results["exported_to"] = self.export(Path(self.cfg.checkpoint.export_dir))
         if self.strategy.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.output_dir / (RESULTS_FILE + ".tmp")
@@ -329,6 +355,21 @@ class Trainer:
             tmp.replace(self.output_dir / RESULTS_FILE)
         self.log.close()
         return results
+
+
+    def export(self, directory: Path) -> str:
+        """Writes the model as a consolidated Hugging Face model (save_pretrained) with its tokenizer.
+        With evaluation.select_best, the best model's weights are exported."""
+        model = self.strategy.consolidated_model()  # collective under sharding
+        if self.strategy.is_main_process:
+            best = self.output_dir / "best" / "model.pt"
+            if self.cfg.evaluation.select_best and best.is_file():
+                model.load_state_dict(torch.load(best, map_location="cpu"))
+            directory.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(directory)
+            self.loaded.tokenizer.save_pretrained(directory)
+        self.strategy.barrier()
+        return str(directory)
 
 
 def format_results_table(results: dict[str, Any]) -> str:

@@ -87,10 +87,22 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
 
     def set_anchor(self, p: torch.Tensor, anchor: torch.Tensor) -> None:
-        """Stores theta* for parameter p (copied, on p's device, in the anchor dtype)."""
+        """Stores theta* for parameter p (copied, on p's device, in the anchor dtype).
+
+        For a sharded DTensor parameter (FSDP2) a full anchor is sharded like p, locally on each
+        rank (every rank holds the full pretrained value while loading, so no communication).
+        """
         if tuple(anchor.shape) != tuple(p.shape):
             raise ValueError(f"anchor shape {tuple(anchor.shape)} does not match parameter shape {tuple(p.shape)}")
-        self.state[p]["anchor"] = anchor.detach().to(device=p.device, dtype=self._anchor_dtype, copy=True)
+        anchor = anchor.detach()
+        if hasattr(p, "device_mesh") and not hasattr(anchor, "device_mesh"):
+            from torch.distributed.tensor import distribute_tensor
+
+            anchor = distribute_tensor(anchor.to(device=local_tensor(p).device, dtype=self._anchor_dtype),
+                                       p.device_mesh, p.placements, src_data_rank=None)
+            self.state[p]["anchor"] = anchor
+            return
+        self.state[p]["anchor"] = anchor.to(device=p.device, dtype=self._anchor_dtype, copy=True)
 
     def _resolve_impl(self) -> str:
         """'auto' becomes 'cpu' when every parameter is a CPU fp32 tensor and the kernel is built."""
@@ -127,7 +139,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._resolved_impl == "auto":
+        if self._requested_impl == "auto":
+            # DeepSpeed and FSDP swap in their own (e.g. CPU-offloaded) tensors after construction.
             self._resolved_impl = self._resolve_impl()
         for gi, group in enumerate(self.param_groups):
             buckets: dict[tuple, list] = defaultdict(list)
@@ -182,12 +195,18 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     # ---- telemetry -----------------------------------------------------------------------
     def group_steps(self) -> list[int]:
-        """The step count t of each group (of its first parameter that has taken a step; 0 before)."""
+        """The step count t of each group (of its first parameter that has taken a step; 0 before).
+
+        Under ZeRO-3 the groups hold no parameters outside step(): the latest step in the state is used.
+        """
+        latest = max((int(s["step"].item()) for s in self.state.values() if "step" in s), default=0)
         out = []
         for group in self.param_groups:
-            t = next((int(self.state[p]["step"].item()) for p in group["params"]
-                      if "step" in self.state.get(p, {})), 0)
-            out.append(t)
+            if not group["params"]:
+                out.append(latest)
+                continue
+            out.append(next((int(self.state[p]["step"].item()) for p in group["params"]
+                             if "step" in self.state.get(p, {})), 0))
         return out
 
     def current_lambdas(self) -> list[float | None]:
@@ -196,14 +215,14 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     def forgetting_sq_sum(self) -> torch.Tensor:
         """Sum over this process's anchored elements of (theta - theta*)^2, as a float64 scalar."""
+        # Iterates the state, not param_groups: ZeRO-3 empties the groups outside step().
         total = torch.zeros((), dtype=torch.float64)
-        for group in self.param_groups:
-            for p in group["params"]:
-                anchor = self.state.get(p, {}).get("anchor")
-                if anchor is None:
-                    continue
-                diff = local_tensor(p).detach().double() - local_tensor(anchor).double()
-                total += diff.square().sum().cpu()
+        for p, state in self.state.items():
+            anchor = state.get("anchor")
+            if anchor is None:
+                continue
+            diff = local_tensor(p).detach().double() - local_tensor(anchor).double()
+            total += diff.square().sum().cpu()
         return total
 
     def forgetting_distance(self, reduce_group=None, all_reduce: bool = False) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from .base import Strategy
 from .single import SingleDeviceStrategy
 
-_SHARDED_LATER = ("deepspeed", "fsdp")
 
 
 def build_strategy(strategy_cfg, training_cfg) -> Strategy:
@@ -17,11 +16,14 @@ def build_strategy(strategy_cfg, training_cfg) -> Strategy:
         from .ddp import DDPStrategy
 
         return DDPStrategy(training_cfg.precision, training_cfg.device)
-    if name in _SHARDED_LATER:
-        raise NotImplementedError(
-            f"strategy {name!r} is not implemented in this version (sharded training is planned); "
-            f"run on one device with the overrides `strategy.name=single strategy.{name}=null`, "
-            f"or data-parallel with torchrun and `strategy.name=ddp strategy.{name}=null`")
+    if name == "deepspeed":
+        from .deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(strategy_cfg.deepspeed, training_cfg)
+    if name == "fsdp":
+        from .fsdp import FSDPStrategy
+
+        return FSDPStrategy(strategy_cfg.fsdp, training_cfg)
     raise ValueError(f"unknown strategy {name!r}; valid: single, ddp, deepspeed, fsdp")
 
 

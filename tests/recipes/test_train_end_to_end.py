@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import write_run_config
+from tiny_run import write_run_config
 from ft_framework.config import load_config
 from ft_framework.trainer import Trainer
 

@@ -1,0 +1,375 @@
+"""Fully sharded data parallelism with PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`),
+started by torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment); gloo on CPU, nccl on CUDA.
+
+    torchrun --nproc_per_node N launch/train.py --config configs/albert_xxl_recadam_fsdp.yaml
+
+Every parameter becomes a DTensor sharded on dim 0 over all ranks. The optimizer is built on the
+sharded parameters (after `fully_shard`), so the full fp32 theta* anchors it is given are sharded
+like the parameters (`AnchoredOptimizer.set_anchor`) and its state (exp_avg, exp_avg_sq, anchor)
+holds only this rank's shard. With `mixed_precision` the sharded parameters stay fp32 (FSDP casts
+them to bf16/fp16 only for compute and reduces gradients in fp32), so theta* stays exact. With
+`cpu_offload` sharded parameters, gradients and optimizer state live on the CPU, where the
+optimizer runs the C++ kernel on the local fp32 shards.
+
+Checkpoints use torch.distributed.checkpoint (DCP): every rank writes its shards into the same
+directory, and a checkpoint can be loaded on a different number of ranks (DCP reshards on load).
+The anchors are saved and loaded like exp_avg; a checkpoint whose anchors are missing or have the
+wrong shape is refused before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..optim.base import local_tensor
+from .base import Strategy
+
+# Written next to the DCP files; only informative (DCP's .metadata is what loading reads).
+INFO_FILE = "fsdp_checkpoint.json"
+_MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _cfg(obj, key: str, default):
+    return getattr(obj, key, default) if obj is not None else default
+
+
+def transformer_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The outermost `nn.ModuleList`s whose entries are blocks (modules with submodules and
+    parameters): BERT's `encoder.layer`, ALBERT's `encoder.albert_layer_groups`, GPT-2's `h`...
+    Each entry is wrapped in its own FSDP unit. ModuleLists nested inside a chosen one are skipped."""
+    chosen: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in chosen):
+            continue
+        if all(any(True for _ in child.children()) and any(True for _ in child.parameters())
+               for child in module):
+            chosen.append((name, module))
+    return chosen
+
+
+def _meta_skeleton(model: nn.Module) -> nn.Module:
+    """A structural copy of `model` whose parameters and buffers live on the meta device (no
+    memory): consolidated_model() materializes it and loads the gathered full state dict."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+class _ShardedLossScaler:
+    """Dynamic loss scaling for fp16 on sharded gradients: each rank checks its own gradient shards
+    for inf/nan and one all-reduce (MAX) makes every rank skip or take the step together."""
+
+    def __init__(self, strategy: "FSDPStrategy", init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.strategy = strategy
+        self.scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+        """Unscales the local gradient shards in place; True when any rank found inf/nan."""
+        found = torch.zeros((), dtype=torch.float32)
+        for g in grads:
+            if g.numel() and not bool(torch.isfinite(g).all()):
+                found.fill_(1.0)
+                break
+        found = self.strategy._all_reduce(found, dist.ReduceOp.MAX)
+        if float(found):
+            return True
+        inv = 1.0 / self.scale
+        for g in grads:
+            g.mul_(inv)
+        return False
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= 0.5
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self.good_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2: sharded parameters, gradients and optimizer state (anchors included)."""
+
+    name = "fsdp"
+
+    def __init__(self, fsdp_cfg=None, training_cfg=None):
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RuntimeError("strategy fsdp needs a distributed launch (also for one process): "
+                               "torchrun --nproc_per_node N launch/train.py --config ...")
+        precision = _cfg(training_cfg, "precision", "fp32")
+        super().__init__(precision, _cfg(training_cfg, "device", "auto"))
+        self.cpu_offload = bool(_cfg(fsdp_cfg, "cpu_offload", False))
+        self.mixed_precision = bool(_cfg(fsdp_cfg, "mixed_precision", False))
+        if self.mixed_precision and precision not in _MP_DTYPES:
+            raise ValueError(f"strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got {precision})")
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend)
+        # Cached: the trainer still asks for them after close() has destroyed the process group.
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        if self.device.type == "cuda":
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self._world_size,))
+        # fp16 gradients need loss scaling (on CUDA only: the base class refuses fp16 on CPU).
+        self.scaler = _ShardedLossScaler(self) if precision == "fp16" else None
+        self._skeleton: nn.Module | None = None
+        self.sharded_module_names: list[str] = []
+
+    # ---- topology --------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def params_are_sharded(self) -> bool:
+        return True
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather_objects(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        buf = t.to(self._comm_device())
+        dist.all_reduce(buf, op=op)
+        return buf.to(t.device)
+
+    # ---- setup -------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, build_optimizer):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self.mixed_precision:
+            # The sharded parameters are the fp32 master weights; FSDP casts them for compute.
+            model = model.to(torch.float32)
+        self._skeleton = _meta_skeleton(model)
+        model = model.to(self.device)
+        mp = (MixedPrecisionPolicy(param_dtype=_MP_DTYPES[self.precision], reduce_dtype=torch.float32)
+              if self.mixed_precision else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
+        kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
+        self.sharded_module_names = []
+        for list_name, blocks in transformer_block_lists(model):
+            for i, block in enumerate(blocks):
+                fully_shard(block, **kwargs)
+                self.sharded_module_names.append(f"{list_name}.{i}")
+        fully_shard(model, **kwargs)
+        self.sharded_module_names.append("")
+        self.model = model
+        # Built on the sharded (DTensor) parameters: set_anchor shards the full fp32 theta*.
+        self.optimizer = build_optimizer(model)
+        return self.model, self.optimizer
+
+    # ---- the step ----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+
+    def _grad_params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def grad_norm_(self, max_grad_norm: float | None, grads: list[torch.Tensor], replicated: list[bool]) -> float:
+        """The global L2 norm of the gradients (each rank sums its shards, one all-reduce), and
+        clipping like torch.nn.utils.clip_grad_norm_. Works where DTensor's clip_grad_norm_ cannot
+        (CPU-offloaded gradients with nccl)."""
+        sq = torch.zeros((), dtype=torch.float32)
+        for g, rep in zip(grads, replicated):
+            if rep and self.rank != 0:
+                continue  # a replicated gradient is counted once
+            if g.numel():
+                sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32).cpu().square()
+        total = self._all_reduce(sq).sqrt()
+        if max_grad_norm:
+            coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return float(total)
+
+    def clip_and_step(self, max_grad_norm: float | None) -> float:
+        params = self._grad_params()
+        grads = [local_tensor(p.grad) for p in params]
+        replicated = [not hasattr(p.grad, "device_mesh") for p in params]
+        found_inf = self.scaler.unscale_(grads) if self.scaler else False
+        if found_inf:
+            norm = float("inf")
+        else:
+            norm = self.grad_norm_(max_grad_norm, grads, replicated)
+            self.optimizer.step()
+        if self.scaler:
+            self.scaler.update(found_inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _state_dicts(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.model, self.optimizer)
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        directory = Path(directory)
+        model_sd, optim_sd = self._state_dicts()
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        if self.scaler:
+            state["scaler"] = self.scaler.state_dict()
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)))
+        if self.is_main_process:
+            (directory / INFO_FILE).write_text(json.dumps(
+                {"format": "torch.distributed.checkpoint", "world_size": self.world_size,
+                 "cpu_offload": self.cpu_offload, "mixed_precision": self.mixed_precision}))
+
+    def _check_anchors(self, directory: Path, saved: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        """Refuses a checkpoint whose anchors (theta*) are missing or mis-shaped, before loading."""
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        for fqn, entry in optim_sd["state"].items():
+            if "anchor" not in entry:
+                continue
+            key = f"optimizer.state.{fqn}.anchor"
+            if key not in saved:
+                raise ValueError(
+                    f"checkpoint {directory} has no anchor (theta*) for parameter {fqn!r}, which this "
+                    "optimizer anchors; loading it would silently drop the pull toward the pretrained "
+                    "weights. Load a checkpoint saved with anchors, or build the optimizer without anchors")
+            size = tuple(getattr(saved[key], "size", ()) or ())
+            want = shapes.get(fqn, tuple(entry["anchor"].shape))
+            if size != want:
+                raise ValueError(
+                    f"checkpoint {directory}: anchor (theta*) for parameter {fqn!r} has shape {size}, "
+                    f"the parameter has {want}: wrong or corrupted checkpoint")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        directory = Path(directory)
+        reader = dcp.FileSystemReader(str(directory))
+        try:
+            saved = reader.read_metadata().state_dict_metadata
+        except Exception as exc:  # missing or unreadable .metadata
+            raise RuntimeError(f"checkpoint {directory} is not a readable FSDP (torch.distributed.checkpoint) "
+                               f"checkpoint ({exc}); resume from an earlier checkpoint") from exc
+        _, optim_sd = self._state_dicts()
+        self._check_anchors(directory, saved, optim_sd)
+        # DCP loads into a template: every state key must exist first, so create exp_avg, exp_avg_sq
+        # and step for parameters that have not stepped yet (only anchors exist after construction).
+        init_state = getattr(self.optimizer, "_init_state", None)
+        if init_state is not None:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        init_state(p)
+        model_sd, optim_sd = self._state_dicts()
+        # Load what the checkpoint has: a parameter that never had a gradient has no moments there.
+        for fqn, entry in optim_sd["state"].items():
+            for k in [k for k in entry if f"optimizer.state.{fqn}.{k}" not in saved]:
+                del entry[k]
+        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        if self.scaler and any(k.startswith("scaler.") for k in saved):
+            state["scaler"] = self.scaler.state_dict()
+        try:
+            dcp.load(state, storage_reader=reader)
+        except Exception as exc:
+            raise RuntimeError(f"checkpoint {directory} cannot be loaded into this model/optimizer ({exc})") from exc
+        # Ends in AnchoredOptimizer.load_state_dict (checks anchors again, keeps their dtype).
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        if "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self.barrier()
+
+    # ---- export ------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state dict as CPU tensors on every rank, gathered one
+        tensor at a time (peak extra device memory: one full tensor). Every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sharded = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+        out = {}
+        for name, value in sharded.items():
+            if hasattr(value, "full_tensor"):
+                if local_tensor(value).device != self._comm_device():  # CPU-offloaded shard under nccl
+                    value = value.to(self._comm_device())
+                value = value.full_tensor()
+            out[name] = value.detach().cpu()
+        return out
+
+    def consolidated_model(self) -> nn.Module:
+        """A plain (unsharded, not FSDP-wrapped) CPU copy of the model with the current weights,
+        on every rank (all ranks must call it: the gather is collective)."""
+        if self._skeleton is None:
+            raise RuntimeError("consolidated_model() needs setup() first")
+        full = self.full_state_dict()
+        plain = copy.deepcopy(self._skeleton).to_empty(device="cpu")
+        missing, unexpected = plain.load_state_dict(full, strict=False)
+        if unexpected:
+            raise RuntimeError(f"consolidated state has keys the model lacks: {unexpected[:5]}")
+        # Buffers are not sharded by FSDP: copy every one (also the non-persistent ones).
+        live = dict(self.model.named_buffers())
+        for name, buf in plain.named_buffers():
+            if name in live:
+                buf.copy_(live[name].detach().cpu())
+        still_missing = [k for k in missing if k not in live]
+        if still_missing:
+            raise RuntimeError(f"consolidated state lacks {still_missing[:5]}")
+        return plain
+
+    def export_pretrained(self, directory: Path) -> Path:
+        """Writes the full model with `save_pretrained` on rank 0; every rank must call it."""
+        directory = Path(directory)
+        model = self.consolidated_model()
+        if self.is_main_process:
+            directory.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(directory)
+        self.barrier()
+        return directory
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,27 @@
+"""Sweeps: a grid of runs from one YAML file, run locally or on a Ray cluster, stored one directory
+per run, and reported as the RecAdam paper's tables and figures.
+
+    from ft_framework.sweep import load_sweep, run_sweep, build_report
+    result = run_sweep(load_sweep("configs/sweeps/quickstart_grid.yaml"))
+    print(build_report(result.store.root).markdown())
+
+Modules: spec (the sweep file's schema), grid (expansion, run identity), store (the results
+directory), runners (local subprocesses, Ray), driver (a sweep from start to end), report and
+stats (tables, Levene's test, expected best of n trials), plots (PNG figures).
+"""
+
+from .driver import SweepResult, format_plan, plan_sweep, run_sweep
+from .grid import PlannedRun, expand, run_identity
+from .report import Report, build_report
+from .runners import LocalRunner, RayRunner, SweepInterrupted, make_runner
+from .spec import RunnerSpec, SweepSpec, load_sweep, validate_sweep
+from .store import SweepLockedError, SweepStore
+
+__all__ = [
+    "SweepSpec", "RunnerSpec", "load_sweep", "validate_sweep",
+    "PlannedRun", "expand", "run_identity",
+    "SweepStore", "SweepLockedError",
+    "LocalRunner", "RayRunner", "SweepInterrupted", "make_runner",
+    "SweepResult", "plan_sweep", "run_sweep", "format_plan",
+    "Report", "build_report",
+]

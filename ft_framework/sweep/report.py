@@ -1,0 +1,464 @@
+"""The report of a sweep: Chen et al. 2020's Table 1 layout, the best hyper-parameters per task,
+Levene's test between methods, and the expected best score of n random trials; Markdown and CSV.
+
+    report = build_report("runs/sweeps/glue_recadam")
+    print(report.markdown())
+    report.write("runs/sweeps/glue_recadam/report")   # report.md, report.csv and the tables below
+
+How numbers are made (also stated at the top of report.md):
+- A run's score is its reported main metric (results.json: the final or, with
+  evaluation.select_best, the best evaluation) on the selection split (dev), or on the held-out
+  half when the dev set was split in half (data.split_dev_in_half), in points (x100).
+- Per method and task, the hyper-parameter setting (the axis values other than the task and the
+  seeds) with the best MEAN score on the selection split over seeds is chosen (the paper selects
+  t0 and k "on each dev set"); Table 1 gives that setting's median, max, mean and std (ddof=1)
+  over seeds, and how many of its runs failed (Mosbach et al.: at or below the majority baseline;
+  results.json's `failed`).
+- Avg >10k / Avg <10k / Avg: mean over tasks of the per-task statistic, the tasks grouped by their
+  GLUE training-set size (TASK_TRAIN_SIZES below, a fixed table; WNLI is left out of the averages
+  as in the paper). An average covers the tasks the method has results for.
+- Levene's test (median-centred, Brown-Forsythe) compares, per task, the seeds of the chosen
+  setting of each pair of methods.
+- Expected best score of n trials: bootstrap (10,000 draws) of n runs with replacement from ALL
+  finished runs of a method on a task (every setting and seed is a random trial), the best by
+  selection score counting with its score; the exact expectation is given alongside.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import yaml
+
+from .stats import expected_max_curve, levene, sample_std
+from .store import SweepStore
+
+__all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "RunRecord", "TaskCell", "Report",
+           "load_records", "build_report"]
+
+# GLUE training-set sizes (examples), as in Chen et al. 2020, Table 1 and the GLUE paper.
+TASK_TRAIN_SIZES: dict[str, int] = {
+    "mnli": 393_000, "qqp": 364_000, "qnli": 105_000, "sst2": 67_000,
+    "cola": 8_500, "stsb": 5_700, "mrpc": 3_700, "rte": 2_500, "wnli": 635,
+}
+LARGE_TASKS = ("mnli", "qqp", "qnli", "sst2")   # > 10k training examples
+SMALL_TASKS = ("cola", "stsb", "mrpc", "rte")   # < 10k training examples
+TASK_ORDER = (*LARGE_TASKS, *SMALL_TASKS, "wnli")
+TASK_TITLES = {"mnli": "MNLI", "qqp": "QQP", "qnli": "QNLI", "sst2": "SST-2", "cola": "CoLA", "stsb": "STS-B",
+               "mrpc": "MRPC", "rte": "RTE", "wnli": "WNLI"}
+AVG_COLUMNS = ("avg_gt10k", "avg_lt10k", "avg")
+AVG_TITLES = {"avg_gt10k": "Avg >10k", "avg_lt10k": "Avg <10k", "avg": "Avg"}
+DEFAULT_SEED_KEYS = ("training.seed", "training.data_seed")
+CURVE_NS = (1, 2, 3, 5, 10, 20, 50, 100)
+# Levene's test needs spread within each group: with 2 seeds |y - median| is the same for both.
+LEVENE_MIN_SEEDS = 3
+
+
+def _size_title(task: str) -> str:
+    size = TASK_TRAIN_SIZES.get(task)
+    if size is None:
+        return task
+    return f"{TASK_TITLES.get(task, task)} {size / 1000:.1f}k" if size < 10_000 else f"{TASK_TITLES[task]} {size // 1000}k"
+
+
+@dataclass
+class RunRecord:
+    """One run of the store, as the report sees it."""
+
+    run_id: str
+    method: str
+    task: str
+    seed: Any
+    axes: dict[str, Any]
+    setting: tuple[tuple[str, str], ...]   # axis values other than task and seeds, as text
+    state: str
+    directory: Path
+    score: float | None = None             # reported main metric on the score split, x100
+    selection_score: float | None = None   # the same on the selection split, x100
+    failed: bool | None = None
+    main_metric: str | None = None
+    score_split: str | None = None
+    config: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "finished" and self.score is not None
+
+    @property
+    def setting_label(self) -> str:
+        return setting_label(self.setting)
+
+
+def setting_label(setting: Iterable[tuple[str, str]]) -> str:
+    parts = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in setting]
+    return ", ".join(parts) if parts else "(single setting)"
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _seed_keys(root: Path) -> tuple[str, ...]:
+    try:
+        data = yaml.safe_load((root / "sweep.yaml").read_text()) or {}
+        keys = (data.get("report") or {}).get("seed_keys")
+        return tuple(keys) if keys else DEFAULT_SEED_KEYS
+    except (FileNotFoundError, yaml.YAMLError, AttributeError):
+        return DEFAULT_SEED_KEYS
+
+
+def _score_split(results: dict[str, Any]) -> str:
+    """The held-out half ('test…') when the dev set was split, else the selection split."""
+    selection = results["selection_split"]
+    reported = results[results["reported"]]["metrics"]
+    held_out = "test" + selection[len("validation"):] if selection.startswith("validation") else None
+    return held_out if held_out in reported else selection
+
+
+def _record_from(entry: dict[str, Any], directory: Path, state: str, seed_keys: Sequence[str]) -> RunRecord:
+    axes = entry.get("axes") or {}
+    setting = tuple((k, _value_text(v)) for k, v in axes.items() if k != "data.task" and k not in seed_keys)
+    rec = RunRecord(run_id=entry["id"], method=entry["method"], task=entry.get("task"), seed=entry.get("seed"),
+                    axes=axes, setting=setting, state=state, directory=directory)
+    results = _read_json(directory / "results.json") if state == "finished" else None
+    if results is None:
+        if state == "finished":
+            rec.state = "failed"
+        return rec
+    main, selection = results["main_metric"], results["selection_split"]
+    metrics = results[results["reported"]]["metrics"]
+    split = _score_split(results)
+    rec.task = results.get("task", rec.task)
+    rec.main_metric, rec.score_split = main, split
+    # Points, rounded past float noise (0.58 -> 58.0, not 57.99999999999999).
+    rec.score = round(100.0 * float(metrics[split][main]), 10)
+    rec.selection_score = round(100.0 * float(metrics[selection][main]), 10)
+    rec.failed = bool(results.get("failed"))
+    rec.config = results.get("config")
+    return rec
+
+
+def load_records(directory: str | Path) -> list[RunRecord]:
+    """Every run of a sweep store (or the one run of a run directory), finished or not."""
+    root = Path(directory)
+    if (root / "results.json").is_file() and not (root / "index.json").is_file():
+        results = _read_json(root / "results.json") or {}
+        cfg = results.get("config") or {}
+        entry = {"id": root.name, "method": (cfg.get("optimizer") or {}).get("name", "run"),
+                 "task": results.get("task"), "seed": (cfg.get("training") or {}).get("seed"), "axes": {}}
+        return [_record_from(entry, root, "finished", DEFAULT_SEED_KEYS)]
+    store = SweepStore(root)
+    entries = store.list_runs()
+    if not entries:
+        raise FileNotFoundError(f"{root} holds neither a sweep (index.json, runs/) nor a run (results.json)")
+    seed_keys = _seed_keys(root)
+    records = []
+    for entry in entries:
+        run_dir = root / entry.get("dir", f"runs/{entry['id']}")
+        status = _read_json(run_dir / "status.json") or {}
+        state = status.get("state", entry.get("state", "pending"))
+        records.append(_record_from(entry, run_dir, state, seed_keys))
+    return records
+
+
+@dataclass
+class TaskCell:
+    """A method on a task: its chosen setting and that setting's scores over seeds."""
+
+    method: str
+    task: str
+    setting: tuple[tuple[str, str], ...]
+    scores: list[float]
+    selection_mean: float
+    failed: int
+    settings_tried: int
+    runs: list[RunRecord] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.scores)
+
+    def stat(self, name: str) -> float:
+        s = np.asarray(self.scores, dtype=np.float64)
+        if name == "median":
+            return float(np.median(s))
+        if name == "max":
+            return float(np.max(s))
+        if name == "mean":
+            return float(np.mean(s))
+        if name == "std":
+            return sample_std(s)
+        if name == "failed":
+            return float(self.failed)
+        if name == "n":
+            return float(self.n)
+        raise KeyError(name)
+
+
+STATISTICS = ("median", "max", "mean", "std", "failed", "n")
+
+
+def _ordered_tasks(tasks: Iterable[str]) -> list[str]:
+    tasks = set(tasks)
+    return [t for t in TASK_ORDER if t in tasks] + sorted(t for t in tasks if t not in TASK_ORDER)
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align_left: int = 1) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(":---" if i < align_left else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    """Everything ft-report prints and writes, computed once from the records."""
+
+    source: Path
+    records: list[RunRecord]
+    methods: list[str]
+    tasks: list[str]
+    cells: dict[tuple[str, str], TaskCell]
+    settings: list[dict[str, Any]]
+    levene_rows: list[dict[str, Any]]
+    expected_rows: list[dict[str, Any]]
+    bootstrap_samples: int = 10_000
+
+    # ---- Table 1 ------------------------------------------------------------------------
+    def table1_value(self, method: str, stat: str, column: str) -> float:
+        """A cell of Table 1: a task's statistic, or an average column."""
+        if column in AVG_COLUMNS:
+            group = {"avg_gt10k": LARGE_TASKS, "avg_lt10k": SMALL_TASKS, "avg": LARGE_TASKS + SMALL_TASKS}[column]
+            values = [self.cells[(method, t)].stat(stat) for t in self.tasks
+                      if t in group and (method, t) in self.cells]
+            if not values:
+                return math.nan
+            if stat in ("failed", "n"):
+                return float(sum(values))
+            return float(np.mean(values))
+        cell = self.cells.get((method, column))
+        return cell.stat(stat) if cell is not None else math.nan
+
+    def table1_rows(self) -> list[dict[str, Any]]:
+        """One row per (statistic, method): the CSV form of Table 1."""
+        columns = [*self.tasks, *AVG_COLUMNS]
+        rows = []
+        for stat in STATISTICS:
+            for method in self.methods:
+                row: dict[str, Any] = {"method": method, "statistic": stat}
+                for col in columns:
+                    row[col] = self.table1_value(method, stat, col)
+                rows.append(row)
+        return rows
+
+    def _table1_markdown(self) -> str:
+        columns = [*self.tasks, *AVG_COLUMNS]
+        header = ["Method", *[_size_title(t) for t in self.tasks], *[AVG_TITLES[c] for c in AVG_COLUMNS]]
+        rows = []
+        for stat, title in (("median", "Median"), ("max", "Max"), ("mean", "Mean"), ("std", "Std")):
+            for method in self.methods:
+                rows.append([f"{method} {title}", *[_fmt(self.table1_value(method, stat, c)) for c in columns]])
+        for method in self.methods:
+            cells = []
+            for c in columns:
+                failed, n = self.table1_value(method, "failed", c), self.table1_value(method, "n", c)
+                cells.append("–" if math.isnan(n) else f"{int(failed)}/{int(n)}")
+            rows.append([f"{method} failed runs", *cells])
+        return _md_table(header, rows)
+
+    # ---- Markdown -------------------------------------------------------------------------
+    def markdown(self) -> str:
+        finished = sum(r.finished for r in self.records)
+        counts: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            counts["finished" if r.finished else r.state] += 1
+        metric_lines = sorted({f"{r.task}: {r.main_metric} on {r.score_split}" for r in self.records if r.finished})
+        out = [f"# Report: {self.source}", "",
+               f"{len(self.records)} runs: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ".",
+               "Scores are the reported main metric x100 (" + "; ".join(metric_lines) + ")." if metric_lines else
+               "No finished runs yet.", ""]
+        if not finished:
+            return "\n".join(out)
+        out += ["## Table 1: median and max over seeds (Chen et al. 2020 layout)", "",
+                "Per method and task, the setting with the best mean selection-split score; its median, max, "
+                "mean and std (ddof=1) over seeds, and its failed runs (at or below the majority baseline, "
+                "Mosbach et al.). Avg >10k / <10k / Avg: mean over the tasks present, grouped by GLUE "
+                "training-set size (MNLI, QQP, QNLI, SST-2 > 10k; CoLA, STS-B, MRPC, RTE < 10k; WNLI not "
+                "averaged); failed runs are summed.", "", self._table1_markdown(), ""]
+        missing = [(m, t) for m in self.methods for t in self.tasks if (m, t) not in self.cells]
+        if missing:
+            out += ["Missing (no finished run): " + ", ".join(f"{m}/{t}" for m, t in missing)
+                    + ". Averages of those methods cover fewer tasks.", ""]
+        out += ["## Best hyper-parameters per task (by mean validation score over seeds)", ""]
+        rows = []
+        for (method, task), cell in sorted(self.cells.items(), key=lambda kv: (self.methods.index(kv[0][0]),
+                                                                               self.tasks.index(kv[0][1]))):
+            rows.append([method, task, setting_label(cell.setting), f"{cell.settings_tried}",
+                         _fmt(cell.selection_mean, 2), _fmt(cell.stat("mean"), 2), _fmt(cell.stat("std"), 2),
+                         str(cell.n)])
+        out += [_md_table(["Method", "Task", "Best setting", "Settings", "Mean (selection)", "Mean (score)",
+                           "Std", "Seeds"], rows, align_left=3), ""]
+        out += ["## Stability: Levene's test for equal variances (Mosbach et al. 2021)", ""]
+        if self.levene_rows:
+            rows = [[r["task"], r["method_a"], r["method_b"], _fmt(r["std_a"], 2), _fmt(r["std_b"], 2),
+                     f"{r['n_a']}/{r['n_b']}", _fmt(r["statistic"], 3), _fmt(r["pvalue"], 4)]
+                    for r in self.levene_rows]
+            out += ["Median-centred (Brown-Forsythe), on the seeds of each method's chosen setting; "
+                    "a small p: the spreads differ.", "",
+                    _md_table(["Task", "Method A", "Method B", "Std A", "Std B", "n A/B", "W", "p"], rows, 3), ""]
+        else:
+            out += [f"Needs two methods with at least {LEVENE_MIN_SEEDS} finished seeds (of their chosen setting) "
+                    "on a task.", ""]
+        out += ["## Expected best score vs number of random trials (Zhang et al. 2021, Fig. 4)", "",
+                f"Bootstrap over all finished runs of a method on a task ({self.bootstrap_samples:,} draws of n runs with "
+                "replacement; the best by selection score counts with its score); mean ± std.", ""]
+        ns = sorted({r["n"] for r in self.expected_rows})
+        groups: dict[tuple[str, str], dict[int, dict[str, Any]]] = defaultdict(dict)
+        for r in self.expected_rows:
+            groups[(r["method"], r["task"])][r["n"]] = r
+        rows = []
+        for (method, task), by_n in groups.items():
+            rows.append([method, task, str(by_n[1]["trials"]),
+                         *[f"{_fmt(by_n[n]['mean'], 2)} ± {_fmt(by_n[n]['std'], 2)}" if n in by_n else "–" for n in ns]])
+        out += [_md_table(["Method", "Task", "Trials", *[f"n={n}" for n in ns]], rows, align_left=2), ""]
+        unfinished = [r for r in self.records if not r.finished]
+        if unfinished:
+            out += ["## Runs without results", "",
+                    _md_table(["Run", "Method", "Task", "Seed", "Setting", "State"],
+                              [[r.run_id, r.method, r.task, str(r.seed), r.setting_label, r.state]
+                               for r in unfinished], align_left=6), ""]
+        return "\n".join(out)
+
+    # ---- CSV ------------------------------------------------------------------------------
+    def csv_tables(self) -> dict[str, tuple[list[str], list[dict[str, Any]]]]:
+        """File name -> (columns, rows) of every CSV the report writes."""
+        table1 = ["method", "statistic", *self.tasks, *AVG_COLUMNS]
+        runs = [{"run_id": r.run_id, "method": r.method, "task": r.task, "seed": r.seed, "setting": r.setting_label,
+                 "state": r.state if not r.finished else "finished", "score": r.score,
+                 "selection_score": r.selection_score, "failed": r.failed, "main_metric": r.main_metric,
+                 "score_split": r.score_split} for r in self.records]
+        return {
+            "report.csv": (table1, self.table1_rows()),
+            "settings.csv": (["method", "task", "setting", "best", "n", "selection_mean", "mean", "std", "median",
+                              "max", "failed"], self.settings),
+            "levene.csv": (["task", "method_a", "method_b", "n_a", "n_b", "std_a", "std_b", "statistic", "pvalue"],
+                           self.levene_rows),
+            "expected_max.csv": (["method", "task", "trials", "n", "mean", "std", "exact_mean", "exact_std"],
+                                 self.expected_rows),
+            "runs.csv": (list(runs[0]) if runs else ["run_id"], runs),
+        }
+
+    @staticmethod
+    def csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+                             for k, v in row.items()})
+        return buf.getvalue()
+
+    def write(self, out_dir: str | Path, plots: bool = True) -> list[Path]:
+        """Writes report.md, the CSVs and (optionally) plots/*.png; returns the paths written."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        (out / "report.md").write_text(self.markdown() + "\n")
+        written.append(out / "report.md")
+        for name, (columns, rows) in self.csv_tables().items():
+            (out / name).write_text(self.csv_text(columns, rows))
+            written.append(out / name)
+        if plots:
+            from .plots import write_plots
+
+            written += write_plots(self, out / "plots")
+        return written
+
+
+def _best_cells(records: Sequence[RunRecord]) -> tuple[dict[tuple[str, str], TaskCell], list[dict[str, Any]]]:
+    by_setting: dict[tuple[str, str], dict[tuple, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r.finished:
+            by_setting[(r.method, r.task)][r.setting].append(r)
+    cells, settings = {}, []
+    for key, groups in by_setting.items():
+        means = {s: float(np.mean([r.selection_score for r in runs])) for s, runs in groups.items()}
+        best = max(groups, key=lambda s: means[s])  # ties: the first setting of the grid
+        for s, runs in groups.items():
+            scores = [r.score for r in runs]
+            settings.append({"method": key[0], "task": key[1], "setting": setting_label(s), "best": s == best,
+                             "n": len(runs), "selection_mean": means[s], "mean": float(np.mean(scores)),
+                             "std": sample_std(scores), "median": float(np.median(scores)),
+                             "max": float(np.max(scores)), "failed": sum(bool(r.failed) for r in runs)})
+        runs = sorted(groups[best], key=lambda r: (str(r.seed), r.run_id))
+        cells[key] = TaskCell(method=key[0], task=key[1], setting=best, scores=[r.score for r in runs],
+                              selection_mean=means[best], failed=sum(bool(r.failed) for r in runs),
+                              settings_tried=len(groups), runs=runs)
+    return cells, settings
+
+
+def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000) -> Report:
+    """Reads a sweep store (or a run directory) and computes every table of the report."""
+    records = load_records(directory)
+    methods: list[str] = []
+    for r in records:
+        if r.method not in methods:
+            methods.append(r.method)
+    tasks = _ordered_tasks(r.task for r in records if r.task)
+    cells, settings = _best_cells(records)
+    settings.sort(key=lambda s: (methods.index(s["method"]), tasks.index(s["task"]), not s["best"]))
+
+    levene_rows = []
+    for task in tasks:
+        present = [m for m in methods if (m, task) in cells]
+        for i, a in enumerate(present):
+            for b in present[i + 1:]:
+                ca, cb = cells[(a, task)], cells[(b, task)]
+                if ca.n < LEVENE_MIN_SEEDS or cb.n < LEVENE_MIN_SEEDS:
+                    continue
+                res = levene(ca.scores, cb.scores, center="median")
+                levene_rows.append({"task": task, "method_a": a, "method_b": b, "n_a": ca.n, "n_b": cb.n,
+                                    "std_a": ca.stat("std"), "std_b": cb.stat("std"),
+                                    "statistic": res.statistic, "pvalue": res.pvalue})
+
+    expected_rows = []
+    for method in methods:
+        for task in tasks:
+            runs = [r for r in records if r.finished and r.method == method and r.task == task]
+            if not runs:
+                continue
+            trials = len(runs)
+            ns = [n for n in CURVE_NS if n <= max(trials, 1)] or [1]
+            if trials not in ns:
+                ns.append(trials)
+            for row in expected_max_curve([r.score for r in runs], ns, [r.selection_score for r in runs],
+                                          num_samples=bootstrap_samples):
+                expected_rows.append({"method": method, "task": task, "trials": trials, **row})
+    return Report(source=Path(directory), records=records, methods=methods, tasks=tasks, cells=cells,
+                  settings=settings, levene_rows=levene_rows, expected_rows=expected_rows,
+                  bootstrap_samples=bootstrap_samples)

@@ -1,0 +1,136 @@
+"""Statistics of the report: Levene's test for equal variances (Mosbach et al. 2021 compare the
+spread of fine-tuning results with it) and the expected best score of n random trials (Zhang et
+al. 2021, Fig. 4; Dodge et al. 2019), by bootstrap and in closed form.
+
+    levene([70.1, 71.5, 52.7], [72.0, 72.3, 71.8]).pvalue
+    expected_max_bootstrap(scores, n=5)      # (mean, std) of the best of 5 trials drawn with replacement
+    expected_max_exact(scores, n=5)          # the same expectation, exactly
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy import special
+
+__all__ = ["LeveneResult", "levene", "expected_max_exact", "expected_max_bootstrap", "expected_max_curve",
+           "sample_std"]
+
+
+@dataclass(frozen=True)
+class LeveneResult:
+    statistic: float
+    pvalue: float
+
+
+def _trim_mean(x: np.ndarray, proportiontocut: float) -> float:
+    """Mean after cutting int(proportiontocut * n) values from each end (scipy.stats.trim_mean)."""
+    xs = np.sort(x)
+    cut = int(proportiontocut * len(xs))
+    return float(np.mean(xs[cut:len(xs) - cut]))
+
+
+def levene(*groups: Sequence[float], center: str = "median", proportiontocut: float = 0.05) -> LeveneResult:
+    """Levene's test that the groups have equal variances (center="median": Brown-Forsythe, the
+    default of scipy.stats.levene and the robust choice for few, skewed samples such as seeds).
+
+    W = (N - k) / (k - 1) * sum_i n_i (Zbar_i - Zbar)^2 / sum_ij (Z_ij - Zbar_i)^2 with
+    Z_ij = |Y_ij - center_i|; p = P(F(k - 1, N - k) > W). NaN when fewer than two groups, a group
+    has fewer than two values, or every Z is equal.
+    """
+    arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
+    k = len(arrays)
+    if k < 2 or any(len(a) < 2 for a in arrays):
+        return LeveneResult(math.nan, math.nan)
+    if center == "median":
+        centers = [float(np.median(a)) for a in arrays]
+    elif center == "mean":
+        centers = [float(np.mean(a)) for a in arrays]
+    elif center == "trimmed":
+        centers = [_trim_mean(a, proportiontocut) for a in arrays]
+    else:
+        raise ValueError(f"center must be 'median', 'mean' or 'trimmed', got {center!r}")
+    z = [np.abs(a - c) for a, c in zip(arrays, centers)]
+    n = np.array([len(a) for a in arrays], dtype=np.float64)
+    total = float(n.sum())
+    zbar_i = np.array([zi.mean() for zi in z])
+    zbar = float(np.sum(n * zbar_i) / total)
+    between = float(np.sum(n * (zbar_i - zbar) ** 2))
+    within = float(sum(np.sum((zi - m) ** 2) for zi, m in zip(z, zbar_i)))
+    scale = float(sum(np.sum(zi ** 2) for zi in z))
+    if within <= 1e-12 * scale:  # e.g. two values per group: |y - median| is the same for both
+        within = 0.0
+        between = 0.0 if between <= 1e-12 * scale else between
+    if within == 0.0:
+        return LeveneResult(math.nan if between == 0.0 else math.inf, math.nan if between == 0.0 else 0.0)
+    w = (total - k) / (k - 1) * between / within
+    return LeveneResult(float(w), float(special.fdtrc(k - 1, total - k, w)))
+
+
+def _ranked(scores: Sequence[float], selection: Sequence[float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Target scores ordered by (selection score, target score), and each trial's rank in that order.
+
+    The best of a sample is its highest-ranked trial: the best selection (validation) score, ties
+    going to the better target score.
+    """
+    target = np.asarray(scores, dtype=np.float64).ravel()
+    sel = target if selection is None else np.asarray(selection, dtype=np.float64).ravel()
+    if len(sel) != len(target):
+        raise ValueError(f"{len(sel)} selection scores for {len(target)} scores")
+    if len(target) == 0:
+        raise ValueError("no scores")
+    order = np.lexsort((target, sel))
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return target[order], rank
+
+
+def expected_max_exact(scores: Sequence[float], n: int, selection: Sequence[float] | None = None
+                       ) -> tuple[float, float]:
+    """Mean and std of the best of `n` trials drawn with replacement from the N observed ones.
+
+    The best trial is the one with the highest `selection` score (default: the score itself) and
+    what counts is its `scores` value (e.g. select on validation, report test). With the trials
+    sorted, P(best is the i-th of N) = (i/N)^n - ((i-1)/N)^n (Dodge et al. 2019).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ordered, _ = _ranked(scores, selection)
+    big_n = len(ordered)
+    i = np.arange(1, big_n + 1, dtype=np.float64)
+    p = (i / big_n) ** n - ((i - 1) / big_n) ** n
+    mean = float(np.sum(p * ordered))
+    var = max(0.0, float(np.sum(p * ordered ** 2)) - mean ** 2)
+    return mean, math.sqrt(var)
+
+
+def expected_max_bootstrap(scores: Sequence[float], n: int, selection: Sequence[float] | None = None,
+                           num_samples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Mean and std over `num_samples` bootstrap draws of n trials of the best trial's score."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ordered, rank = _ranked(scores, selection)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(ordered), size=(num_samples, n))
+    best = ordered[rank[draws].max(axis=1)]
+    return float(best.mean()), float(best.std())
+
+
+def expected_max_curve(scores: Sequence[float], ns: Sequence[int], selection: Sequence[float] | None = None,
+                       num_samples: int = 10_000, seed: int = 0) -> list[dict[str, float]]:
+    """Rows {n, mean, std (bootstrap), exact_mean, exact_std} for each n in `ns`."""
+    rows = []
+    for n in ns:
+        mean, std = expected_max_bootstrap(scores, n, selection, num_samples=num_samples, seed=seed + n)
+        exact_mean, exact_std = expected_max_exact(scores, n, selection)
+        rows.append({"n": int(n), "mean": mean, "std": std, "exact_mean": exact_mean, "exact_std": exact_std})
+    return rows
+
+
+def sample_std(values: Sequence[float]) -> float:
+    """Standard deviation with ddof=1 (NaN for fewer than two values)."""
+    arr = np.asarray(values, dtype=np.float64)
+    return float(np.std(arr, ddof=1)) if len(arr) >= 2 else math.nan

@@ -1,0 +1,232 @@
+"""The results store of a sweep: one directory per run id, plus an index.
+
+    <root>/index.json            every run of the grid: id, method, task, seed, axes, state, attempts
+    <root>/sweep.yaml            the sweep file and command-line overrides it was last run with
+    <root>/runs/<id>/config.yaml the resolved run config (`ft-train --config` runs it by hand)
+    <root>/runs/<id>/run.json    method and axis values of the run
+    <root>/runs/<id>/status.json {state, attempts, started, ended, returncode, error, host, pid}
+    <root>/runs/<id>/log.txt     stdout + stderr of every attempt
+    <root>/runs/<id>/results.json, metrics.jsonl, checkpoints/   written by the trainer
+
+Every file is replaced atomically (written next to it, then renamed), so a killed sweep leaves
+each file either old or new. A run counts as finished only when status.json says so AND its
+results.json exists. Run states: pending, running, finished, failed, interrupted.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import yaml
+
+from .grid import RUNS_SUBDIR, PlannedRun
+
+__all__ = ["STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso"]
+
+STATES = ("pending", "running", "finished", "failed", "interrupted")
+INDEX_FILE = "index.json"
+STATUS_FILE = "status.json"
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.yaml"
+LOG_FILE = "log.txt"
+RESULTS_FILE = "results.json"
+LOCK_FILE = ".sweep.lock"
+
+
+class SweepLockedError(RuntimeError):
+    """Another sweep process is working on this store."""
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes `text` to `path` so readers (and a crash) see either the old or the new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class SweepStore:
+    """A sweep's directory of runs."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).absolute()
+        self.runs_dir = self.root / RUNS_SUBDIR
+
+    # ---- paths and files -------------------------------------------------------------------
+    def run_dir(self, run_id: str) -> Path:
+        return self.runs_dir / run_id
+
+    def read_status(self, run_id: str) -> dict[str, Any]:
+        return _read_json(self.run_dir(run_id) / STATUS_FILE) or {"state": "pending", "attempts": 0}
+
+    def write_status(self, run_id: str, **fields: Any) -> dict[str, Any]:
+        """Merges `fields` into the run's status.json (atomically) and returns the new status."""
+        status = {**self.read_status(run_id), **fields}
+        if status["state"] not in STATES:
+            raise ValueError(f"unknown run state {status['state']!r}; valid: {', '.join(STATES)}")
+        atomic_write_text(self.run_dir(run_id) / STATUS_FILE, json.dumps(status, indent=2))
+        return status
+
+    def read_results(self, run_id: str) -> dict[str, Any] | None:
+        return _read_json(self.run_dir(run_id) / RESULTS_FILE)
+
+    def read_run_info(self, run_id: str) -> dict[str, Any] | None:
+        return _read_json(self.run_dir(run_id) / RUN_FILE)
+
+    def is_finished(self, run_id: str) -> bool:
+        return (self.read_status(run_id).get("state") == "finished"
+                and (self.run_dir(run_id) / RESULTS_FILE).is_file())
+
+    # ---- the sweep's lock ------------------------------------------------------------------
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Held while a sweep works on the store; a second sweep on the same store fails fast.
+
+        The kernel drops the lock when the holder dies, however it dies.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                raise SweepLockedError(f"another ft-sweep is running on {self.root} ({holder}); "
+                                       "wait for it or stop it first") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)
+
+    # ---- syncing the grid into the store ---------------------------------------------------
+    def sync(self, runs: Sequence[PlannedRun], *, sweep_text: str | None = None) -> dict[str, int]:
+        """Creates the directories of new runs, writes their config and run.json, settles runs a
+        dead sweep left 'running' (call with the lock held) and rewrites the index."""
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        if sweep_text is not None:
+            atomic_write_text(self.root / "sweep.yaml", sweep_text)
+        for run in runs:
+            directory = self.run_dir(run.run_id)
+            directory.mkdir(parents=True, exist_ok=True)
+            info = run.describe()
+            if _read_json(directory / RUN_FILE) != info:
+                atomic_write_text(directory / RUN_FILE, json.dumps(info, indent=2))
+            if not self.is_finished(run.run_id):
+                text = yaml.safe_dump(run.config.to_dict(), sort_keys=False)
+                config_path = directory / CONFIG_FILE
+                if not config_path.is_file() or config_path.read_text() != text:
+                    atomic_write_text(config_path, text)
+            if not (directory / STATUS_FILE).is_file():
+                self.write_status(run.run_id, state="pending", attempts=0)
+            else:
+                self._settle_stale(run.run_id)
+        return self.write_index(runs)
+
+    def _settle_stale(self, run_id: str) -> None:
+        """A run still marked running while we hold the lock belongs to a sweep that died."""
+        status = self.read_status(run_id)
+        if status.get("state") != "running":
+            return
+        pid = status.get("pid")
+        if (pid and status.get("host") == socket.gethostname() and _pid_alive(int(pid))
+                and str(self.run_dir(run_id)) in _cmdline(int(pid))):
+            # Normally dead with its sweep (PR_SET_PDEATHSIG); make sure before running it again
+            # (the command line names the run's directory, so a recycled pid is left alone).
+            try:
+                os.killpg(int(pid), 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        results = self.read_results(run_id)
+        if results is not None and "final" in results:
+            # The trainer wrote results.json (its last act) but the sweep died before recording it.
+            self.write_status(run_id, state="finished", ended=status.get("ended") or now_iso(),
+                              error=None, note="recovered: results.json written before the sweep died")
+        else:
+            self.write_status(run_id, state="interrupted", ended=now_iso(),
+                              error="the sweep running it stopped (killed or lost) before the run ended")
+
+    def prepare_attempt(self, run_id: str) -> bool:
+        """Clears what a previous attempt left, keeping checkpoints. Returns True when the run can
+        resume from a checkpoint (then the trainer drops the logs past it)."""
+        directory = self.run_dir(run_id)
+        (directory / RESULTS_FILE).unlink(missing_ok=True)
+        resumable = (directory / "checkpoints" / "latest").is_file()
+        if not resumable:
+            (directory / "metrics.jsonl").unlink(missing_ok=True)
+            shutil.rmtree(directory / "tensorboard", ignore_errors=True)
+        return resumable
+
+    # ---- the index --------------------------------------------------------------------------
+    def index_entries(self, runs: Sequence[PlannedRun]) -> list[dict[str, Any]]:
+        entries = []
+        for run in runs:
+            status = self.read_status(run.run_id)
+            state = status.get("state", "pending")
+            if state == "finished" and not (self.run_dir(run.run_id) / RESULTS_FILE).is_file():
+                state = "failed"
+            entries.append({**run.describe(), "state": state, "attempts": status.get("attempts", 0),
+                            "dir": f"{RUNS_SUBDIR}/{run.run_id}"})
+        return entries
+
+    def write_index(self, runs: Sequence[PlannedRun]) -> dict[str, int]:
+        """Rewrites index.json from the runs' status files; returns the count of runs per state."""
+        entries = self.index_entries(runs)
+        counts = {s: sum(e["state"] == s for e in entries) for s in STATES}
+        index = {"updated": now_iso(), "total": len(entries), "counts": counts, "runs": entries}
+        atomic_write_text(self.root / INDEX_FILE, json.dumps(index, indent=2))
+        return counts
+
+    def read_index(self) -> dict[str, Any] | None:
+        return _read_json(self.root / INDEX_FILE)
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        """Index entries of the store (from index.json, else from the run directories)."""
+        index = self.read_index()
+        if index is not None:
+            return index["runs"]
+        entries = []
+        for directory in sorted(p for p in self.runs_dir.glob("*") if p.is_dir()):
+            info = self.read_run_info(directory.name)
+            if info is None:
+                continue
+            entries.append({**info, "state": self.read_status(directory.name).get("state", "pending"),
+                            "dir": f"{RUNS_SUBDIR}/{directory.name}"})
+        return entries

@@ -1,0 +1,45 @@
+"""Model, data and configs shared by the DeepSpeed worker (ranks) and its test (reference)."""
+
+import torch
+from transformers import AlbertConfig, AlbertForSequenceClassification
+
+from ft_framework.config import DeepSpeedConfig, TrainingConfig
+
+CASES = ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+GLOBAL_BATCH = 8
+SEQ = 12
+HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
+
+
+def make_model_and_anchors():
+    """A tiny ALBERT and its "pretrained" state: every weight but the classifier, nudged away
+    from the initial values so the pull toward theta* does real work."""
+    torch.manual_seed(0)
+    cfg = AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+    model = AlbertForSequenceClassification(cfg)
+    gen = torch.Generator().manual_seed(1)
+    anchors = {n: (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).clone()
+               for n, p in model.named_parameters() if not n.startswith("classifier")}
+    return model, anchors
+
+
+def global_batch(step: int) -> dict:
+    gen = torch.Generator().manual_seed(100 + step)
+    return {"input_ids": torch.randint(0, 100, (GLOBAL_BATCH, SEQ), generator=gen),
+            "attention_mask": torch.ones(GLOBAL_BATCH, SEQ, dtype=torch.long),
+            "labels": torch.randint(0, 2, (GLOBAL_BATCH,), generator=gen)}
+
+
+def batches_for_rank(step: int, rank: int, world: int) -> dict:
+    return {k: v[rank::world] for k, v in global_batch(step).items()}
+
+
+def ds_configs(case: str, world_size: int):
+    stage = int(case[4])
+    offload = case.endswith("offload")
+    ds = DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload, offload_param=offload and stage == 3)
+    training = TrainingConfig(max_steps=5, per_device_batch_size=GLOBAL_BATCH // world_size,
+                              device="cpu", max_grad_norm=None)
+    return ds, training

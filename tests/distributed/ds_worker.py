@@ -1,0 +1,133 @@
+"""Runs every DeepSpeed case of tests/distributed/test_deepspeed.py inside ONE launch (launching
+costs far more than a case) and writes what the test compares to RESULTS_DIR/<case>.pt.
+
+    python -m torch.distributed.run --nproc_per_node N ds_worker.py RESULTS_DIR PHASE
+PHASE: "main" (2 ranks: every stage, resume, save for resharding), "reshard_load_save" (1 rank:
+load the 2-rank checkpoint, save a 1-rank one), "reshard_load" (2 ranks: load the 1-rank one).
+"""
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ds_common import (CASES, GLOBAL_BATCH, HPARAMS, batches_for_rank, make_model_and_anchors,  # noqa: E402
+                       ds_configs)
+from ft_framework.optim import build_optimizer  # noqa: E402
+from ft_framework.optim.groups import build_param_groups  # noqa: E402
+from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
+
+
+def make_strategy(case: str):
+    ds_cfg, training_cfg = ds_configs(case, world_size=int(os.environ["WORLD_SIZE"]))
+    strategy = DeepSpeedStrategy(ds_cfg, training_cfg)
+    model, anchors = make_model_and_anchors()
+
+    def make_optimizer(m):
+        groups = build_param_groups(m, anchors, lr=HPARAMS["lr"], weight_decay=0.01)
+        return build_optimizer("recadam", groups, impl="auto", **HPARAMS)
+
+    strategy.setup(model, make_optimizer)
+    return strategy, anchors
+
+
+def train(strategy, steps: range):
+    rank, world = strategy.rank, strategy.world_size
+    for step in steps:
+        batch = batches_for_rank(step, rank, world)
+        out = strategy.forward(batch)
+        strategy.backward(out.loss)
+        strategy.clip_and_step(None)
+
+
+def snapshot(strategy) -> dict:
+    """Everything the test compares, gathered (collective), kept on rank 0."""
+    result = {
+        "masters": strategy.gather_full_state("fp32"),
+        "anchors": strategy.gather_full_state("anchor"),
+        "exp_avg": strategy.gather_full_state("exp_avg"),
+        "anchor_numel_per_rank": strategy.gather_objects(strategy.anchor_numel_on_this_rank()),
+        "forgetting_distance": strategy.forgetting_distance(),
+        "impl": strategy.optimizer.impl,
+        "steps": strategy.optimizer.group_steps(),
+    }
+    return result
+
+
+def save(strategy, path: Path, obj) -> None:
+    if strategy.is_main_process:
+        torch.save(obj, path)
+
+
+def main_phase(out: Path) -> None:
+    for case in CASES:
+        strategy, _ = make_strategy(case)
+        train(strategy, range(5))
+        save(strategy, out / f"{case}.pt", snapshot(strategy))
+        # Resume: 3 steps, checkpoint, fresh engine, load, 2 more steps.
+        first, _ = make_strategy(case)
+        train(first, range(3))
+        ckpt = out / f"ckpt_{case}"
+        if first.is_main_process:
+            ckpt.mkdir(exist_ok=True)
+        first.barrier()
+        first.save_checkpoint(ckpt)
+        second, _ = make_strategy(case)
+        second.load_checkpoint(ckpt)
+        train(second, range(3, 5))
+        save(second, out / f"{case}_resumed.pt", snapshot(second))
+    # Corrupted checkpoints: anchors removed / mis-shaped in the consolidated file, garbage native file.
+    strategy, _ = make_strategy("zero2")
+    ckpt = out / "ckpt_zero2"
+    errors = {}
+    saved = torch.load(ckpt / "consolidated_optimizer.pt", weights_only=True)
+    name = next(n for n, e in saved["params"].items() if "anchor" in e)
+    for label, edit in (("missing", lambda e: e.pop("anchor")),
+                        ("misshaped", lambda e: e.__setitem__("anchor", torch.zeros(3, 3)))):
+        broken = {**saved, "params": {**saved["params"], name: dict(saved["params"][name])}}
+        edit(broken["params"][name])
+        path = out / f"broken_{label}.pt"
+        save(strategy, path, broken)
+        strategy.barrier()
+        try:
+            strategy.load_consolidated(path)
+            errors[label] = "no error"
+        except (ValueError, RuntimeError) as exc:
+            errors[label] = str(exc)
+    save(strategy, out / "corrupted.pt", errors)
+
+
+def reshard_phase(out: Path, load_from: str, save_to: str | None) -> None:
+    for case in ("zero2", "zero3"):
+        strategy, _ = make_strategy(case)
+        strategy.load_checkpoint(out / f"{load_from}_{case}")
+        save(strategy, out / f"loaded_{load_from}_{case}.pt", snapshot(strategy))
+        if save_to:
+            ckpt = out / f"{save_to}_{case}"
+            if strategy.is_main_process:
+                ckpt.mkdir(exist_ok=True)
+            strategy.barrier()
+            strategy.save_checkpoint(ckpt)
+        train(strategy, range(3, 5))  # the checkpoint was taken after step 3
+        save(strategy, out / f"continued_{load_from}_{case}.pt", snapshot(strategy))
+
+
+if __name__ == "__main__":
+    results, phase = Path(sys.argv[1]), sys.argv[2]
+    try:
+        if phase == "main":
+            main_phase(results)
+        elif phase == "reshard_load_save":
+            reshard_phase(results, "ckpt", "ckpt1rank")
+        elif phase == "reshard_load":
+            reshard_phase(results, "ckpt1rank", None)
+        else:
+            raise SystemExit(f"unknown phase {phase}")
+    except Exception:
+        traceback.print_exc()
+        raise

@@ -1,0 +1,130 @@
+"""DeepSpeed ZeRO-1/2/3 (with and without CPU offload) on 2 CPU ranks (gloo, DS_ACCELERATOR=cpu)
+against the single-process run of the same optimizer on the same data.
+
+The worker runs every case in one launch per phase (tests/distributed/ds_worker.py); this module
+launches it three times (2 ranks, then 1 rank loading the 2-rank checkpoint, then 2 ranks loading
+the 1-rank one) and compares. Tolerance vs single process: 1e-6 absolute on parameters of scale
+~0.1 after 5 steps — the only difference is the order of the gradient reduction (observed 7e-9).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from ds_common import CASES, HPARAMS, global_batch, make_model_and_anchors  # noqa: E402
+
+from ft_framework.optim import build_optimizer  # noqa: E402
+from ft_framework.optim.groups import build_param_groups  # noqa: E402
+
+PARAM_ATOL = 1e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, results: Path, phase: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                          "--master_port", str(free_port()), str(HERE / "ds_worker.py"), str(results), phase],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepspeed")
+    launch(2, path, "main")
+    launch(1, path, "reshard_load_save")
+    launch(2, path, "reshard_load")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same 5 steps in one process without DeepSpeed, and the anchors (theta*)."""
+    model, anchors = make_model_and_anchors()
+    opt = build_optimizer("recadam", build_param_groups(model, anchors, lr=HPARAMS["lr"], weight_decay=0.01),
+                          **HPARAMS)
+    for step in range(5):
+        model(**global_batch(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "anchors": anchors, "forgetting_distance": opt.forgetting_distance()}
+
+
+def load(results, name):
+    return torch.load(results / name, weights_only=False)
+
+
+def assert_params_match(got: dict, want: dict, atol=PARAM_ATOL):
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parameters_equal_single_process(results, reference, case):
+    assert_params_match(load(results, f"{case}.pt")["masters"], reference["params"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_anchors_are_exact_and_sharded(results, reference, case):
+    got = load(results, f"{case}.pt")
+    assert set(got["anchors"]) == set(reference["anchors"])  # the head has none
+    for name, anchor in reference["anchors"].items():
+        assert torch.equal(got["anchors"][name], anchor), name
+    total = sum(a.numel() for a in reference["anchors"].values())
+    per_rank = got["anchor_numel_per_rank"]
+    assert len(per_rank) == 2
+    # ~total/2 each; ZeRO pads partitions to alignment, a few elements at most here.
+    assert all(total / 2 <= n <= total / 2 + 64 for n in per_rank), (per_rank, total)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_offloaded_step_runs_the_cpu_kernel_and_telemetry_is_global(results, reference, case):
+    got = load(results, f"{case}.pt")
+    assert got["impl"] == "cpu"
+    assert got["steps"] and set(got["steps"]) == {5}
+    assert got["forgetting_distance"] == pytest.approx(reference["forgetting_distance"], rel=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_equals_uninterrupted(results, case):
+    straight, resumed = load(results, f"{case}.pt"), load(results, f"{case}_resumed.pt")
+    assert_params_match(resumed["masters"], straight["masters"], atol=0)
+    assert_params_match(resumed["exp_avg"], straight["exp_avg"], atol=0)
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3"])
+@pytest.mark.parametrize("direction", ["ckpt", "ckpt1rank"])  # 2 -> 1 ranks, then 1 -> 2 ranks
+def test_resume_on_another_number_of_ranks_keeps_everything(results, reference, case, direction):
+    saved = torch.load(results / f"{direction}_{case}" / "consolidated_optimizer.pt", weights_only=True)
+    loaded = load(results, f"loaded_{direction}_{case}.pt")
+    for name, entry in saved["params"].items():
+        assert torch.equal(loaded["masters"][name], entry["fp32"]), name
+        assert torch.equal(loaded["exp_avg"][name], entry["exp_avg"]), name
+        if "anchor" in entry:
+            assert torch.equal(loaded["anchors"][name], entry["anchor"]), name
+            assert torch.equal(entry["anchor"], reference["anchors"][name]), name
+    assert set(loaded["steps"]) == {3}
+    assert len(loaded["anchor_numel_per_rank"]) == (1 if direction == "ckpt" else 2)
+    continued = load(results, f"continued_{direction}_{case}.pt")
+    assert_params_match(continued["masters"], reference["params"])
+
+
+def test_corrupted_checkpoints_are_clear_errors(results):
+    errors = load(results, "corrupted.pt")
+    assert "no anchor (theta*) for albert.embeddings.word_embeddings.weight" in errors["missing"]
+    assert "has shape (3, 3), the model (100, 16): wrong or corrupted checkpoint" in errors["misshaped"]
