@@ -26,6 +26,7 @@ from torch import nn
 
 from .base import Strategy
 from .ds_state import MASTER, state_map_for
+from .process_group import ProcessGroupMixin
 
 NATIVE_TAG = "deepspeed"
 CONSOLIDATED_FILE = "consolidated_optimizer.pt"
@@ -70,13 +71,10 @@ def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
     return config
 
 
-class DeepSpeedStrategy(Strategy):
+class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     name = "deepspeed"
 
     def __init__(self, ds_cfg, training_cfg):
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise RuntimeError("strategy deepspeed needs a distributed launch: deepspeed launch/train.py "
-                               "--config ... (or torchrun --nproc_per_node N launch/train.py --config ...)")
         if training_cfg.device == "cpu" or (training_cfg.device == "auto" and not torch.cuda.is_available()):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
         super().__init__("fp32", training_cfg.device)  # DeepSpeed casts; no autocast on top
@@ -87,40 +85,15 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         self._deepspeed = deepspeed
-        if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        if self.device.type == "cuda":
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
+        self._join_process_group(
+            "deepspeed", "deepspeed launch/train.py --config ... (or torchrun --nproc_per_node N launch/train.py ...)",
+            init=lambda backend: deepspeed.init_distributed(dist_backend=backend))
         self._micro_steps = 0
 
     # ---- topology ------------------------------------------------------------------------------
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
     def params_are_sharded(self) -> bool:
         return self.zero_stage > 0 or self.precision == "bf16"
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def gather_objects(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     # ---- set-up ----------------------------------------------------------------------------------
     def setup(self, model: nn.Module, build_optimizer):
@@ -311,7 +284,3 @@ class DeepSpeedStrategy(Strategy):
         if unexpected:
             raise RuntimeError(f"export: unexpected tensors {unexpected[:5]}")
         return plain
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

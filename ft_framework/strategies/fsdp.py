@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch import nn
 
 from ..optim.base import local_tensor
 from .base import Strategy
+from .process_group import ProcessGroupMixin
 
 # Written next to the DCP files; only informative (DCP's .metadata is what loading reads).
 INFO_FILE = "fsdp_checkpoint.json"
@@ -115,30 +115,19 @@ class _ShardedLossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(ProcessGroupMixin, Strategy):
     """FSDP2: sharded parameters, gradients and optimizer state (anchors included)."""
 
     name = "fsdp"
 
     def __init__(self, fsdp_cfg=None, training_cfg=None):
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise RuntimeError("strategy fsdp needs a distributed launch (also for one process): "
-                               "torchrun --nproc_per_node N launch/train.py --config ...")
         precision = _cfg(training_cfg, "precision", "fp32")
         super().__init__(precision, _cfg(training_cfg, "device", "auto"))
         self.cpu_offload = bool(_cfg(fsdp_cfg, "cpu_offload", False))
         self.mixed_precision = bool(_cfg(fsdp_cfg, "mixed_precision", False))
         if self.mixed_precision and precision not in _MP_DTYPES:
             raise ValueError(f"strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got {precision})")
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend)
-        # Cached: the trainer still asks for them after close() has destroyed the process group.
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        if self.device.type == "cuda":
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
+        self._join_process_group("fsdp", "torchrun --nproc_per_node N launch/train.py --config ...")
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self._world_size,))
@@ -149,29 +138,8 @@ class FSDPStrategy(Strategy):
 
     # ---- topology --------------------------------------------------------------------------
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
     def params_are_sharded(self) -> bool:
         return True
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def gather_objects(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -369,7 +337,3 @@ class FSDPStrategy(Strategy):
             model.save_pretrained(directory)
         self.barrier()
         return directory
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

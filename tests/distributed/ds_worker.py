@@ -16,7 +16,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ds_common import (CASES, GLOBAL_BATCH, HPARAMS, batches_for_rank, make_model_and_anchors,  # noqa: E402
+from ds_common import (CASES, HPARAMS, batches_for_rank, make_model_and_anchors,  # noqa: E402
                        ds_configs)
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402

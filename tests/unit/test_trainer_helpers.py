@@ -1,5 +1,3 @@
-import pytest
-
 from ft_framework.trainer import eval_steps, format_results_table, lr_multiplier
 
 
