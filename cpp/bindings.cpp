@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <omp.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -55,6 +56,19 @@ RangeFn range_fn(Level level) {
     }
 }
 
+// Flushes denormals to zero (MXCSR FTZ + DAZ) on this thread for the guard's lifetime. RecAdam's
+// Adam term is scaled by lambda(t), which the sigmoid makes as small as e^-100 early in training:
+// the products land in fp32 denormals, whose microcode assists made steps 1.2x slower. Values
+// below 1.2e-38 are far under the rounding of any parameter they update.
+class FlushDenormals {
+public:
+    FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtz | kDaz); }
+    ~FlushDenormals() { _mm_setcsr(saved_); }
+private:
+    static constexpr unsigned kFtz = 1u << 15, kDaz = 1u << 6;
+    unsigned saved_;
+};
+
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kMinParallelElems = 1 << 15;
 // Thread ranges start on 64-element boundaries so every thread's body runs whole vectors.
@@ -79,9 +93,14 @@ void fused_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t ex
 
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
     if (numel < kMinParallelElems) threads = 1;
-    if (threads == 1) { fn(s, 0, numel); return; }
+    if (threads == 1) {
+        FlushDenormals ftz;
+        fn(s, 0, numel);
+        return;
+    }
 #pragma omp parallel num_threads(threads)
     {
+        FlushDenormals ftz;  // MXCSR is per thread
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         int64_t per = (numel + nth - 1) / nth;
         per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;

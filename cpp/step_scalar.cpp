@@ -21,6 +21,7 @@ struct ScalarOps {
     static inline Reg sub(Reg a, Reg b) { return a - b; }
     static inline Reg mul(Reg a, Reg b) { return a * b; }
     static inline Reg div(Reg a, Reg b) { return a / b; }
+    static inline Reg ratio(Reg a, Reg b) { return a / b; }
     static inline Reg sqrt(Reg a) { return std::sqrt(a); }
     static inline Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }   // unfused on purpose
     static inline Reg fnmadd(Reg a, Reg b, Reg c) { return c - a * b; }

@@ -124,3 +124,26 @@ def test_environment_variable_forces_a_lower_level():
     bad = _run_with_env("sse9")
     assert bad.returncode != 0
     assert "FT_FRAMEWORK_SIMD='sse9'" in bad.stderr and "choose one of" in bad.stderr
+
+
+def test_denormal_flush_is_confined_to_the_kernel(restore_level):
+    # Early in RecAdam's sigmoid schedule lambda(t) ~ e^-70, so the Adam term lands in fp32
+    # denormals; the kernel flushes them (FTZ/DAZ) for speed but must restore the caller's MXCSR.
+    tiny = torch.tensor([1e-40])
+    assert tiny.item() != 0.0  # torch keeps denormals by default
+    for level in cpu_kernel.supported_simd_levels():
+        cpu_kernel.set_simd_level(level)
+        for n in (17, 1 << 16):  # one thread, and the OpenMP threads
+            p = torch.nn.Parameter(torch.randn(n))
+            anchor = p.detach() + 0.01
+            opt = build_optimizer("recadam", [{"params": [p], "anchors": [anchor]}], impl="cpu",
+                                  lr=2e-5, anneal_k=0.5, anneal_t0=250, pretrain_cof=5000.0)
+            ref = Reference("recadam", p.detach(), anchor, lr=2e-5, anneal_k=0.5, anneal_t0=250,
+                            pretrain_cof=5000.0)
+            for _ in range(120):  # lambda from e^-125 to e^-65
+                g = torch.randn(n) * 1e-2
+                p.grad = g
+                ref.step(g)
+                opt.step()
+            assert_close_to_reference(p.detach(), ref.theta)
+            assert (tiny * 2).item() == pytest.approx(2e-40, rel=1e-3)
