@@ -1,0 +1,66 @@
+"""The memory plan against hand-computed bytes, and ALBERT-xxlarge (built on the meta device from
+its published architecture: no download, no memory) under ZeRO-2 + CPU offload on a 16 GB GPU."""
+
+import torch
+
+from ft_framework.config import validate_config
+from ft_framework.memory_plan import GIB, format_memory_plan, plan_memory
+
+
+def run_cfg(strategy: dict, precision: str = "bf16", anchor_dtype: str = "float32"):
+    return validate_config({
+        "model": {"name_or_path": "albert/albert-xxlarge-v2"},
+        "data": {"task": "rte"},
+        "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}, "anchor_dtype": anchor_dtype},
+        "schedule": {"warmup_steps": 0},
+        "training": {"max_steps": 1, "precision": precision},
+        "strategy": strategy,
+    })
+
+
+def rows(cfg, **kw):
+    return {r.what: (r.device_bytes, r.cpu_bytes) for r in plan_memory(cfg, **kw)}
+
+
+def test_zero2_offload_bytes_by_hand():
+    cfg = run_cfg({"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
+    got = rows(cfg, world_size=4, num_params=1000, num_anchored=800)
+    assert got["parameters (model copy)"] == (2000, 0)             # bf16, replicated in stage 2
+    assert got["gradients"] == (500, 0)                            # bf16, partitioned
+    assert got["gradients (fp32 partition for the CPU step)"] == (0, 1000)
+    assert got["fp32 master weights"] == (0, 1000)
+    assert got["Adam moments (exp_avg, exp_avg_sq)"] == (0, 2000)
+    assert got["anchors theta*"] == (0, 800)                       # total / world, on the CPU
+
+
+def test_zero3_fsdp_and_single_bytes_by_hand():
+    z3 = rows(run_cfg({"name": "deepspeed", "deepspeed": {"zero_stage": 3}}), world_size=2,
+              num_params=1000, num_anchored=1000)
+    assert z3["parameters (model copy)"] == (1000, 0) and z3["anchors theta*"] == (2000, 0)
+    fsdp = rows(run_cfg({"name": "fsdp", "fsdp": {"cpu_offload": True}}, anchor_dtype="bfloat16"),
+                world_size=2, num_params=1000, num_anchored=1000)
+    assert fsdp["anchors theta*"] == (0, 1000)                     # bf16 anchors: 2 bytes, halved
+    single = rows(run_cfg({"name": "single"}, precision="fp32"), world_size=1, num_params=10, num_anchored=8)
+    assert single == {"parameters": (40, 0), "gradients": (40, 0),
+                      "Adam moments (exp_avg, exp_avg_sq)": (80, 0), "anchors theta*": (32, 0)}
+
+
+def test_albert_xxlarge_zero2_offload_fits_a_16gb_gpu():
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    # albert-xxlarge-v2's architecture (its config.json); only the shapes matter here.
+    arch = AlbertConfig(vocab_size=30000, embedding_size=128, hidden_size=4096, num_hidden_layers=12,
+                        num_attention_heads=64, intermediate_size=16384, num_labels=2)
+    with torch.device("meta"):
+        model = AlbertForSequenceClassification(arch)
+    params = sum(p.numel() for p in model.parameters())
+    anchored = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("classifier"))
+    assert 222e6 < params < 224e6  # ≈ 223 M, shared across the 12 layers
+    cfg = run_cfg({"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
+    plan = plan_memory(cfg, world_size=1, num_params=params, num_anchored=anchored)
+    device_gib = sum(r.device_bytes for r in plan) / GIB
+    cpu_gib = sum(r.cpu_bytes for r in plan) / GIB
+    assert device_gib < 1.0     # bf16 weights + grads: the rest of a 16 GB GPU is for activations
+    assert 4.0 < cpu_gib < 4.3  # fp32 grads, masters, 2 moments, anchors: 5 x 0.83 GiB
+    text = format_memory_plan(plan, strategy="deepspeed", world_size=1)
+    assert "anchors theta*" in text and "total" in text
