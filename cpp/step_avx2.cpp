@@ -15,6 +15,7 @@ struct Avx2Ops {
         return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
     }
     static inline void store(float* p, Reg x) { _mm256_storeu_ps(p, x); }
+    static inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
     static inline Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
     static inline Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
     static inline Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }

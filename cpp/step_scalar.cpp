@@ -17,6 +17,7 @@ struct ScalarOps {
         return out;
     }
     static inline void store(float* p, Reg x) { *p = x; }
+    static inline void prefetch(const void*) {}  // the scalar baseline stays plain
     static inline Reg add(Reg a, Reg b) { return a + b; }
     static inline Reg sub(Reg a, Reg b) { return a - b; }
     static inline Reg mul(Reg a, Reg b) { return a * b; }
