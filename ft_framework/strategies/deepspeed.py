@@ -131,15 +131,10 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                 missing = [name_of[id(p)] for p in params if name_of[id(p)] not in anchors]
                 raise ValueError(f"a DeepSpeed partition mixes anchored and new parameters ({missing[:3]}...): "
                                  "put new (head) parameters in their own param group")
-            state = self.optimizer.state[flat]
-            if flat is not params[0]:  # partitions: one anchor tensor per flat partition
-                state["anchor"] = torch.zeros_like(flat, dtype=dtype)
+            # One anchor tensor per partition (per parameter at stage 0), filled piece by piece.
+            self.optimizer.state[flat]["anchor"] = torch.zeros_like(flat, dtype=dtype)
             for p in anchored:
-                full = anchors[name_of[id(p)]]
-                if flat is params[0]:
-                    state["anchor"] = full.detach().to(flat.device, dtype).clone()
-                else:
-                    self.state_map.set_full(p, "anchor", full)
+                self.state_map.set_full(p, "anchor", anchors[name_of[id(p)]])
 
     # ---- the step --------------------------------------------------------------------------------
     def forward(self, batch):
