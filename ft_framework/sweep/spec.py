@@ -102,7 +102,22 @@ class RunnerSpec(_Strict):
     procs_per_run: int | None = Field(None, gt=0)
 
 
-class MethodSpec(_Strict):
+class _SetAndAxesChecks(_Strict):
+    """The checks of `set` and `axes`, shared by a sweep and each of its methods. Only validators:
+    each class declares the fields itself, so error messages list its keys in its own order."""
+
+    @field_validator("axes", check_fields=False)
+    @classmethod
+    def _axes(cls, value: dict[str, Any]) -> dict[str, list[Any]]:
+        return _check_axes(value)
+
+    @field_validator("set", check_fields=False)
+    @classmethod
+    def _set(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_set(value)
+
+
+class MethodSpec(_SetAndAxesChecks):
     """A method of the comparison: a bundle of config keys, optionally its own base and axes."""
 
     base: str | dict[str, Any] | None = None
@@ -121,16 +136,6 @@ class MethodSpec(_Strict):
                 data["set"] = {**(data.get("set") or {}), **extra}
         return data
 
-    @field_validator("axes")
-    @classmethod
-    def _axes(cls, value: dict[str, Any]) -> dict[str, list[Any]]:
-        return _check_axes(value)
-
-    @field_validator("set")
-    @classmethod
-    def _set(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _check_set(value)
-
 
 class ReportSpec(_Strict):
     """How ft-report reads the runs."""
@@ -139,7 +144,7 @@ class ReportSpec(_Strict):
     seed_keys: list[str] = Field(default_factory=lambda: ["training.seed", "training.data_seed"])
 
 
-class SweepSpec(_Strict):
+class SweepSpec(_SetAndAxesChecks):
     """A grid of runs: base config x axes (x methods)."""
 
     name: str | None = None
@@ -153,16 +158,6 @@ class SweepSpec(_Strict):
     report: ReportSpec = Field(default_factory=ReportSpec)
     # Directory relative `base` paths are read from (the sweep file's); not part of the YAML.
     source_dir: str | None = Field(None, exclude=True)
-
-    @field_validator("axes")
-    @classmethod
-    def _axes(cls, value: dict[str, Any]) -> dict[str, list[Any]]:
-        return _check_axes(value)
-
-    @field_validator("set")
-    @classmethod
-    def _set(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _check_set(value)
 
     @field_validator("methods")
     @classmethod
