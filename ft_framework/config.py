@@ -389,74 +389,18 @@ def _optimizer_defaults(name: str) -> dict[str, Any]:
 
 
 def _validate_hparams(name: str, hparams: dict[str, Any]) -> dict[str, Any]:
-    """Checks names against the optimizer's hyper-parameters and coerces values to their types."""
-    defaults = _optimizer_defaults(name)
-    valid = ", ".join(k for k in defaults if k not in _GROUPING_HPARAMS)
-    out: dict[str, Any] = {}
-    for key, value in hparams.items():
-        if key in _GROUPING_HPARAMS:
-            raise ValueError(f"set {key!r} as {_GROUPING_HPARAMS[key]}, not in optimizer.hparams")
-        if key not in defaults:
-            raise ValueError(
-                f"unknown hyper-parameter {key!r} for optimizer {name!r}{_did_you_mean(key, defaults)}; "
-                f"valid: {valid}"
-            )
-        out[key] = _coerce_like(key, value, defaults[key])
-    _check_anneal(name, {**defaults, **out})
-    return out
+    from ft_framework.optim.validation import validate_hparams
 
-
-def _coerce_like(key: str, value: Any, default: Any) -> Any:
-    """Brings `value` to the type of the hyper-parameter's default (int -> float, list -> tuple)."""
-    if default is None or value is None:
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"hyper-parameter {key!r} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, (int, float)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"hyper-parameter {key!r} must be a number, got {value!r}")
-        return float(value) if isinstance(default, float) else value
-    if isinstance(default, (tuple, list)):
-        if not isinstance(value, (tuple, list)) or len(value) != len(default):
-            raise ValueError(f"hyper-parameter {key!r} must be a list of {len(default)} values like "
-                             f"{list(default)}, got {value!r}")
-        return tuple(_coerce_like(key, v, d) for v, d in zip(value, default))
-    if isinstance(default, str) and not isinstance(value, str):
-        raise ValueError(f"hyper-parameter {key!r} must be a string, got {value!r}")
-    return value
-
-
-def _check_anneal(name: str, merged: dict[str, Any]) -> None:
-    """Validates RecAdam's anneal_* values early, with the optimizer's own rules."""
-    keys = ("anneal_fun", "anneal_k", "anneal_t0", "anneal_w")
-    if not all(k in merged for k in keys):
-        return
-    from ft_framework.optim import anneal
-
-    fun = merged["anneal_fun"]
-    if fun not in anneal.ANNEAL_FUNCTIONS:
-        raise ValueError(f"unknown anneal_fun {fun!r}; valid: {', '.join(anneal.ANNEAL_FUNCTIONS)}")
-    validate = getattr(anneal, "validate_anneal", None)
-    if validate is not None and all(merged[k] is not None for k in keys):
-        validate(fun, merged["anneal_k"], merged["anneal_t0"], merged["anneal_w"])
+    return validate_hparams(name, hparams, not_here=_GROUPING_HPARAMS)
 
 
 def _warn_if_pull_overshoots(opt: OptimizerConfig) -> None:
-    """RecAdam's pull lr·(w − λ)·γ·(θ − θ*) overshoots θ* when lr·w·γ ≥ 1 (optimizers.md)."""
-    merged = opt.resolved_hparams()
-    if not {"lr", "pretrain_cof", "anneal_w"} <= merged.keys():
-        return
-    lr, gamma, w = merged["lr"], merged["pretrain_cof"], merged["anneal_w"]
-    if None in (lr, gamma, w):
-        return
-    if lr * w * gamma >= 1.0:
-        warnings.warn(
-            f"optimizer: lr * anneal_w * pretrain_cof = {lr * w * gamma:g} >= 1, so RecAdam's pull toward "
-            "the pretrained weights can overshoot them and training may diverge; lower lr or pretrain_cof",
-            stacklevel=2,
-        )
+    """The optimizer's own overshoot rule (optim/validation.py), at the configured peak lr."""
+    from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot
+
+    factor = pull_overshoot(opt.name, opt.resolved_hparams())
+    if factor >= 1.0:
+        warnings.warn(overshoot_message(factor, f"optimizer {opt.name!r}"), PullOvershootWarning, stacklevel=2)
 
 
 # --------------------------------------------------------------------------------------------------

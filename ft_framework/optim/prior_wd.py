@@ -15,6 +15,11 @@ from .registry import register_optimizer
 class PriorWD(AdamW):
     """AdamW's hyper-parameters and defaults; only where the decay pulls to differs."""
 
+    @staticmethod
+    def max_pull(hparams) -> float:
+        """The pull lr * weight_decay * (theta - theta*) is the same at every step."""
+        return hparams["lr"] * (hparams.get("weight_decay") or 0.0)
+
     def coefficients(self, group, step, has_anchor):
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
         pull = dict(pre_pull=lr * wd) if has_anchor else dict(pre_decay=lr * wd)

@@ -43,6 +43,16 @@ class RecAdam(AnchoredOptimizer):
                 f"{worst:.3g} >= 1, so the pull overshoots theta* and training diverges; lower lr, "
                 "pretrain_cof or anneal_w", PullOvershootWarning, stacklevel=4)
 
+    @staticmethod
+    def max_pull(hparams) -> float:
+        """lr * (anneal_w - lambda(t)) * pretrain_cof at its largest: t = 1, since lambda only rises
+        (validation.pull_overshoot). anneal_w 0 means plain Adam, constant means lambda = w: no pull."""
+        w = hparams["anneal_w"]
+        if not w > 0:
+            return 0.0
+        lam = anneal_lambda(hparams["anneal_fun"], 1, hparams["anneal_k"], hparams["anneal_t0"], w)
+        return hparams["lr"] * (w - lam) * hparams["pretrain_cof"]
+
     def group_lambda(self, group, step):
         return anneal_lambda(group["anneal_fun"], step, group["anneal_k"], group["anneal_t0"],
                              group["anneal_w"])

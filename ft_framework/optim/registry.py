@@ -35,7 +35,8 @@ def available_optimizers() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _get(name: str):
+def optimizer_factory(name: str):
+    """The class (or factory) registered under `name`; an unknown name lists the valid ones."""
     _load_builtins()
     if name not in _REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
@@ -48,7 +49,7 @@ def _signature(factory) -> inspect.Signature:
 
 def optimizer_hparams(name: str) -> dict[str, Any]:
     """Valid hyper-parameter names of optimizer ``name`` with their defaults."""
-    sig = _signature(_get(name))
+    sig = _signature(optimizer_factory(name))
     return {
         k: (None if p.default is inspect.Parameter.empty else p.default)
         for k, p in sig.parameters.items()
@@ -58,7 +59,7 @@ def optimizer_hparams(name: str) -> dict[str, Any]:
 
 def build_optimizer(name: str, param_groups, impl: str = "auto", **hparams):
     """Builds a registered optimizer; unknown names and hyper-parameters are errors listing the valid ones."""
-    factory = _get(name)
+    factory = optimizer_factory(name)
     valid = optimizer_hparams(name)
     unknown = sorted(set(hparams) - set(valid))
     if unknown:

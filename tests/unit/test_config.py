@@ -263,11 +263,22 @@ def test_deepspeed_config_file_must_exist(tmp_path):
 
 
 def test_recadam_pull_overshoot_warns():
-    with pytest.warns(UserWarning, match="overshoot"):
-        validate_config(apply_overrides(minimal(), ["optimizer.hparams.lr=1e-3"]))  # 1e-3*5000 = 5
+    from ft_framework.optim.validation import PullOvershootWarning
+
+    # The optimizer's own rule: lr * (w - lambda(1)) * gamma, not lr * w * gamma.
+    with pytest.warns(PullOvershootWarning, match="removes 2.5 x"):
+        validate_config(apply_overrides(minimal(), ["optimizer.hparams.lr=1e-3"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_config(apply_overrides(minimal(), ["optimizer.hparams.lr=2e-5"]))  # 0.1: fine
+        validate_config(apply_overrides(minimal(), ["optimizer.hparams.lr=2e-5"]))  # 0.05: fine
+        # anneal_fun constant has lambda = w: there is no pull, so no false positive.
+        validate_config(apply_overrides(minimal(), ["optimizer.hparams.lr=1e-3",
+                                                    "optimizer.hparams.anneal_fun=constant"]))
+
+
+def test_negative_lr_is_a_config_error():
+    with pytest.raises(ConfigError, match="lr must be >= 0"):
+        validate_config(apply_overrides(minimal(), ["optimizer.hparams.lr=-1e-5"]))
 
 
 # --- data sources ---------------------------------------------------------------------------------
