@@ -8,8 +8,9 @@ added, and when a schedule changes lr) call these same functions, so the two can
 
 from __future__ import annotations
 
-import difflib
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
+
+from ft_framework.errors import did_you_mean
 
 from .anneal import ANNEAL_FUNCTIONS, validate_anneal
 
@@ -23,11 +24,6 @@ def optimizer_defaults(name: str) -> dict[str, Any]:
     from .registry import optimizer_hparams
 
     return dict(optimizer_hparams(name))
-
-
-def did_you_mean(key: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(key), [str(c) for c in choices], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def validate_hparams(name: str, hparams: Mapping[str, Any], *, not_here: Mapping[str, str] = {}) -> dict[str, Any]:
