@@ -15,9 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-LATEST_FILE = "latest"
-COMPLETE_MARKER = "COMPLETE"
-TRAINER_STATE_FILE = "trainer_state.pt"
+from .run_files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, COMPLETE_MARKER, LATEST_FILE,
+                        TRAINER_STATE_FILE, checkpoint_name)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -40,7 +39,7 @@ class CheckpointManager:
 
     @staticmethod
     def name_for(step: int) -> str:
-        return f"step_{step:08d}"
+        return checkpoint_name(step)
 
     def save(self, step: int, strategy, trainer_state: dict[str, Any]) -> Path:
         """Saves strategy state (every rank writes its part) and the trainer's state, atomically."""
@@ -65,7 +64,7 @@ class CheckpointManager:
         return final
 
     def _prune(self, keep: str) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE_MARKER).is_file())
+        done = sorted(p for p in self.root.glob(f"{CHECKPOINT_PREFIX}*") if (p / COMPLETE_MARKER).is_file())
         for old in done[:-self.keep_last]:
             if old.name != keep:
                 shutil.rmtree(old, ignore_errors=True)
@@ -93,11 +92,12 @@ class CheckpointManager:
         return directory
 
     def save_best(self, strategy) -> None:
-        """Keeps the model weights of the best evaluation so far in <output_dir>/best/model.pt."""
+        """Keeps the model weights of the best evaluation so far in <output_dir>/best/model.pt
+        (the checkpoints' root is <output_dir>/checkpoints)."""
         model = strategy.consolidated_model()
         if self.is_main:
-            best = self.root.parent / "best"
+            best = self.root.parent / BEST_DIR
             best.mkdir(parents=True, exist_ok=True)
-            tmp = best / "model.pt.tmp"
+            tmp = best / (BEST_MODEL_FILE + ".tmp")
             torch.save(model.state_dict(), tmp)
-            os.replace(tmp, best / "model.pt")
+            os.replace(tmp, best / BEST_MODEL_FILE)

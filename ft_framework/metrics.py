@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ft_framework.data.glue import get_task
+from ft_framework.data.tasks import get_task
 
 # --------------------------------------------------------------------------------------------------
 # Elementary metrics
@@ -115,8 +115,25 @@ def _regression_scores(predictions: np.ndarray) -> np.ndarray:
     raise ValueError(f"regression predictions must be (N,) or (N, 1), got {predictions.shape}")
 
 
+# Every metric a TaskSpec may list, as a function of (predictions, labels): class ids for a
+# classification task, float scores for a regression task.
+METRICS: dict[str, Any] = {
+    "accuracy": accuracy,
+    "f1": f1_positive,
+    "mcc": matthews_corrcoef,
+    "pearson": pearson,
+    "spearmanr": spearman,
+}
+# Metrics that are the mean of two others (GLUE's combined scores), computed from those two.
+AVERAGED_METRICS: dict[str, tuple[str, str]] = {
+    "accuracy_f1_avg": ("accuracy", "f1"),
+    "pearson_spearman_avg": ("pearson", "spearmanr"),
+}
+
+
 def compute_metrics(task: str, predictions: Any, labels: Any) -> dict[str, float]:
-    """GLUE metrics of ``predictions`` (logits, or scores for STS-B) against ``labels``.
+    """The metrics the task's spec lists (``get_task(task).metrics``, in that order) of
+    ``predictions`` (logits, or scores for STS-B) against ``labels``.
 
     CoLA: mcc, accuracy. STS-B: pearson, spearmanr, pearson_spearman_avg. MRPC/QQP: f1, accuracy,
     accuracy_f1_avg. Other tasks: accuracy.
@@ -128,23 +145,30 @@ def compute_metrics(task: str, predictions: Any, labels: Any) -> dict[str, float
         raise ValueError(f"{len(predictions)} predictions but {len(labels)} labels")
 
     if spec.is_regression:
-        scores = _regression_scores(predictions).astype(np.float64)
-        p, s = pearson(scores, labels), spearman(scores, labels)
-        return {"pearson": p, "spearmanr": s, "pearson_spearman_avg": (p + s) / 2}
+        preds = _regression_scores(predictions).astype(np.float64)
+    else:
+        preds = _predicted_classes(predictions)
+        labels = labels.astype(np.int64)
 
-    preds = _predicted_classes(predictions)
-    labels = labels.astype(np.int64)
-    acc = accuracy(preds, labels)
-    if spec.name == "cola":
-        return {"mcc": matthews_corrcoef(preds, labels), "accuracy": acc}
-    if spec.name in ("mrpc", "qqp"):
-        f1 = f1_positive(preds, labels)
-        return {"f1": f1, "accuracy": acc, "accuracy_f1_avg": (acc + f1) / 2}
-    return {"accuracy": acc}
+    computed: dict[str, float] = {}
+
+    def value(name: str) -> float:
+        if name not in computed:
+            if name in AVERAGED_METRICS:
+                a, b = AVERAGED_METRICS[name]
+                computed[name] = (value(a) + value(b)) / 2
+            elif name in METRICS:
+                computed[name] = METRICS[name](preds, labels)
+            else:
+                raise ValueError(f"task {spec.name!r} lists metric {name!r}, which ft_framework.metrics does "
+                                 f"not compute; known: {', '.join([*METRICS, *AVERAGED_METRICS])}")
+        return computed[name]
+
+    return {name: value(name) for name in spec.metrics}
 
 
 def main_metric(task: str) -> str:
-    """Name of the task's headline GLUE metric (cola: mcc, stsb: pearson, mrpc/qqp: f1, else accuracy)."""
+    """Name of the task's headline GLUE metric (its TaskSpec's main_metric)."""
     return get_task(task).main_metric
 
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
+from .run_files import METRICS_FILE, TENSORBOARD_DIR
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -31,8 +31,10 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: Path, enabled: bool = True, tensorboard: bool = False):
+    def __init__(self, output_dir: Path, enabled: bool = True, tensorboard: bool = False, trackers=()):
         self.enabled = enabled
+        # MLflow / W&B (ft_framework/tracking.py): every record goes to them too, same steps.
+        self.trackers = list(trackers) if enabled else []
         self.path = Path(output_dir) / METRICS_FILE
         self.writer = None
         if enabled:
@@ -40,7 +42,7 @@ class MetricsLogger:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+                self.writer = SummaryWriter(log_dir=str(Path(output_dir) / TENSORBOARD_DIR))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -52,6 +54,17 @@ class MetricsLogger:
                 if math.isfinite(value):
                     self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
+        if self.trackers:
+            from .tracking import scalars_for_trackers
+
+            values = scalars_for_trackers(_scalars(record))
+            for tracker in self.trackers:
+                tracker.log_metrics(values, record["step"])
+
+    def log_artifact(self, path: Path) -> None:
+        """Attaches a file (results.json) to every tracker's run."""
+        for tracker in self.trackers if self.enabled else ():
+            tracker.log_artifact(Path(path))
 
     def truncate_after(self, step: int) -> None:
         """Drops records past `step` (written by an attempt that did not reach its next checkpoint)."""
@@ -63,7 +76,10 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        for tracker in self.trackers:
+            tracker.finish(ok)
+        self.trackers = []

@@ -1,23 +1,28 @@
-"""GLUE data loading: task specs, tokenized datasets and a dynamic-padding collator."""
+"""GLUE data: task specs (tasks.py), loading and collation (glue.py), and which examples each rank
+sees (sharding.py).
 
-from ft_framework.data.glue import (
-    GLUE_TASKS,
-    GlueCollator,
-    GlueData,
-    TaskSpec,
-    TokenizedDataset,
-    get_task,
-    load_glue,
-    make_collator,
-)
+The task specs are imported eagerly and the rest on first use, so ``from ft_framework.data import
+get_task`` (the config does this) does not import torch.
+"""
 
-__all__ = [
-    "GLUE_TASKS",
-    "GlueCollator",
-    "GlueData",
-    "TaskSpec",
-    "TokenizedDataset",
-    "get_task",
-    "load_glue",
-    "make_collator",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ft_framework.data.tasks import GLUE_TASK_NAMES, GLUE_TASKS, TaskSpec, get_task
+
+_LAZY = {
+    "GlueCollator": "glue", "GlueData": "glue", "TokenizedDataset": "glue", "load_glue": "glue",
+    "make_collator": "glue",
+    "epoch_batches": "sharding", "eval_shard": "sharding", "restore_order": "sharding",
+    "batches_per_epoch": "sharding",
+}
+
+__all__ = ["GLUE_TASKS", "GLUE_TASK_NAMES", "TaskSpec", "get_task", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"ft_framework.data.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'ft_framework.data' has no attribute {name!r}")

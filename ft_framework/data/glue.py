@@ -1,4 +1,4 @@
-"""GLUE task definitions, loading (Hugging Face hub or local TSV files), tokenization and collation.
+"""GLUE loading (Hugging Face hub or local TSV files), tokenization and collation.
 
 Integer labels always follow the ``nyu-mll/glue`` hub label ids, so a task loaded from the hub and the
 same task loaded from the original GLUE TSV files give identical labels.
@@ -17,81 +17,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .tasks import TaskSpec, get_task
+
 logger = logging.getLogger(__name__)
 
 # Some GLUE fields (e.g. QQP questions) exceed csv's default 128 KiB field limit.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-
-
-# --------------------------------------------------------------------------------------------------
-# Task specifications
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """Static description of one GLUE task.
-
-    ``label_list[i]`` is the label string used in the original TSV files for hub label id ``i``.
-    """
-
-    name: str
-    dir_name: str
-    text_keys: tuple[str, ...]
-    label_list: tuple[str, ...] | None
-    is_regression: bool
-    eval_splits: tuple[str, ...]
-    main_metric: str
-
-    @property
-    def num_labels(self) -> int:
-        """Number of model outputs: 1 for regression, else the number of classes."""
-        return 1 if self.is_regression else len(self.label_list)
-
-
-_VALIDATION = ("validation",)
-
-GLUE_TASKS: dict[str, TaskSpec] = {
-    spec.name: spec
-    for spec in (
-        # hub: 0 = unacceptable, 1 = acceptable
-        TaskSpec("cola", "CoLA", ("sentence",), ("0", "1"), False, _VALIDATION, "mcc"),
-        # hub: 0 = negative, 1 = positive
-        TaskSpec("sst2", "SST-2", ("sentence",), ("0", "1"), False, _VALIDATION, "accuracy"),
-        # hub: 0 = not_equivalent, 1 = equivalent
-        TaskSpec("mrpc", "MRPC", ("sentence1", "sentence2"), ("0", "1"), False, _VALIDATION, "f1"),
-        # hub: 0 = not_duplicate, 1 = duplicate
-        TaskSpec("qqp", "QQP", ("question1", "question2"), ("0", "1"), False, _VALIDATION, "f1"),
-        TaskSpec("stsb", "STS-B", ("sentence1", "sentence2"), None, True, _VALIDATION, "pearson"),
-        TaskSpec(
-            "mnli",
-            "MNLI",
-            ("premise", "hypothesis"),
-            ("entailment", "neutral", "contradiction"),
-            False,
-            ("validation_matched", "validation_mismatched"),
-            "accuracy",
-        ),
-        TaskSpec(
-            "qnli", "QNLI", ("question", "sentence"), ("entailment", "not_entailment"), False,
-            _VALIDATION, "accuracy",
-        ),
-        TaskSpec(
-            "rte", "RTE", ("sentence1", "sentence2"), ("entailment", "not_entailment"), False,
-            _VALIDATION, "accuracy",
-        ),
-        # hub: 0 = not_entailment, 1 = entailment (the TSV files already use 0/1)
-        TaskSpec("wnli", "WNLI", ("sentence1", "sentence2"), ("0", "1"), False, _VALIDATION, "accuracy"),
-    )
-}
-
-
-def get_task(name: str) -> TaskSpec:
-    """Return the TaskSpec for ``name`` (case-insensitive; "sst-2"/"sts-b" accepted)."""
-    key = name.lower().replace("-", "")
-    if key not in GLUE_TASKS:
-        raise ValueError(f"unknown GLUE task {name!r}; valid tasks: {', '.join(GLUE_TASKS)}")
-    return GLUE_TASKS[key]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,15 +147,15 @@ def _read_glue_tsv(path: str | Path, spec: TaskSpec) -> _RawSplit:
 
 
 def _resolve_task_dir(source: str | Path, spec: TaskSpec) -> Path:
-    """Accept either the GLUE root (containing ``<dir_name>/``) or the task directory itself."""
+    """Accept either the GLUE root (containing ``<title>/``, e.g. ``SST-2/``) or the task directory itself."""
     root = Path(source).expanduser()
-    if (root / spec.dir_name).is_dir():
-        return root / spec.dir_name
+    if (root / spec.title).is_dir():
+        return root / spec.title
     if (root / "train.tsv").is_file():
         return root
     raise FileNotFoundError(
-        f"no GLUE data for task {spec.name!r} under {root}: expected {root / spec.dir_name / 'train.tsv'} "
-        f"(or point source at the {spec.dir_name} directory itself)"
+        f"no GLUE data for task {spec.name!r} under {root}: expected {root / spec.title / 'train.tsv'} "
+        f"(or point source at the {spec.title} directory itself)"
     )
 
 

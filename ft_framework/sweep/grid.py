@@ -23,6 +23,8 @@ from typing import Any, Iterable, Sequence
 from ft_framework.config import (ConfigError, RunConfig, apply_overrides, parse_override, resolve_task_overrides,
                                  validate_config)
 
+from ft_framework.run_files import RUNS_SUBDIR
+
 from .spec import SweepSpec
 
 __all__ = ["PlannedRun", "IDENTITY_EXCLUDED", "run_identity", "expand", "RUNS_SUBDIR"]
@@ -33,7 +35,6 @@ IDENTITY_EXCLUDED: tuple[tuple[str, ...], ...] = (
     ("logging", "progress_bar"),
     ("checkpoint", "resume_from"),
 )
-RUNS_SUBDIR = "runs"
 
 
 @dataclass

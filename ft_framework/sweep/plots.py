@@ -23,6 +23,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
+from ft_framework.run_files import METRICS_FILE
+
 if TYPE_CHECKING:
     from .report import Report, RunRecord
 
@@ -33,7 +35,7 @@ K_KEY = "optimizer.hparams.anneal_k"
 
 def _metrics(run: "RunRecord", cache: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     if run.run_id not in cache:
-        path = run.directory / "metrics.jsonl"
+        path = run.directory / METRICS_FILE
         records = []
         if path.is_file():
             for line in path.read_text().splitlines():

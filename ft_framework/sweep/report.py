@@ -15,8 +15,8 @@ How numbers are made (also stated at the top of report.md):
   over seeds, and how many of its runs failed (Mosbach et al.: at or below the majority baseline;
   results.json's `failed`).
 - Avg >10k / Avg <10k / Avg: mean over tasks of the per-task statistic, the tasks grouped by their
-  GLUE training-set size (TASK_TRAIN_SIZES below, a fixed table; WNLI is left out of the averages
-  as in the paper). An average covers the tasks the method has results for.
+  nominal GLUE training-set size (TaskSpec.train_size in ft_framework/data/tasks.py; WNLI is left
+  out of the averages as in the paper). An average covers the tasks the method has results for.
 - Levene's test (median-centred, Brown-Forsythe) compares, per task, the seeds of the chosen
   setting of each pair of methods.
 - Expected best score of n trials: bootstrap (10,000 draws) of n runs with replacement from ALL
@@ -38,22 +38,23 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import yaml
 
+from ft_framework.data.tasks import GLUE_TASKS
+from ft_framework.run_files import INDEX_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
+
 from .stats import expected_max_curve, levene, sample_std
 from .store import SweepStore
 
 __all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "RunRecord", "TaskCell", "Report",
            "load_records", "build_report"]
 
-# GLUE training-set sizes (examples), as in Chen et al. 2020, Table 1 and the GLUE paper.
-TASK_TRAIN_SIZES: dict[str, int] = {
-    "mnli": 393_000, "qqp": 364_000, "qnli": 105_000, "sst2": 67_000,
-    "cola": 8_500, "stsb": 5_700, "mrpc": 3_700, "rte": 2_500, "wnli": 635,
-}
-LARGE_TASKS = ("mnli", "qqp", "qnli", "sst2")   # > 10k training examples
-SMALL_TASKS = ("cola", "stsb", "mrpc", "rte")   # < 10k training examples
-TASK_ORDER = (*LARGE_TASKS, *SMALL_TASKS, "wnli")
-TASK_TITLES = {"mnli": "MNLI", "qqp": "QQP", "qnli": "QNLI", "sst2": "SST-2", "cola": "CoLA", "stsb": "STS-B",
-               "mrpc": "MRPC", "rte": "RTE", "wnli": "WNLI"}
+# The task facts are the TaskSpecs'; the report only chooses an order and which tasks to average.
+TASK_TRAIN_SIZES: dict[str, int] = {name: spec.train_size for name, spec in GLUE_TASKS.items()}
+# Columns from the largest training set to the smallest, as in Chen et al. 2020, Table 1.
+TASK_ORDER = tuple(sorted(GLUE_TASKS, key=lambda name: -GLUE_TASKS[name].train_size))
+# Chen et al. 2020 leave WNLI out of their averages; so does the report, to stay comparable.
+NOT_AVERAGED = ("wnli",)
+LARGE_TASKS = tuple(t for t in TASK_ORDER if GLUE_TASKS[t].is_large and t not in NOT_AVERAGED)
+SMALL_TASKS = tuple(t for t in TASK_ORDER if not GLUE_TASKS[t].is_large and t not in NOT_AVERAGED)
 AVG_COLUMNS = ("avg_gt10k", "avg_lt10k", "avg")
 AVG_TITLES = {"avg_gt10k": "Avg >10k", "avg_lt10k": "Avg <10k", "avg": "Avg"}
 DEFAULT_SEED_KEYS = ("training.seed", "training.data_seed")
@@ -63,10 +64,12 @@ LEVENE_MIN_SEEDS = 3
 
 
 def _size_title(task: str) -> str:
-    size = TASK_TRAIN_SIZES.get(task)
-    if size is None:
-        return task
-    return f"{TASK_TITLES.get(task, task)} {size / 1000:.1f}k" if size < 10_000 else f"{TASK_TITLES[task]} {size // 1000}k"
+    spec = GLUE_TASKS.get(task)
+    return spec.size_title if spec is not None else task
+
+
+def _titles(tasks: Iterable[str]) -> str:
+    return ", ".join(GLUE_TASKS[t].title for t in tasks)
 
 
 @dataclass
@@ -119,7 +122,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _seed_keys(root: Path) -> tuple[str, ...]:
     try:
-        data = yaml.safe_load((root / "sweep.yaml").read_text()) or {}
+        data = yaml.safe_load((root / SWEEP_FILE).read_text()) or {}
         keys = (data.get("report") or {}).get("seed_keys")
         return tuple(keys) if keys else DEFAULT_SEED_KEYS
     except (FileNotFoundError, yaml.YAMLError, AttributeError):
@@ -139,7 +142,7 @@ def _record_from(entry: dict[str, Any], directory: Path, state: str, seed_keys: 
     setting = tuple((k, _value_text(v)) for k, v in axes.items() if k != "data.task" and k not in seed_keys)
     rec = RunRecord(run_id=entry["id"], method=entry["method"], task=entry.get("task"), seed=entry.get("seed"),
                     axes=axes, setting=setting, state=state, directory=directory)
-    results = _read_json(directory / "results.json") if state == "finished" else None
+    results = _read_json(directory / RESULTS_FILE) if state == "finished" else None
     if results is None:
         if state == "finished":
             rec.state = "failed"
@@ -160,8 +163,8 @@ def _record_from(entry: dict[str, Any], directory: Path, state: str, seed_keys: 
 def load_records(directory: str | Path) -> list[RunRecord]:
     """Every run of a sweep store (or the one run of a run directory), finished or not."""
     root = Path(directory)
-    if (root / "results.json").is_file() and not (root / "index.json").is_file():
-        results = _read_json(root / "results.json") or {}
+    if (root / RESULTS_FILE).is_file() and not (root / INDEX_FILE).is_file():
+        results = _read_json(root / RESULTS_FILE) or {}
         cfg = results.get("config") or {}
         entry = {"id": root.name, "method": (cfg.get("optimizer") or {}).get("name", "run"),
                  "task": results.get("task"), "seed": (cfg.get("training") or {}).get("seed"), "axes": {}}
@@ -169,12 +172,13 @@ def load_records(directory: str | Path) -> list[RunRecord]:
     store = SweepStore(root)
     entries = store.list_runs()
     if not entries:
-        raise FileNotFoundError(f"{root} holds neither a sweep (index.json, runs/) nor a run (results.json)")
+        raise FileNotFoundError(f"{root} holds neither a sweep ({INDEX_FILE}, {RUNS_SUBDIR}/) nor a run "
+                                f"({RESULTS_FILE})")
     seed_keys = _seed_keys(root)
     records = []
     for entry in entries:
-        run_dir = root / entry.get("dir", f"runs/{entry['id']}")
-        status = _read_json(run_dir / "status.json") or {}
+        run_dir = root / entry.get("dir", f"{RUNS_SUBDIR}/{entry['id']}")
+        status = _read_json(run_dir / STATUS_FILE) or {}
         state = status.get("state", entry.get("state", "pending"))
         records.append(_record_from(entry, run_dir, state, seed_keys))
     return records
@@ -308,8 +312,8 @@ class Report:
                 "Per method and task, the setting with the best mean selection-split score; its median, max, "
                 "mean and std (ddof=1) over seeds, and its failed runs (at or below the majority baseline, "
                 "Mosbach et al.). Avg >10k / <10k / Avg: mean over the tasks present, grouped by GLUE "
-                "training-set size (MNLI, QQP, QNLI, SST-2 > 10k; CoLA, STS-B, MRPC, RTE < 10k; WNLI not "
-                "averaged); failed runs are summed.", "", self._table1_markdown(), ""]
+                f"training-set size ({_titles(LARGE_TASKS)} > 10k; {_titles(SMALL_TASKS)} < 10k; "
+                f"{_titles(NOT_AVERAGED)} not averaged); failed runs are summed.", "", self._table1_markdown(), ""]
         missing = [(m, t) for m in self.methods for t in self.tasks if (m, t) not in self.cells]
         if missing:
             out += ["Missing (no finished run): " + ", ".join(f"{m}/{t}" for m, t in missing)

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from ft_framework.config import RunConfig
+from ft_framework.run_files import LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE
 
 from .grid import PlannedRun
 from .spec import RunnerSpec
-from .store import CONFIG_FILE, LOG_FILE, SweepStore, now_iso
+from .store import SweepStore, now_iso
 
 __all__ = ["SweepInterrupted", "build_command", "execute_run", "LocalRunner", "RayRunner", "make_runner",
            "threads_per_run"]
@@ -141,7 +142,7 @@ def execute_run(store: SweepStore, run: PlannedRun, spec: RunnerSpec, *, env: di
     run_id = run.run_id
     directory = store.run_dir(run_id)
     resume = store.prepare_attempt(run_id)
-    cmd = [str(c) for c in command_fn(directory / CONFIG_FILE, run.config, spec, resume)]
+    cmd = [str(c) for c in command_fn(directory / RUN_CONFIG_FILE, run.config, spec, resume)]
     attempts = int(store.read_status(run_id).get("attempts", 0)) + 1
     host = socket.gethostname()
     store.write_status(run_id, state="running", attempts=attempts, started=now_iso(), ended=None, returncode=None,
@@ -175,7 +176,7 @@ def execute_run(store: SweepStore, run: PlannedRun, spec: RunnerSpec, *, env: di
             if live is not None:
                 live.remove(proc)
     seconds = round(time.monotonic() - started, 3)
-    has_results = (directory / "results.json").is_file()
+    has_results = (directory / RESULTS_FILE).is_file()
     if rc == 0 and has_results:
         state, error = "finished", None
     elif stop is not None and stop.is_set():

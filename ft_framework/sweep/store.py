@@ -27,18 +27,14 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
-from .grid import RUNS_SUBDIR, PlannedRun
+from ft_framework.run_files import (INDEX_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
+                                    RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE, RunPaths)
+
+from .grid import PlannedRun
 
 __all__ = ["STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso"]
 
 STATES = ("pending", "running", "finished", "failed", "interrupted")
-INDEX_FILE = "index.json"
-STATUS_FILE = "status.json"
-RUN_FILE = "run.json"
-CONFIG_FILE = "config.yaml"
-LOG_FILE = "log.txt"
-RESULTS_FILE = "results.json"
-LOCK_FILE = ".sweep.lock"
 
 
 class SweepLockedError(RuntimeError):
@@ -108,7 +104,7 @@ class SweepStore:
         return _read_json(self.run_dir(run_id) / RESULTS_FILE)
 
     def read_run_info(self, run_id: str) -> dict[str, Any] | None:
-        return _read_json(self.run_dir(run_id) / RUN_FILE)
+        return _read_json(self.run_dir(run_id) / RUN_INFO_FILE)
 
     def is_finished(self, run_id: str) -> bool:
         return (self.read_status(run_id).get("state") == "finished"
@@ -142,16 +138,16 @@ class SweepStore:
         dead sweep left 'running' (call with the lock held) and rewrites the index."""
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         if sweep_text is not None:
-            atomic_write_text(self.root / "sweep.yaml", sweep_text)
+            atomic_write_text(self.root / SWEEP_FILE, sweep_text)
         for run in runs:
             directory = self.run_dir(run.run_id)
             directory.mkdir(parents=True, exist_ok=True)
             info = run.describe()
-            if _read_json(directory / RUN_FILE) != info:
-                atomic_write_text(directory / RUN_FILE, json.dumps(info, indent=2))
+            if _read_json(directory / RUN_INFO_FILE) != info:
+                atomic_write_text(directory / RUN_INFO_FILE, json.dumps(info, indent=2))
             if not self.is_finished(run.run_id):
                 text = yaml.safe_dump(run.config.to_dict(), sort_keys=False)
-                config_path = directory / CONFIG_FILE
+                config_path = directory / RUN_CONFIG_FILE
                 if not config_path.is_file() or config_path.read_text() != text:
                     atomic_write_text(config_path, text)
             if not (directory / STATUS_FILE).is_file():
@@ -186,12 +182,12 @@ class SweepStore:
     def prepare_attempt(self, run_id: str) -> bool:
         """Clears what a previous attempt left, keeping checkpoints. Returns True when the run can
         resume from a checkpoint (then the trainer drops the logs past it)."""
-        directory = self.run_dir(run_id)
-        (directory / RESULTS_FILE).unlink(missing_ok=True)
-        resumable = (directory / "checkpoints" / "latest").is_file()
+        paths = RunPaths(self.run_dir(run_id))
+        paths.results.unlink(missing_ok=True)
+        resumable = paths.latest_checkpoint.is_file()
         if not resumable:
-            (directory / "metrics.jsonl").unlink(missing_ok=True)
-            shutil.rmtree(directory / "tensorboard", ignore_errors=True)
+            paths.metrics.unlink(missing_ok=True)
+            shutil.rmtree(paths.tensorboard, ignore_errors=True)
         return resumable
 
     # ---- the index --------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+"""The nine GLUE tasks: every fact about a task lives in its :class:`TaskSpec` here, and the config
+(valid task names), the data loader (texts, labels, splits), the metrics (which ones, the main one)
+and the sweep report (titles, sizes, order) read it from here.
+
+This module imports nothing heavy (no torch, numpy or datasets), so the config can use it cheaply.
+
+    spec = get_task("sst2")
+    spec.title, spec.train_size, spec.metrics, spec.main_metric   # "SST-2", 67000, ("accuracy",), "accuracy"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ft_framework.errors import UserError, did_you_mean
+
+__all__ = ["TaskSpec", "GLUE_TASKS", "GLUE_TASK_NAMES", "LARGE_TASK_MIN_TRAIN_SIZE", "get_task"]
+
+# Chen et al. 2020 and Mosbach et al. 2020 group the tasks by training-set size at 10k examples.
+LARGE_TASK_MIN_TRAIN_SIZE = 10_000
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Static description of one GLUE task.
+
+    ``label_list[i]`` is the label string used in the original TSV files for hub label id ``i``.
+    """
+
+    name: str                          # config and hub name: "sst2"
+    # The task's name in the GLUE paper ("SST-2"); the GLUE distribution also names each task's
+    # directory by it (glue_data/SST-2/train.tsv), so the local loader looks for this directory.
+    title: str
+    text_keys: tuple[str, ...]         # hub column names of the input texts, in model order
+    label_list: tuple[str, ...] | None  # None for regression (STS-B)
+    eval_splits: tuple[str, ...]       # hub split names of the dev set(s); the first selects models
+    # Metrics reported for the task, in report order (names as computed by ft_framework.metrics).
+    metrics: tuple[str, ...]
+    main_metric: str                   # the GLUE headline metric: model selection and "failed" runs
+    # Nominal size of the full GLUE training set (the GLUE paper; Chen et al. 2020, Table 1),
+    # not the size of whatever data a run loads.
+    train_size: int
+
+    def __post_init__(self) -> None:
+        if self.main_metric not in self.metrics:
+            raise ValueError(f"task {self.name!r}: main_metric {self.main_metric!r} is not in {self.metrics}")
+
+    @property
+    def is_regression(self) -> bool:
+        return self.label_list is None
+
+    @property
+    def num_labels(self) -> int:
+        """Number of model outputs: 1 for regression, else the number of classes."""
+        return 1 if self.label_list is None else len(self.label_list)
+
+    @property
+    def is_large(self) -> bool:
+        """More than 10k training examples in the full GLUE set (the papers' "> 10k" group)."""
+        return self.train_size > LARGE_TASK_MIN_TRAIN_SIZE
+
+    @property
+    def size_title(self) -> str:
+        """Title with the nominal train size, as in a table header: "SST-2 67k", "RTE 2.5k"."""
+        size = self.train_size
+        if size < LARGE_TASK_MIN_TRAIN_SIZE:
+            return f"{self.title} {size / 1000:.1f}k"
+        return f"{self.title} {size // 1000}k"
+
+
+_VALIDATION = ("validation",)
+_PAIR = ("sentence1", "sentence2")
+_ACCURACY = ("accuracy",)
+_ACC_F1 = ("f1", "accuracy", "accuracy_f1_avg")
+
+# In the GLUE paper's order (its Table 1); the report orders its columns by train_size instead.
+GLUE_TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        # hub: 0 = unacceptable, 1 = acceptable
+        TaskSpec("cola", "CoLA", ("sentence",), ("0", "1"), _VALIDATION, ("mcc", "accuracy"), "mcc", 8_500),
+        # hub: 0 = negative, 1 = positive
+        TaskSpec("sst2", "SST-2", ("sentence",), ("0", "1"), _VALIDATION, _ACCURACY, "accuracy", 67_000),
+        # hub: 0 = not_equivalent, 1 = equivalent
+        TaskSpec("mrpc", "MRPC", _PAIR, ("0", "1"), _VALIDATION, _ACC_F1, "f1", 3_700),
+        # hub: 0 = not_duplicate, 1 = duplicate
+        TaskSpec("qqp", "QQP", ("question1", "question2"), ("0", "1"), _VALIDATION, _ACC_F1, "f1", 364_000),
+        TaskSpec("stsb", "STS-B", _PAIR, None, _VALIDATION, ("pearson", "spearmanr", "pearson_spearman_avg"),
+                 "pearson", 5_700),
+        TaskSpec("mnli", "MNLI", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"),
+                 ("validation_matched", "validation_mismatched"), _ACCURACY, "accuracy", 393_000),
+        TaskSpec("qnli", "QNLI", ("question", "sentence"), ("entailment", "not_entailment"), _VALIDATION,
+                 _ACCURACY, "accuracy", 105_000),
+        TaskSpec("rte", "RTE", _PAIR, ("entailment", "not_entailment"), _VALIDATION, _ACCURACY, "accuracy", 2_500),
+        # hub: 0 = not_entailment, 1 = entailment (the TSV files already use 0/1)
+        TaskSpec("wnli", "WNLI", _PAIR, ("0", "1"), _VALIDATION, _ACCURACY, "accuracy", 635),
+    )
+}
+
+# The config's valid data.task values.
+GLUE_TASK_NAMES: tuple[str, ...] = tuple(GLUE_TASKS)
+
+
+def get_task(name: str) -> TaskSpec:
+    """Return the TaskSpec for ``name`` (case-insensitive; "sst-2"/"sts-b" accepted)."""
+    key = name.lower().replace("-", "")
+    if key not in GLUE_TASKS:
+        raise UserError(f"unknown GLUE task {name!r}{did_you_mean(key, GLUE_TASK_NAMES)}; "
+                        f"valid tasks: {', '.join(GLUE_TASK_NAMES)}")
+    return GLUE_TASKS[key]

@@ -1,0 +1,88 @@
+"""The names of the files a run and a sweep write: the one place they are spelled. Other tools read
+these files (ft-report, a user's scripts), so a name here is an on-disk contract.
+
+A run's output directory (``logging.output_dir``)::
+
+    results.json            the final results (written last, atomically: its presence means "done")
+    metrics.jsonl           one JSON record per log line or evaluation
+    tensorboard/            TensorBoard events (logging.tensorboard: true)
+    best/model.pt           the best evaluation's weights (evaluation.select_best: true)
+    checkpoints/latest      the name of the newest complete checkpoint
+    checkpoints/step_N/     one checkpoint: the strategy's files, trainer_state.pt and a COMPLETE marker
+
+A sweep's store adds, at its root, index.json, sweep.yaml and runs/<run id>/ (each a run output
+directory plus config.yaml, run.json, status.json and log.txt).
+
+    paths = RunPaths(cfg.logging.output_dir)
+    paths.results, paths.metrics, paths.latest_checkpoint
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# ---- a run's output directory --------------------------------------------------------------------
+RESULTS_FILE = "results.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+BEST_DIR = "best"
+BEST_MODEL_FILE = "model.pt"
+CHECKPOINTS_DIR = "checkpoints"
+
+# ---- inside checkpoints/ -------------------------------------------------------------------------
+LATEST_FILE = "latest"
+CHECKPOINT_PREFIX = "step_"
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE_FILE = "trainer_state.pt"
+
+# ---- a sweep's store -----------------------------------------------------------------------------
+INDEX_FILE = "index.json"
+SWEEP_FILE = "sweep.yaml"
+RUNS_SUBDIR = "runs"
+LOCK_FILE = ".sweep.lock"
+# ...and in each run directory of the store, besides the run's own files:
+RUN_CONFIG_FILE = "config.yaml"
+RUN_INFO_FILE = "run.json"
+STATUS_FILE = "status.json"
+LOG_FILE = "log.txt"
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint after optimizer step `step` (zero-padded: sorts by step)."""
+    return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The paths of a run's files under its output directory."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def results(self) -> Path:
+        return self.root / RESULTS_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD_DIR
+
+    @property
+    def best_model(self) -> Path:
+        return self.root / BEST_DIR / BEST_MODEL_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS_DIR
+
+    @property
+    def latest_checkpoint(self) -> Path:
+        """The pointer file naming the newest complete checkpoint (absent before the first save)."""
+        return self.checkpoints / LATEST_FILE
