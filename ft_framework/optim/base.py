@@ -2,6 +2,14 @@
 lazy state, the choice between the torch and the C++ implementation, telemetry and checkpoints.
 
 A concrete optimizer only says how its rule maps (group, step, has-anchor) to StepCoefficients.
+
+The anchor protocol, which strategies use instead of reaching into the optimizer:
+
+    opt.anchor_dtype                    # torch.float32, or torch.bfloat16 when asked for
+    opt.set_anchor(p, theta_star)       # theta* of parameter p (sharded like p if p is a DTensor)
+    opt.init_anchor(flat)               # a zero anchor for a flat partition, filled piece by piece
+    opt.init_state(p)                   # step / exp_avg / exp_avg_sq, created if absent
+    check_loaded_anchors(source, ...)   # the one check of the anchors a checkpoint brings
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ import torch
 from . import cpu as cpu_kernel
 from .coefficients import StepCoefficients
 from .torch_step import foreach_step
+from .validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
+
+__all__ = ["ANCHOR_DTYPES", "AnchoredOptimizer", "PullOvershootWarning", "check_loaded_anchors", "local_tensor"]
 
 IMPLS = ("auto", "torch", "cpu")
 ANCHOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -28,8 +39,27 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class PullOvershootWarning(RuntimeWarning):
-    """lr * (anneal_w - lambda) * pretrain_cof >= 1: the pull toward theta* overshoots it."""
+def check_loaded_anchors(source: str, entries: Iterable[tuple[str | int, tuple[int, ...] | None,
+                                                          tuple[int, ...], bool]]) -> None:
+    """The one check of the anchors (theta*) a checkpoint brings, before anything is loaded.
+
+    `entries` holds, per parameter: its name (or index), the shape of its anchor in the checkpoint
+    (None when the checkpoint has none), the shape that anchor must have, and whether this
+    optimizer anchors the parameter. A missing anchor would silently turn RecAdam into Adam (or
+    re-anchor to the current weights), a mis-shaped one means another model: both are errors.
+    """
+    for name, saved, want, anchored in entries:
+        label = repr(name) if isinstance(name, str) else str(name)
+        if saved is None:
+            if anchored:
+                raise ValueError(
+                    f"{source} has no anchor (theta*) for parameter {label}, which this optimizer anchors; "
+                    "loading it would silently drop the pull toward the pretrained weights. Load a "
+                    "checkpoint saved with anchors, or build the optimizer without anchors")
+            continue
+        if tuple(saved) != tuple(want):
+            raise ValueError(f"{source}: anchor (theta*) for parameter {label} has shape {tuple(saved)}, "
+                             f"the parameter has {tuple(want)}: wrong or corrupted checkpoint")
 
 
 class AnchoredOptimizer(torch.optim.Optimizer):
@@ -37,7 +67,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     Param groups may carry ``"anchors"``: a list aligned with ``"params"`` whose entries are the
     pretrained tensors (or None). They are copied into ``state[p]["anchor"]`` and removed from the
-    group, so they are partitioned, offloaded and checkpointed like ``exp_avg``.
+    group, so they are partitioned, offloaded and checkpointed like ``exp_avg``. Strategies that
+    wrap or partition the parameters build the optimizer without anchors and place them
+    afterwards with `set_anchor` / `init_anchor` (Strategy.place_anchors).
     """
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], impl: str = "auto",
@@ -49,7 +81,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if impl == "cpu" and not cpu_kernel.kernel_available():
             cpu_kernel._require_kernel()  # raises with the build instructions
         self._requested_impl = impl
-        self._anchor_dtype = ANCHOR_DTYPES[anchor_dtype]
+        self.anchor_dtype: torch.dtype = ANCHOR_DTYPES[anchor_dtype]
         self._warned_overshoot: set[int] = set()
         super().__init__(params, defaults)
         self._resolved_impl = self._resolve_impl()
@@ -66,6 +98,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self.validate_group(group)
+        self._warn_if_overshoot(len(self.param_groups) - 1, group, stacklevel=5)
         if anchors is not None:
             params = group["params"]
             if len(anchors) != len(params):
@@ -75,22 +108,19 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                     self.set_anchor(p, a)
 
     def validate_group(self, group: dict[str, Any]) -> None:
-        """Checks a group's hyper-parameters; subclasses extend it."""
-        if not group["lr"] >= 0:
-            raise ValueError(f"lr must be >= 0, got {group['lr']}")
-        b1, b2 = group["betas"]
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {group['betas']}")
-        if not group["eps"] > 0:
-            raise ValueError(f"eps must be > 0, got {group['eps']}")
-        if not group["weight_decay"] >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+        """Checks a group's hyper-parameters (the same ranges the config checks at load)."""
+        check_ranges(group)
 
-    def set_anchor(self, p: torch.Tensor, anchor: torch.Tensor) -> None:
-        """Stores theta* for parameter p (copied, on p's device, in the anchor dtype).
+    def set_anchor(self, p: torch.Tensor, anchor: torch.Tensor, *, copy: bool = True) -> None:
+        """Stores theta* for parameter p, on p's device, in the anchor dtype.
+
+        With ``copy=False`` the caller hands the tensor over: it is kept as it is when device and
+        dtype already match (a strategy placing the loaded theta* needs no second copy of it). The
+        optimizer never writes into an anchor; loading a checkpoint replaces it.
 
         For a sharded DTensor parameter (FSDP2) a full anchor is sharded like p, locally on each
-        rank (every rank holds the full pretrained value while loading, so no communication).
+        rank (every rank holds the full pretrained value while loading, so no communication); the
+        local shard is always a new tensor, so the full one can be freed.
         """
         if tuple(anchor.shape) != tuple(p.shape):
             raise ValueError(f"anchor shape {tuple(anchor.shape)} does not match parameter shape {tuple(p.shape)}")
@@ -98,11 +128,35 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if hasattr(p, "device_mesh") and not hasattr(anchor, "device_mesh"):
             from torch.distributed.tensor import distribute_tensor
 
-            anchor = distribute_tensor(anchor.to(device=local_tensor(p).device, dtype=self._anchor_dtype),
+            anchor = distribute_tensor(anchor.to(device=local_tensor(p).device, dtype=self.anchor_dtype),
                                        p.device_mesh, p.placements, src_data_rank=None)
             self.state[p]["anchor"] = anchor
             return
-        self.state[p]["anchor"] = anchor.to(device=p.device, dtype=self._anchor_dtype, copy=True)
+        self.state[p]["anchor"] = anchor.to(device=p.device, dtype=self.anchor_dtype, copy=copy)
+
+    def init_anchor(self, p: torch.Tensor) -> torch.Tensor:
+        """A zero anchor for p (its shape and device, the anchor dtype), stored and returned.
+
+        For a flat partition holding pieces of several parameters (DeepSpeed ZeRO): the strategy
+        fills it piece by piece, so each rank only ever holds its own part of theta*.
+        """
+        anchor = torch.zeros_like(p, dtype=self.anchor_dtype)
+        self.state[p]["anchor"] = anchor
+        return anchor
+
+    def init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """p's state with step, exp_avg and exp_avg_sq, created (as zeros) where absent.
+
+        State is lazy, because under ZeRO-3 the parameters only exist inside step(); a loader that
+        fills a template (torch.distributed.checkpoint) calls this first so every key exists.
+        """
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
 
     def _resolve_impl(self) -> str:
         """'auto' becomes 'cpu' when every parameter is a CPU fp32 tensor and the kernel is built."""
@@ -144,31 +198,26 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             self._resolved_impl = self._resolve_impl()
         for gi, group in enumerate(self.param_groups):
             buckets: dict[tuple, list] = defaultdict(list)
+            pulls = False
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self._init_state(p)
+                state = self.init_state(p)
                 state["step"] += 1
                 t = int(state["step"].item())
                 anchor = state.get("anchor")
                 c = self.coefficients(group, t, anchor is not None)
-                self._warn_if_overshoot(gi, c)
-                key = (c, local_tensor(p).device, p.dtype, anchor is not None and c.uses_anchor)
+                with_anchor = anchor is not None and c.uses_anchor
+                pulls = pulls or with_anchor
+                key = (c, local_tensor(p).device, p.dtype, with_anchor)
                 buckets[key].append(p)
+            if pulls:  # a schedule (or the user) may have raised lr since the group was checked
+                self._warn_if_overshoot(gi, group, stacklevel=4)
             for (c, _device, _dtype, with_anchor), ps in buckets.items():
                 self._apply(ps, c, with_anchor)
         return loss
-
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
-        # Lazy: under ZeRO-3 the parameters only exist inside step() (see shared/spec/FACTS.md).
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state
 
     def _apply(self, ps: list[torch.Tensor], c: StepCoefficients, with_anchor: bool) -> None:
         states = [self.state[p] for p in ps]
@@ -184,14 +233,16 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         else:
             foreach_step(params, grads, ms, vs, anchors, c)
 
-    def _warn_if_overshoot(self, group_index: int, c: StepCoefficients) -> None:
-        if max(c.pre_pull, c.post_pull) >= 1.0 and group_index not in self._warned_overshoot:
+    def _warn_if_overshoot(self, group_index: int, group: dict[str, Any], stacklevel: int) -> None:
+        """Warns once per group when the rule's strongest pull (its `max_pull`, the formula the
+        config checks too) removes at least 1 x (theta - theta*) in one step."""
+        if group_index in self._warned_overshoot:
+            return
+        factor = rule_max_pull(type(self), group)
+        if factor >= 1.0:
             self._warned_overshoot.add(group_index)
-            warnings.warn(
-                f"param group {group_index}: the pull toward the pretrained weights removes "
-                f"{max(c.pre_pull, c.post_pull):.3g} x (theta - theta*) in one step (>= 1 overshoots "
-                "theta* and diverges); lower lr, pretrain_cof or anneal_w",
-                PullOvershootWarning, stacklevel=3)
+            warnings.warn(overshoot_message(factor, f"{type(self).__name__} param group {group_index}"),
+                          PullOvershootWarning, stacklevel=stacklevel)
 
     # ---- telemetry -----------------------------------------------------------------------
     def group_steps(self) -> list[int]:
@@ -245,31 +296,19 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ---------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads like torch, keeping anchors in their stored dtype, and refusing to lose them.
-
-        A checkpoint that lacks the anchor of a parameter this optimizer anchors would silently turn
-        RecAdam into Adam (or re-anchor to the current weights): that is an error.
-        """
+        """Loads like torch, keeping anchors in their stored dtype, and refusing to lose them
+        (check_loaded_anchors)."""
         saved_groups = state_dict["param_groups"]
         own_params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in saved_groups for i in g["params"]]
         if len(saved_ids) != len(own_params):
             raise ValueError(f"checkpoint has {len(saved_ids)} parameters, this optimizer has {len(own_params)}")
         saved_state = state_dict["state"]
-        anchors: dict[int, torch.Tensor] = {}
-        for idx, p in zip(saved_ids, own_params):
-            entry = saved_state.get(idx, {})
-            if "anchor" in entry:
-                a = entry["anchor"]
-                if tuple(a.shape) != tuple(p.shape):
-                    raise ValueError(f"checkpoint anchor for parameter {idx} has shape {tuple(a.shape)}, "
-                                     f"the parameter has {tuple(p.shape)}: wrong or corrupted checkpoint")
-                anchors[idx] = a
-            elif "anchor" in self.state.get(p, {}):
-                raise ValueError(
-                    f"checkpoint has no anchor (theta*) for parameter {idx}, which this optimizer anchors; "
-                    "loading it would silently drop the pull toward the pretrained weights. Load a "
-                    "checkpoint saved with anchors, or build the optimizer without anchors")
+        check_loaded_anchors("checkpoint", (
+            (idx, tuple(saved_state.get(idx, {})["anchor"].shape) if "anchor" in saved_state.get(idx, {}) else None,
+             tuple(p.shape), "anchor" in self.state.get(p, {}))
+            for idx, p in zip(saved_ids, own_params)))
+        anchors = {idx: saved_state[idx]["anchor"] for idx in saved_ids if "anchor" in saved_state.get(idx, {})}
         stripped = {
             "param_groups": saved_groups,
             "state": {i: {k: v for k, v in s.items() if k != "anchor"} for i, s in saved_state.items()},

@@ -1,8 +1,9 @@
 """The shared element program every optimizer rule is expressed in.
 
-Each rule of shared/spec/optimizers.md reduces, for one tensor at one step, to these coefficients
-(see cpp/step_args.h for the program). The C++ kernel and the torch multi-tensor path both execute
-the same program, so the rule-specific math (bias correction, lambda(t)) lives in one place.
+Each update rule (AdamW, BERTAdam, RecAdam, prior_wd) reduces, for one tensor at one step, to
+these coefficients (see cpp/step_args.h for the program). The C++ kernel and the torch
+multi-tensor path both execute the same program, so the rule-specific math (bias correction,
+lambda(t)) lives in one place.
 """
 
 from __future__ import annotations

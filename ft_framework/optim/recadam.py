@@ -1,14 +1,12 @@
-"""RecAdam (Chen et al. 2020) with the semantics of the authors' released code (see
-shared/spec/optimizers.md): Adam step scaled by lambda(t), then a decoupled pull
+"""RecAdam (Chen et al. 2020) with the semantics of the authors' released code rather than the
+paper's Algorithm 1: Adam step scaled by lambda(t), then a decoupled pull
 lr * (anneal_w - lambda(t)) * pretrain_cof toward theta*, then weight decay."""
 
 from __future__ import annotations
 
-import warnings
-
 from .adam import hf_step_size
-from .anneal import anneal_lambda, validate_anneal
-from .base import AnchoredOptimizer, PullOvershootWarning
+from .anneal import anneal_lambda
+from .base import AnchoredOptimizer
 from .coefficients import StepCoefficients
 from .registry import register_optimizer
 
@@ -28,20 +26,6 @@ class RecAdam(AnchoredOptimizer):
                         anneal_k=float(anneal_k), anneal_t0=float(anneal_t0),
                         anneal_w=float(anneal_w), pretrain_cof=float(pretrain_cof))
         super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
-
-    def validate_group(self, group):
-        super().validate_group(group)
-        validate_anneal(group["anneal_fun"], group["anneal_k"], group["anneal_t0"], group["anneal_w"])
-        if not group["pretrain_cof"] >= 0:
-            raise ValueError(f"pretrain_cof must be >= 0, got {group['pretrain_cof']}")
-        # lambda(t) only rises with t, so the strongest pull is at the first step.
-        worst = group["lr"] * (group["anneal_w"] - self.group_lambda(group, 1)) * group["pretrain_cof"]
-        if worst >= 1.0:
-            warnings.warn(
-                f"RecAdam group with lr={group['lr']:g}, anneal_w={group['anneal_w']:g}, "
-                f"pretrain_cof={group['pretrain_cof']:g}: lr*(anneal_w - lambda)*pretrain_cof reaches "
-                f"{worst:.3g} >= 1, so the pull overshoots theta* and training diverges; lower lr, "
-                "pretrain_cof or anneal_w", PullOvershootWarning, stacklevel=4)
 
     @staticmethod
     def max_pull(hparams) -> float:

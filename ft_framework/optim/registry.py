@@ -1,4 +1,4 @@
-"""The optimizer registry (contract in shared/spec/DESIGN.md):
+"""The optimizer registry:
 
     opt = build_optimizer(name, param_groups, impl="auto", **hparams)
 
@@ -30,14 +30,16 @@ def register_optimizer(name: str, *, replace: bool = False):
     return decorate
 
 
+# The built-in optimizers register themselves when ft_framework.optim is imported, which happens
+# before this module can be imported (it lives inside that package).
+
+
 def available_optimizers() -> list[str]:
-    _load_builtins()
     return sorted(_REGISTRY)
 
 
 def optimizer_factory(name: str):
     """The class (or factory) registered under `name`; an unknown name lists the valid ones."""
-    _load_builtins()
     if name not in _REGISTRY:
         raise ValueError(f"unknown optimizer {name!r}; available: {', '.join(available_optimizers())}")
     return _REGISTRY[name]
@@ -71,7 +73,3 @@ def build_optimizer(name: str, param_groups, impl: str = "auto", **hparams):
         raise ValueError(f"optimizer {name!r} has no {impl!r} implementation; use impl='auto' or 'torch'")
     return factory(param_groups, **hparams)
 
-
-def _load_builtins() -> None:
-    # Importing the modules runs their @register_optimizer decorators.
-    from . import adam, prior_wd, recadam  # noqa: F401

@@ -79,13 +79,17 @@ def pull_overshoot(name: str, hparams: Mapping[str, Any]) -> float:
     """
     from .registry import optimizer_factory
 
-    max_pull = getattr(optimizer_factory(name), "max_pull", None)
-    if max_pull is None:
-        return 0.0
     merged = {**optimizer_defaults(name), **{k: v for k, v in hparams.items() if v is not None}}
     if merged.get("lr") is None:
         return 0.0
-    return float(max_pull(merged))
+    return rule_max_pull(optimizer_factory(name), merged)
+
+
+def rule_max_pull(rule: Any, hparams: Mapping[str, Any]) -> float:
+    """`rule.max_pull(hparams)` (complete hyper-parameters, e.g. a param group), 0.0 for a rule
+    without a pull. The optimizer checks its groups with this, the config with pull_overshoot."""
+    max_pull = getattr(rule, "max_pull", None)
+    return 0.0 if max_pull is None else float(max_pull(hparams))
 
 
 def overshoot_message(factor: float, where: str) -> str:

@@ -40,7 +40,8 @@ def restore_level():
 def test_kernel_matches_reference_every_level(rule, grad_dtype, anchor_dtype, restore_level):
     levels = cpu_kernel.supported_simd_levels()
     assert levels[0] == "scalar"
-    gen = torch.Generator().manual_seed(hash((rule, grad_dtype, anchor_dtype)) % 2**31)
+    # A fixed seed per case (hash() of strings changes from process to process).
+    gen = torch.Generator().manual_seed(1000 + CASES.index((rule, grad_dtype, anchor_dtype)))
     for n, steps in STEPS_BY_SIZE.items():
         theta0 = torch.randn(n, generator=gen)
         anchor = (theta0 + 0.1 * torch.randn(n, generator=gen)).to(getattr(torch, anchor_dtype)).float()
