@@ -1,6 +1,6 @@
 """A RecAdam written in the style of the authors' release, for benchmarking only.
 
-Written here from shared/spec/optimizers.md (not copied from github Sanyuan-Chen/RecAdam); it
+Written here from the rule in docs/optimizers.md (not copied from github Sanyuan-Chen/RecAdam); it
 reproduces the *structure* of their optimizer, which is what the benchmark measures:
 
 - a plain ``torch.optim.Optimizer`` that loops over the parameters one tensor at a time;

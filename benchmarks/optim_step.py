@@ -55,6 +55,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from authors_style_recadam import AuthorsStyleRecAdam, check_against_ours  # noqa: E402
+from harness import (  # noqa: E402
+    NOISY_CORES, BackgroundLoad, fmt_bg, fmt_size, loadavg, log, machine_line, markdown_table,
+    paired_ratio, paired_times, quiet_rounds, round_order, set_threads, wait_for_quiet,
+)
 
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
@@ -70,123 +74,6 @@ SLOW_BUDGET_S = 3.0
 MIN_SLOW_STEPS = 3
 # Every candidate repeats its timed steps until at least this long has been timed.
 MIN_TIMED_S = 0.3
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# Machine / threads
-# --------------------------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def mem_total_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return None
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds all processes have run (all cores), from /proc/stat; None where unreadable."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
-    return (sum(f[:8]) - idle) / _CLK_TCK
-
-
-class BackgroundLoad:
-    """Measures how many cores OTHER processes kept busy during a time window:
-    (machine CPU time - this process's CPU time) / wall time. 0 on a quiet machine."""
-
-    def __enter__(self):
-        self.t0, self.busy0, self.own0 = time.perf_counter(), machine_busy_s(), time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self.t0
-        busy1 = machine_busy_s()
-        if self.busy0 is None or busy1 is None or wall < 0.25:  # /proc/stat ticks are 10 ms: too coarse
-            self.cores = None
-        else:
-            self.cores = max(0.0, ((busy1 - self.busy0) - (time.process_time() - self.own0)) / wall)
-        return False
-
-
-def wait_for_quiet(threshold: float, max_wait_s: float) -> float | None:
-    """Sleeps until other processes use < `threshold` cores (sampled over 1 s), at most max_wait_s.
-    Returns the last sample."""
-    deadline = time.perf_counter() + max_wait_s
-    announced = False
-    while True:
-        with BackgroundLoad() as bg:
-            time.sleep(1.0)
-        if bg.cores is None or bg.cores < threshold or time.perf_counter() >= deadline:
-            if announced:
-                log(f"    (background load now {bg.cores:.2f} cores)")
-            return bg.cores
-        if not announced:
-            log(f"    waiting for a quiet machine: other processes use {bg.cores:.2f} cores "
-                f"(threshold {threshold:g}, up to {max_wait_s:.0f} s) ...")
-            announced = True
-
-
-def openmp_runtimes() -> list[tuple[str, int]] | None:
-    """(library path, num_threads) of every OpenMP runtime loaded in this process, or None."""
-    try:
-        import threadpoolctl
-    except ImportError:
-        return None
-    return [(d["filepath"], d["num_threads"]) for d in threadpoolctl.threadpool_info()
-            if d.get("user_api") == "openmp"]
-
-
-def set_threads(n: int) -> str:
-    """torch.set_num_threads(n) (which also calls omp_set_num_threads) and a check that every loaded
-    OpenMP runtime now reports n threads. Returns a one-line verdict."""
-    torch.set_num_threads(n)
-    runtimes = openmp_runtimes()
-    if runtimes is None:
-        return f"torch threads {torch.get_num_threads()}; OpenMP not verifiable (threadpoolctl missing)"
-    wrong = [(path, k) for path, k in runtimes if k != n]
-    libs = ", ".join(f"{Path(p).name} ({Path(p).parent.parent.name}) = {k}" for p, k in runtimes)
-    if wrong:
-        return f"WARNING: OpenMP runtimes not at {n} threads: {libs}"
-    return f"{len(runtimes)} OpenMP runtime(s) at {n} thread(s): {libs}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -354,11 +241,10 @@ class Result:
 
 def merge_rounds(rounds: list[Result]) -> Result:
     """Pools the timed steps of a candidate's rounds. Rounds during which other processes kept more
-    than NOISY_CORES busy are dropped when at least one quiet round exists."""
+    than NOISY_CORES busy are dropped when at least one quiet round exists (harness.quiet_rounds)."""
     if rounds[-1].skipped:
         return rounds[-1]
-    quiet = [r for r in rounds if r.background is None or r.background <= NOISY_CORES]
-    use = quiet or rounds
+    use = [rounds[i] for i in quiet_rounds([r.background for r in rounds])]
     out = Result(rounds[0].size, rounds[0].threads, rounds[0].name, paired=all(r.paired for r in use))
     for r in use:
         out.times_s += r.times_s
@@ -408,10 +294,10 @@ def time_candidate(cand: Candidate, data: SizeData, threads: int, steps: int, wa
 
 
 def time_paired(cands: list[Candidate], data: SizeData, threads: int, steps: int, warmup: int) -> list[Result]:
-    """All candidates alive at once and their steps interleaved (A B C, B C A, ...), each step timed
-    on its own: every candidate sees the same machine state, so their RATIOS are much steadier on a
-    shared machine. Needs the memory of all candidates together; at sizes that fit in the caches
-    it measures cold-cache steps (the other candidates evict the data in between)."""
+    """All candidates alive at once and their steps interleaved (harness.paired_times): every
+    candidate sees the same machine state, so their RATIOS are much steadier on a shared machine.
+    Needs the memory of all candidates together; at sizes that fit in the caches it measures
+    cold-cache steps (the other candidates evict the data in between)."""
     cuda = data.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = [Result(data.numel, threads, c.name, paired=True) for c in cands]
@@ -424,23 +310,10 @@ def time_paired(cands: list[Candidate], data: SizeData, threads: int, steps: int
                 r.skipped = str(exc)
                 fns.append(None)
         live = [i for i, f in enumerate(fns) if f is not None]
-        for _ in range(max(1, warmup)):
-            for i in live:
-                fns[i]()
-        with BackgroundLoad() as bg:
-            t_begin = time.perf_counter()
-            cycle = 0
-            while cycle < steps or time.perf_counter() - t_begin < MIN_TIMED_S:
-                k = cycle % max(1, len(live))
-                for i in live[k:] + live[:k]:
-                    sync()
-                    t0 = time.perf_counter()
-                    fns[i]()
-                    sync()
-                    results[i].times_s.append(time.perf_counter() - t0)
-                cycle += 1
-        for i in live:
-            results[i].background = bg.cores
+        times, background = paired_times([fns[i] for i in live], steps, warmup, MIN_TIMED_S, sync)
+        for i, t in zip(live, times):
+            results[i].times_s = t
+            results[i].background = background
     finally:
         fns.clear()
         gc.collect()
@@ -452,23 +325,6 @@ def time_paired(cands: list[Candidate], data: SizeData, threads: int, steps: int
 # --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
-NOISY_CORES = 0.2
-
-
-def fmt_bg(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:.2f}" + (" NOISY" if x > NOISY_CORES else "")
-
-
-def fmt_size(n: int) -> str:
-    for unit, div in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
-        if n >= div:
-            v = n / div
-            return f"{v:g}{unit}" if v == int(v) else f"{v:.3g}{unit}"
-    return str(n)
-
-
 RATIOS = [
     # (label, numerator, denominator, target text, predicate)
     ("ours fp32 / DeepSpeedCPUAdam", "ours_fp32", "ds_adam", "<= 1.15", lambda r: r <= 1.15),
@@ -487,9 +343,7 @@ CUDA_RATIOS = [
 def time_ratio(a: Result, b: Result) -> float:
     """a's time / b's time: for paired runs the median of the per-cycle ratios (both measured
     back to back, so machine drift cancels), else the ratio of the medians."""
-    if a.paired and b.paired and len(a.times_s) == len(b.times_s):
-        return statistics.median(x / y for x, y in zip(a.times_s, b.times_s))
-    return a.median_ms / b.median_ms
+    return paired_ratio(a.times_s, b.times_s, paired=a.paired and b.paired)
 
 
 def build_report(results: list[Result], names: list[str], header: list[str], device: str,
@@ -508,18 +362,18 @@ def build_report(results: list[Result], names: list[str], header: list[str], dev
         return f"{r.median_ms:.2f} ms / {r.gbps(c.bytes_per_param):.1f} GB/s"
 
     thr_label = "threads" if device == "cpu" else "device"
-    md = ["| params | " + thr_label + " | " + " | ".join(f"{c.label} ({c.bytes_per_param} B)" for c in cols) + " |",
-          "|---|---|" + "---|" * len(cols)]
-    for size, thr in rows:
-        md.append(f"| {fmt_size(size)} | {thr if device == 'cpu' else device} | "
-                  + " | ".join(cell(size, thr, c) for c in cols) + " |")
+
+    def row_key(size, thr):
+        return [fmt_size(size), thr if device == "cpu" else device]
+
+    md = markdown_table(["params", thr_label] + [f"{c.label} ({c.bytes_per_param} B)" for c in cols],
+                        [row_key(size, thr) + [cell(size, thr, c) for c in cols] for size, thr in rows])
 
     ratio_defs = RATIOS if device == "cpu" else CUDA_RATIOS
     ratio_defs = [d for d in ratio_defs if d[1] in names and d[2] in names]
-    rmd = []
+    rmd = ""
     if ratio_defs:
-        rmd = ["| params | " + thr_label + " | " + " | ".join(f"{d[0]} ({'target ' if d[4] else ''}{d[3]})" for d in ratio_defs) + " |",
-               "|---|---|" + "---|" * len(ratio_defs)]
+        ratio_rows = []
         for size, thr in rows:
             cells = []
             for label, num, den, _t, pred in ratio_defs:
@@ -531,26 +385,28 @@ def build_report(results: list[Result], names: list[str], header: list[str], dev
                 on_target = target_row == (size, thr) and pred is not None
                 txt = f"{ratio:.2f}x"
                 cells.append(f"**{txt} {'met' if pred(ratio) else 'NOT met'}**" if on_target else txt)
-            rmd.append(f"| {fmt_size(size)} | {thr if device == 'cpu' else device} | " + " | ".join(cells) + " |")
+            ratio_rows.append(row_key(size, thr) + cells)
+        rmd = markdown_table(["params", thr_label]
+                             + [f"{d[0]} ({'target ' if d[4] else ''}{d[3]})" for d in ratio_defs], ratio_rows)
 
-    detail = ["| params | " + thr_label + " | candidate | rounds used | steps | median ms | min ms | max ms | GB/s | background load |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    detail_rows = []
     for size, thr in rows:
         for c in cols:
             r = by_key.get((size, thr, c.name))
             if r is None:
                 continue
-            t = thr if device == "cpu" else device
             if r.skipped:
-                detail.append(f"| {fmt_size(size)} | {t} | {c.label} | - | - | skipped: {r.skipped} | | | | |")
+                detail_rows.append(row_key(size, thr) + [c.label, "-", "-", f"skipped: {r.skipped}", "", "", "", ""])
             else:
-                detail.append(f"| {fmt_size(size)} | {t} | {c.label} | {r.rounds} | {len(r.times_s)} | {r.median_ms:.2f} | "
-                              f"{r.min_ms:.2f} | {1e3 * max(r.times_s):.2f} | {r.gbps(c.bytes_per_param):.1f} | "
-                              f"{fmt_bg(r.background)} |")
+                detail_rows.append(row_key(size, thr) + [
+                    c.label, r.rounds, len(r.times_s), f"{r.median_ms:.2f}", f"{r.min_ms:.2f}",
+                    f"{1e3 * max(r.times_s):.2f}", f"{r.gbps(c.bytes_per_param):.1f}", fmt_bg(r.background)])
+    detail = markdown_table(["params", thr_label, "candidate", "rounds used", "steps", "median ms", "min ms",
+                             "max ms", "GB/s", "background load"], detail_rows)
 
     noisy = sorted({(r.size, r.threads) for r in results
                     if r.background is not None and r.background > NOISY_CORES})
-    parts = ["\n".join(header), "", "ms/step (median) / effective GB/s:", "", "\n".join(md)]
+    parts = ["\n".join(header), "", "ms/step (median) / effective GB/s:", "", md]
     if noisy:
         parts += ["", f"NOISY rows (other processes used > {NOISY_CORES:g} cores during some timed steps): "
                   + ", ".join(f"{fmt_size(a)}/{b}" for a, b in noisy)]
@@ -560,10 +416,10 @@ def build_report(results: list[Result], names: list[str], header: list[str], dev
                 if target_row else "")
         if any(r.paired for r in results):
             note += "; paired run: median of the per-cycle ratios"
-        parts += ["", "Ratios of ms/step" + note + ":", "", "\n".join(rmd)]
+        parts += ["", "Ratios of ms/step" + note + ":", "", rmd]
     parts += ["", "Per candidate (spread of the pooled timed steps; background load = most cores other processes "
               "kept busy while a pooled round was timed, from /proc/stat; rounds with > "
-              f"{NOISY_CORES:g} are dropped when a quiet round exists):", "", "\n".join(detail)]
+              f"{NOISY_CORES:g} are dropped when a quiet round exists):", "", detail]
     skipped = sorted({r.skipped for r in results if r.skipped})
     if skipped:
         parts += ["", "Skipped: " + "; ".join(skipped)]
@@ -640,9 +496,6 @@ def main(argv: list[str] | None = None) -> int:
     simd = cpu_kernel.simd_level() if cpu_kernel.kernel_available() else "kernel not built"
 
     # Header: machine and software.
-    mem = mem_total_gib()
-    flags = cpu_flags()
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16") if f in flags]
     try:
         import deepspeed
         ds_version = deepspeed.__version__
@@ -650,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         ds_version = f"not importable ({type(exc).__name__})"
     header = [
         f"command: {shlex.join(['python'] + sys.argv) if argv is None else shlex.join(argv)}",
-        f"machine: {cpu_model()}, {os.cpu_count()} cores, "
-        + (f"{mem:.0f} GiB RAM, " if mem else "") + f"ISA: {' '.join(isa) or 'n/a'}",
+        machine_line(),
         f"software: torch {torch.__version__}, deepspeed {ds_version}, python {platform.python_version()}",
         f"our kernel SIMD level: {simd} (supported: "
         + (", ".join(cpu_kernel.supported_simd_levels()) if cpu_kernel.kernel_available() else "-") + ")",
@@ -689,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 # Interleave: every candidate once per round, order reversed every other round, so
                 # slow drifts of the machine's memory bandwidth hit all candidates alike.
-                order = names if rnd % 2 == 0 else names[::-1]
+                order = round_order(names, rnd)
                 tag = f"r{rnd + 1} " if args.rounds > 1 else ""
                 if args.paired:
                     if args.wait_quiet > 0:

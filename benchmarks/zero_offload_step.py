@@ -4,10 +4,13 @@ anchors sharded in optimizer state) against DeepSpeedCPUAdam's Adam in the same 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/zero_offload_step.py [--params 50e6] [--steps 10]
     (or: torchrun --nproc_per_node 2 benchmarks/zero_offload_step.py ...)
 
-Prints, on rank 0, the median time of the optimizer step (engine.step() at the accumulation
-boundary: the CPU step, the copy back and the parameter all-gather) and of a whole iteration
-(forward + backward + step), and their ratio RecAdam / DeepSpeedCPUAdam. The model is a stack of
-square Linear layers: enough parameters for the step to matter, little compute per iteration.
+Prints, on rank 0, the machine, the median time of the optimizer step (engine.step() at the
+accumulation boundary: the CPU step, the copy back and the parameter all-gather) and of a whole
+iteration (forward + backward + step), the background load while each candidate was timed (cores
+kept busy by processes other than this run's ranks, NOISY above 0.2), and the ratio RecAdam / DeepSpeedCPUAdam. The model is
+a stack of square Linear layers: enough parameters for the step to matter, little compute per
+iteration. The machine-noise tools (quiet-machine wait, background load, table) are
+benchmarks/harness.py, shared with optim_step.py.
 """
 
 from __future__ import annotations
@@ -15,12 +18,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    background_cores, fmt_bg, loadavg, machine_busy_s, machine_line, markdown_table, wait_for_quiet,
+)
 
 
 def make_model(num_params: float, width: int) -> nn.Module:
@@ -55,20 +65,32 @@ def run_candidate(name: str, args, strategy_cls, ds_cfg, training_cfg) -> dict[s
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                config=build_deepspeed_config(ds_cfg, training_cfg))
         impl = "DeepSpeedCPUAdam"
-    step_times, iter_times = [], []
-    for i in range(args.warmup + args.steps):
+
+    def iteration():
         start = time.perf_counter()
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         before_step = time.perf_counter()
         engine.step()
         end = time.perf_counter()
-        if i >= args.warmup:
-            step_times.append((end - before_step) * 1e3)
-            iter_times.append((end - start) * 1e3)
+        return (end - before_step) * 1e3, (end - start) * 1e3
+
+    for _ in range(args.warmup):
+        iteration()
+    if args.wait_quiet > 0:
+        # Every rank sleeps while sampling (a rank waiting in a barrier instead may spin a core).
+        wait_for_quiet(args.quiet_cores, args.wait_quiet)
+        torch.distributed.barrier()
+    t0, busy0, own0 = time.perf_counter(), machine_busy_s(), time.process_time()
+    times = [iteration() for _ in range(args.steps)]
+    wall, busy1 = time.perf_counter() - t0, machine_busy_s()
+    # "Other processes" excludes every rank of this run: sum the ranks' own CPU time.
+    own = torch.tensor([time.process_time() - own0], dtype=torch.float64)
+    torch.distributed.all_reduce(own)
+    background = None if busy0 is None or busy1 is None else background_cores(busy1 - busy0, own.item(), wall)
     numel = sum(p.numel() for p in model.parameters())
-    return {"step_ms": statistics.median(step_times), "iter_ms": statistics.median(iter_times),
-            "numel": numel, "impl": impl}
+    return {"step_ms": statistics.median(t[0] for t in times), "iter_ms": statistics.median(t[1] for t in times),
+            "numel": numel, "impl": impl, "background": background}
 
 
 def main() -> None:
@@ -78,6 +100,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="before each candidate's timed steps wait up to this long until other processes "
+                             "use < --quiet-cores cores (default 0: do not wait; the load is reported either way)")
+    parser.add_argument("--quiet-cores", type=float, default=0.15, help="threshold for --wait-quiet (default 0.15)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -94,12 +120,14 @@ def main() -> None:
                for name in ("deepspeed_cpu_adam", "recadam")}
     if dist.get_rank() == 0:
         ours, theirs = results["recadam"], results["deepspeed_cpu_adam"]
+        print(machine_line())
         print(f"ZeRO-2 + optimizer CPU offload, {world} rank(s), {ours['numel'] / 1e6:.1f} M parameters, "
-              f"{torch.get_num_threads()} thread(s) per rank, torch {torch.__version__}")
-        print("| optimizer | impl | step ms (median) | iteration ms (median) |")
-        print("|---|---|---|---|")
-        for name, r in (("DeepSpeedCPUAdam (Adam)", theirs), ("ours: RecAdam", ours)):
-            print(f"| {name} | {r['impl']} | {r['step_ms']:.1f} | {r['iter_ms']:.1f} |")
+              f"{torch.get_num_threads()} thread(s) per rank, torch {torch.__version__}; "
+              f"load average at end: {loadavg()}")
+        print(markdown_table(
+            ["optimizer", "impl", "step ms (median)", "iteration ms (median)", "background load"],
+            [[name, r["impl"], f"{r['step_ms']:.1f}", f"{r['iter_ms']:.1f}", fmt_bg(r["background"])]
+             for name, r in (("DeepSpeedCPUAdam (Adam)", theirs), ("ours: RecAdam", ours))]))
         print(f"ratio RecAdam / DeepSpeedCPUAdam: step {ours['step_ms'] / theirs['step_ms']:.3f}x, "
               f"iteration {ours['iter_ms'] / theirs['iter_ms']:.3f}x (target <= 1.15)")
 
