@@ -129,5 +129,34 @@ def report_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def interpolate_main(argv: list[str] | None = None) -> int:
+    """ft-interpolate RUN_DIR [--alphas 0,0.1,...,1]: WiSE-FT interpolation toward θ*."""
+    parser = argparse.ArgumentParser(
+        prog="ft-interpolate", description="Evaluate theta_a = theta* + a (theta - theta*) of a finished run on its "
+        "eval splits; writes interpolation.json and interpolation.png into the run directory.",
+        epilog="Example: ft-interpolate runs/quickstart --alphas 0,0.25,0.5,0.75,1")
+    parser.add_argument("run_dir", help="a finished run's output directory (holding results.json)")
+    parser.add_argument("--alphas", default=None, help="comma-separated values in [0, 1] (default: 0,0.1,...,1)")
+    parser.add_argument("--theta-star", choices=("auto", "anchors", "pretrained"), default="auto",
+                        help="where theta* comes from: the checkpoint's anchors, the pretrained model the config "
+                        "names, or auto (anchors when theta comes from a checkpoint that has them)")
+    parser.add_argument("--device", default="cpu", help="evaluation device (cpu, cuda, cuda:1, ...)")
+    parser.add_argument("--no-plot", action="store_true", help="no PNG")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from .interpolate import format_table, run_interpolation
+
+    try:
+        out = run_interpolation(args.run_dir, args.alphas, device=args.device, theta_star=args.theta_star,
+                                plot=not args.no_plot)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ft-interpolate: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(out))
+    print(f"\nwrote {args.run_dir}/interpolation.json" + ("" if args.no_plot else " and interpolation.png"))
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(train_main())
