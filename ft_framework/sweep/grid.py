@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ft_framework.config import (ConfigError, RunConfig, apply_overrides, parse_override, resolve_task_overrides,
-                                 validate_config)
+                                 set_path, validate_config)
 
 from ft_framework.run_files import RUNS_SUBDIR
 
@@ -111,24 +111,10 @@ def run_identity(config: RunConfig | dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _set_key(data: dict[str, Any], key: str, value: Any) -> None:
-    """Sets a dotted key in a nested mapping (creating sections), replacing what was there."""
-    parts = key.split(".")
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[:i + 1])!r} is a value, not a section")
-        node = child
-    node[parts[-1]] = deepcopy(value)
-
-
 def _with(data: dict[str, Any], values: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     out = deepcopy(data)
     for key, value in values.items():
-        _set_key(out, key, value)
+        set_path(out, key, value)
     return apply_overrides(out, overrides) if overrides else out
 
 

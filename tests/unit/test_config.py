@@ -244,6 +244,12 @@ def test_replacing_warmup_kind_in_an_override():
     assert validate_config(minimal()).schedule.warmup_for(1000) == 100
 
 
+def test_warmup_ratio_rounds_to_the_nearest_step():
+    schedule = validate_config(minimal()).schedule  # warmup_ratio 0.1
+    # 1.3 -> 1 and 1.7 -> 2 (rounding up would give 2 and 2); halves go to even, as Python's round.
+    assert [schedule.warmup_for(n) for n in (13, 17, 15, 25, 3)] == [1, 2, 2, 2, 0]
+
+
 def test_fsdp_and_deepspeed_sections_validate():
     data = apply_overrides(minimal(), ["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3",
                                        "strategy.deepspeed.offload_param=true",

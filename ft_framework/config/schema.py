@@ -1,54 +1,29 @@
-"""Typed schema of a run's YAML config, and the loader that turns a file plus overrides into it.
+"""The typed schema of a run config: one pydantic section per concern, and RunConfig.
 
-A run config has one section per concern (model, data, optimizer, schedule, training, evaluation,
-strategy, logging, checkpoint) and an optional ``task_overrides`` map with per-GLUE-task values.
-Every section rejects unknown keys; :func:`load_config` reports them (and bad values) as a
-:class:`ConfigError` that names the offending key path and lists what is valid there.
-
-    cfg = load_config("configs/quickstart.yaml", ["training.max_steps=10"])
+Every section rejects unknown keys. Adding a field: declare it with its default and a comment on
+the section it belongs to (or add a new section class and a RunConfig field for it); unknown-key
+errors, `to_dict()` and the sweep's run identity pick it up without further changes.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
-import re
+import importlib.util
 import types
-import typing
 import warnings
-from copy import deepcopy
-from pathlib import Path
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = [
-    "GLUE_TASK_NAMES",
-    "BUILTIN_DATA_SOURCES",
-    "ConfigError",
-    "ModelConfig",
-    "DataConfig",
-    "OptimizerConfig",
-    "ScheduleConfig",
-    "TrainingConfig",
-    "EvaluationConfig",
-    "DeepSpeedConfig",
-    "FSDPConfig",
-    "StrategyConfig",
-    "LoggingConfig",
-    "CheckpointConfig",
-    "RunConfig",
-    "load_config",
-    "validate_config",
-    "parse_override",
-    "apply_overrides",
-    "read_yaml",
-    "resolve_task_overrides",
-]
+from ft_framework.data.tasks import GLUE_TASK_NAMES
 
-GLUE_TASK_NAMES: tuple[str, ...] = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli")
-GlueTask = Literal["cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"]
+from .overrides import resolve_task_overrides
+
+__all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
+           "TrainingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
+           "CheckpointConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig"]
+
+# The valid data.task values, from the task specs (ft_framework/data/tasks.py).
+GlueTask = Literal[GLUE_TASK_NAMES]  # type: ignore[valid-type]
 
 # data.source values of the form "builtin:<name>": data sets shipped inside the package.
 BUILTIN_DATA_SOURCES: tuple[str, ...] = ("quickstart",)
@@ -61,10 +36,6 @@ _GROUPING_HPARAMS = {
 }
 
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message says which key and what to change."""
-
-
 class _Section(BaseModel):
     """Base of every config section: unknown keys are errors."""
 
@@ -75,6 +46,25 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
+
+
+class LoraConfig(_Section):
+    """LoRA through peft (ft_framework/lora.py): frozen pretrained weights, trained low-rank adapters."""
+
+    r: int = Field(8, gt=0)
+    # The adapter's scale is alpha / r (peft's lora_alpha).
+    alpha: float = Field(16.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Names of the Linear modules to adapt; None: the architecture's default (attention query and
+    # value: BERT/RoBERTa/ELECTRA/ALBERT "query", "value"; see ft_framework.lora.DEFAULT_TARGET_MODULES).
+    target_modules: list[str] | None = None
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("target_modules must name at least one module (or be null for the default)")
+        return value
 
 
 class ModelConfig(_Section):
@@ -95,6 +85,20 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Overrides the checkpoint's hidden and attention dropout; None keeps the checkpoint's value.
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    # LoRA instead of full fine-tuning (needs peft: pip install 'ft_framework[lora]'); None: off.
+    lora: LoraConfig | None = None
+
+    @model_validator(mode="after")
+    def _lora_compatible(self) -> "ModelConfig":
+        if self.lora is not None:
+            from ft_framework.lora import lora_incompatibilities
+
+            problems = lora_incompatibilities(self)
+            if problems:
+                raise ValueError("model.lora cannot be combined with: " + "; ".join(problems))
+            if importlib.util.find_spec("peft") is None:
+                raise ValueError("model.lora needs peft, which is not installed: pip install 'ft_framework[lora]'")
+        return self
 
 
 class DataConfig(_Section):
@@ -205,10 +209,11 @@ class ScheduleConfig(_Section):
         return self
 
     def warmup_for(self, total_steps: int) -> int:
-        """Number of warm-up steps for a run of `total_steps` optimizer steps."""
+        """Number of warm-up steps for a run of `total_steps` optimizer steps: warmup_steps, or
+        warmup_ratio * total_steps rounded to the nearest step (Python's round: halves go to even)."""
         if self.warmup_steps is not None:
             return self.warmup_steps
-        return int(math.ceil(self.warmup_ratio * total_steps))
+        return round(self.warmup_ratio * total_steps)
 
 
 class TrainingConfig(_Section):
@@ -309,13 +314,60 @@ class StrategyConfig(_Section):
         return self
 
 
+class MLflowConfig(_Section):
+    """MLflow tracking (logging.report_to: [mlflow])."""
+
+    # None: MLFLOW_TRACKING_URI, else the local store ./mlruns (SQLite file mlruns/mlflow.db).
+    tracking_uri: str | None = None
+
+
+class WandbConfig(_Section):
+    """Weights & Biases tracking (logging.report_to: [wandb])."""
+
+    project: str = "ft_framework"
+    entity: str | None = None
+    # None: online with WANDB_API_KEY set, else offline (the run is written locally; `wandb sync` uploads it).
+    mode: Literal["online", "offline", "disabled"] | None = None
+    # Where W&B writes its run directory; None: logging.output_dir.
+    dir: str | None = None
+
+
 class LoggingConfig(_Section):
     """Where results go and how often progress is reported."""
 
     output_dir: str = "runs/default"
     log_every_steps: int = Field(50, gt=0)
+    # Shorthand kept from before report_to: true is report_to [tensorboard]. After validation it
+    # says whether report_to lists tensorboard.
     tensorboard: bool = False
     progress_bar: bool = True
+    # Trackers besides metrics.jsonl (ft_framework/tracking.py). None: [tensorboard] when
+    # logging.tensorboard is true, else none (as before report_to existed).
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] | None = None
+    # Tracker run name; None: the output directory's name (a sweep sets method and axis values).
+    run_name: str | None = None
+    # MLflow experiment and W&B group; None: "ft_framework" / no group (a sweep sets its name).
+    experiment: str | None = None
+    mlflow: MLflowConfig = Field(default_factory=MLflowConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+
+    @model_validator(mode="after")
+    def _trackers(self) -> "LoggingConfig":
+        if self.report_to is None:
+            self.report_to = ["tensorboard"] if self.tensorboard else []
+        else:
+            if len(set(self.report_to)) != len(self.report_to):
+                raise ValueError(f"report_to lists a tracker twice: {self.report_to}")
+            if self.tensorboard and "tensorboard" not in self.report_to:
+                raise ValueError("logging.tensorboard is true but logging.report_to does not list tensorboard; "
+                                 "add it to report_to (or drop logging.tensorboard)")
+            self.tensorboard = "tensorboard" in self.report_to
+        from ft_framework.tracking import missing_tracker_packages
+
+        problems = missing_tracker_packages(self.report_to)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -362,6 +414,13 @@ class RunConfig(_Section):
                 "model.reinit_top_layers has no effect with model.init: random (every pretrained "
                 "weight is re-initialized already); set reinit_top_layers: 0 or init: pretrained"
             )
+        ds = self.strategy.deepspeed
+        if self.model.lora is not None and ds is not None and (ds.zero_stage == 3 or ds.offload_param):
+            raise ValueError(
+                "model.lora does not work with DeepSpeed ZeRO-3 (strategy.deepspeed.zero_stage: 3): ZeRO-3 "
+                "partitions the parameters, while the merged weights' forgetting distance and the LoRA export "
+                "read each adapter and base weight whole; use zero_stage 0-2 (LoRA's optimizer state is "
+                "small) or strategy fsdp")
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
@@ -416,257 +475,3 @@ def _require_exactly_one(model: BaseModel, a: str, b: str, hint: str = "") -> No
         # Hint at the usual cause: a task override sets one while the base config sets the other.
         raise ValueError(f"set exactly one of {a} and {b}; {what}{tail}. To replace one by the "
                          f"other in an override, set the old one to null")
-
-
-def _did_you_mean(key: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-# --------------------------------------------------------------------------------------------------
-# YAML, overrides and task overrides
-# --------------------------------------------------------------------------------------------------
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `2e-5` as a float (YAML 1.1 would read it as a string)."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Reads a YAML mapping (numbers like 2e-5 are floats)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    with path.open() as f:
-        try:
-            data = yaml.load(f, Loader=_YamlLoader)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Splits `a.b.c=value` into (["a", "b", "c"], value parsed as YAML)."""
-    key, sep, raw = text.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(p.strip() for p in parts):
-        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. training.max_steps=10)")
-    try:
-        value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML: {e}") from e
-    return [p.strip() for p in parts], value
-
-
-def _set_path(data: dict[str, Any], path: Sequence[str], value: Any, where: str = "") -> None:
-    node = data
-    for i, part in enumerate(path[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            bad = ".".join([*([where] if where else []), *path[: i + 1]])
-            raise ConfigError(f"cannot set {'.'.join(path)!r}: {bad!r} is a value, not a section")
-        node = child
-    node[path[-1]] = deepcopy(value)
-
-
-def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """A copy of `data` with each `key.sub=value` override set (later overrides win)."""
-    out = deepcopy(data)
-    for text in overrides:
-        path, value = parse_override(text)
-        _set_path(out, path, value)
-    return out
-
-
-def _nest_dotted(flat: dict[str, Any], where: str) -> dict[str, Any]:
-    """Expands dotted keys ({"a.b": 1}) into nested dicts ({"a": {"b": 1}}), recursively."""
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        if isinstance(value, dict):
-            value = _nest_dotted(value, f"{where}.{key}")
-        path = str(key).split(".")
-        existing = out
-        for part in path[:-1]:
-            existing = existing.setdefault(part, {})
-            if not isinstance(existing, dict):
-                raise ConfigError(f"{where}: key {key!r} conflicts with a value set earlier")
-        if isinstance(value, dict) and isinstance(existing.get(path[-1]), dict):
-            existing[path[-1]] = _deep_merge(existing[path[-1]], value)
-        else:
-            existing[path[-1]] = value
-    return out
-
-
-def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """`update` merged into a copy of `base`: dicts merge key by key, everything else replaces."""
-    out = deepcopy(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = deepcopy(value)
-    return out
-
-
-def _normalized_task_overrides(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    overrides = data.get("task_overrides") or {}
-    if not isinstance(overrides, dict):
-        raise ConfigError("task_overrides must map a GLUE task name to a mapping of values")
-    out = {}
-    for task, values in overrides.items():
-        where = f"task_overrides.{task}"
-        if task not in GLUE_TASK_NAMES:
-            raise ConfigError(f"unknown task {task!r} in task_overrides{_did_you_mean(str(task), GLUE_TASK_NAMES)};"
-                              f" valid: {', '.join(GLUE_TASK_NAMES)}")
-        if values is None:
-            values = {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where} must be a mapping of values, got {values!r}")
-        nested = _nest_dotted(values, where)
-        if "task_overrides" in nested or "task" in (nested.get("data") or {}):
-            raise ConfigError(f"{where} cannot set task_overrides or data.task")
-        out[task] = nested
-    return out
-
-
-def resolve_task_overrides(data: dict[str, Any], pinned: Sequence[str] = ()) -> dict[str, Any]:
-    """Merges the entry of `task_overrides` for the config's data.task and drops the map.
-
-    `pinned` overrides (command-line `key=value`) are applied again on top, so they win over the
-    task's values.
-    """
-    overrides = _normalized_task_overrides(data)
-    base = {k: v for k, v in data.items() if k != "task_overrides"}
-    task = (base.get("data") or {}).get("task") if isinstance(base.get("data"), dict) else None
-    merged = _deep_merge(base, overrides.get(task, {})) if task in overrides else base
-    return apply_overrides(merged, [o for o in pinned if not o.strip().startswith("task_overrides.")])
-
-
-# --------------------------------------------------------------------------------------------------
-# Key checking and error messages
-# --------------------------------------------------------------------------------------------------
-
-
-def _section_classes(annotation: Any) -> list[type[BaseModel]]:
-    """The config section classes inside a field annotation (unwrapping Optional / unions)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    found = []
-    for arg in typing.get_args(annotation):
-        found.extend(_section_classes(arg))
-    return found
-
-
-def _check_keys(data: Any, cls: type[BaseModel], prefix: str) -> None:
-    """Raises ConfigError for the first key of `data` that `cls` (recursively) does not define."""
-    if not isinstance(data, dict):
-        return
-    fields = cls.model_fields
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in fields:
-            level = f"under {prefix[:-1]!r}" if prefix else "at the top level"
-            raise ConfigError(
-                f"unknown key {path!r}{_did_you_mean(str(key), fields)}; valid keys {level}: {', '.join(fields)}"
-            )
-        for sub in _section_classes(fields[key].annotation):
-            _check_keys(value, sub, f"{path}.")
-
-
-def _format_validation_error(err: ValidationError, where: str) -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "value_error":
-            msg = msg.removeprefix("Value error, ")
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        elif e["type"] in ("literal_error", "enum") and "input" in e:
-            msg = f"{msg} (got {e['input']!r})"
-        elif "input" in e and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"  {path}: {msg}")
-    head = f"invalid config{f' {where}' if where else ''}:"
-    return "\n".join([head, *lines])
-
-
-def validate_config(data: dict[str, Any], *, pinned: Sequence[str] = (), where: str = "") -> RunConfig:
-    """Validates a raw config mapping into a RunConfig, raising ConfigError with readable messages.
-
-    Every `task_overrides` entry is checked (merged over the base config), not only the active one,
-    so a typo in the RTE values is caught while running MNLI.
-    """
-    if not isinstance(data, dict):
-        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
-    _check_keys({k: v for k, v in data.items() if k != "task_overrides"}, RunConfig, "")
-    overrides = _normalized_task_overrides(data)
-    for task, values in overrides.items():
-        _check_keys(values, RunConfig, f"task_overrides.{task}.")
-    base = {k: v for k, v in data.items() if k != "task_overrides"}
-    merged = resolve_task_overrides({**base, "task_overrides": overrides}, pinned)
-    cfg = _validate_model(merged, where)
-    # Command-line overrides apply to every variant, except the one that picks the task.
-    variant_pins = [p for p in pinned if parse_override(p)[0] != ["data", "task"]]
-    for task in overrides:
-        if task == cfg.data.task:
-            continue
-        variant = deepcopy(base)
-        _set_path(variant, ["data", "task"], task)
-        variant = resolve_task_overrides({**variant, "task_overrides": overrides}, variant_pins)
-        with warnings.catch_warnings():  # warnings are for the run at hand, not its variants
-            warnings.simplefilter("ignore")
-            _validate_model(variant, f"{where} for data.task={task} (with task_overrides.{task})".strip())
-    return cfg
-
-
-def _validate_model(data: dict[str, Any], where: str) -> RunConfig:
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, where)) from None
-
-
-def _check_paths(cfg: RunConfig) -> None:
-    """Checks that files the config points to exist (relative paths: from the current directory)."""
-    source = cfg.data.source
-    if source != "hub" and not source.startswith("builtin:") and not Path(source).is_dir():
-        raise ConfigError(f"data.source: directory {source!r} not found; use 'hub', "
-                          f"'builtin:quickstart' or a directory in the GLUE layout")
-    ds = cfg.strategy.deepspeed
-    if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
-        raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> RunConfig:
-    """Reads a YAML config, applies `key.sub=value` overrides, merges task_overrides and validates.
-
-    Overrides win over the task's values in task_overrides; each value is parsed as YAML
-    (`training.max_steps=10`, `optimizer.hparams.betas=[0.9,0.98]`).
-    """
-    overrides = list(overrides)
-    data = apply_overrides(read_yaml(path), overrides)
-    cfg = validate_config(data, pinned=overrides, where=f"({path})")
-    if check_paths:
-        _check_paths(cfg)
-    return cfg

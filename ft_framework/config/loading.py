@@ -1,0 +1,82 @@
+"""Loading a run config: a YAML file plus `key.sub=value` overrides, task overrides merged,
+validated into a RunConfig, with errors as ConfigError messages that name the key path.
+
+    cfg = load_config("configs/quickstart.yaml", ["training.max_steps=10"])
+"""
+
+from __future__ import annotations
+
+import warnings
+from copy import deepcopy
+from pathlib import Path
+from typing import Any, Sequence
+
+from pydantic import ValidationError
+
+from .errors import ConfigError, check_keys, format_validation_error
+from .overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
+                        resolve_task_overrides, set_path)
+from .schema import RunConfig
+
+__all__ = ["validate_config", "load_config"]
+
+
+def validate_config(data: dict[str, Any], *, pinned: Sequence[str] = (), where: str = "") -> RunConfig:
+    """Validates a raw config mapping into a RunConfig, raising ConfigError with readable messages.
+
+    Every `task_overrides` entry is checked (merged over the base config), not only the active one,
+    so a typo in the RTE values is caught while running MNLI.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    check_keys({k: v for k, v in data.items() if k != "task_overrides"}, RunConfig, "")
+    overrides = normalized_task_overrides(data)
+    for task, values in overrides.items():
+        check_keys(values, RunConfig, f"task_overrides.{task}.")
+    base = {k: v for k, v in data.items() if k != "task_overrides"}
+    merged = resolve_task_overrides({**base, "task_overrides": overrides}, pinned)
+    cfg = _validate_model(merged, where)
+    # Command-line overrides apply to every variant, except the one that picks the task.
+    variant_pins = [p for p in pinned if parse_override(p)[0] != ["data", "task"]]
+    for task in overrides:
+        if task == cfg.data.task:
+            continue
+        variant = deepcopy(base)
+        set_path(variant, "data.task", task)
+        variant = resolve_task_overrides({**variant, "task_overrides": overrides}, variant_pins)
+        with warnings.catch_warnings():  # warnings are for the run at hand, not its variants
+            warnings.simplefilter("ignore")
+            _validate_model(variant, f"{where} for data.task={task} (with task_overrides.{task})".strip())
+    return cfg
+
+
+def _validate_model(data: dict[str, Any], where: str) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, where)) from None
+
+
+def _check_paths(cfg: RunConfig) -> None:
+    """Checks that files the config points to exist (relative paths: from the current directory)."""
+    source = cfg.data.source
+    if source != "hub" and not source.startswith("builtin:") and not Path(source).is_dir():
+        raise ConfigError(f"data.source: directory {source!r} not found; use 'hub', "
+                          f"'builtin:quickstart' or a directory in the GLUE layout")
+    ds = cfg.strategy.deepspeed
+    if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
+        raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> RunConfig:
+    """Reads a YAML config, applies `key.sub=value` overrides, merges task_overrides and validates.
+
+    Overrides win over the task's values in task_overrides; each value is parsed as YAML
+    (`training.max_steps=10`, `optimizer.hparams.betas=[0.9,0.98]`).
+    """
+    overrides = list(overrides)
+    data = apply_overrides(read_yaml(path), overrides)
+    cfg = validate_config(data, pinned=overrides, where=f"({path})")
+    if check_paths:
+        _check_paths(cfg)
+    return cfg
