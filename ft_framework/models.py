@@ -148,6 +148,15 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
         model.to(_DTYPES[cfg.dtype])
     logger.info("loaded %s: %d pretrained tensors, new: %s, re-initialized: %d, mixout modules: %d",
                 cfg.name_or_path, len(pretrained_state), new_names, len(reinitialized), len(mixout_names))
+    if getattr(cfg, "lora", None) is not None:
+        # LoRA (ft_framework/lora.py): the pretrained weights are frozen at θ*, so the optimizer
+        # anchors nothing; the forgetting distance is that of the merged weights.
+        from .lora import apply_lora
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = apply_lora(model, cfg.lora, new_names)
+        pretrained_state = {}
     return LoadedModel(model=model, tokenizer=None, pretrained_state=pretrained_state,
                        new_parameter_names=new_names, reinitialized_parameter_names=sorted(set(reinitialized)),
                        mixout_module_names=mixout_names)

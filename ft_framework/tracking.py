@@ -193,7 +193,11 @@ class WandbTracker:
 
         mode = mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         directory.mkdir(parents=True, exist_ok=True)
-        run_id = (resume or {}).get("id") or wandb.util.generate_id()
+        run_id = (resume or {}).get("id")
+        if not run_id:
+            from wandb.sdk.lib.runid import generate_id
+
+            run_id = generate_id()
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
         self.run = wandb.init(project=project, entity=entity, group=group, name=run_name, id=run_id,
                               resume="allow" if resume else None, dir=str(directory), mode=mode,
