@@ -21,6 +21,7 @@ def train_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from .config import ConfigError, load_config
+    from .run_files import RunPaths
     from .trainer import Trainer, format_results_table
 
     try:
@@ -36,7 +37,8 @@ def train_main(argv: list[str] | None = None) -> int:
     if trainer.strategy.is_main_process:
         print()
         print(format_results_table(results))
-        print(f"\nlogs: {cfg.logging.output_dir}/metrics.jsonl, results: {cfg.logging.output_dir}/results.json")
+        paths = RunPaths(cfg.logging.output_dir)
+        print(f"\nlogs: {paths.metrics}, results: {paths.results}")
     return 0
 
 
@@ -61,6 +63,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from .config import ConfigError
+    from .run_files import LOG_FILE
     from .sweep import SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner, plan_sweep, run_sweep
 
     try:
@@ -98,7 +101,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
     failed = [r for r in result.runs if not store.is_finished(r.run_id)]
     for run in failed[:20]:
         status = store.read_status(run.run_id)
-        print(f"  {run.run_id} {status.get('state')}: {status.get('error')} (log: {store.run_dir(run.run_id)}/log.txt)")
+        print(f"  {run.run_id} {status.get('state')}: {status.get('error')} (log: {store.run_dir(run.run_id) / LOG_FILE})")
     print(f"tables and plots: ft-report {store.root}")
     return 0 if result.complete else 1
 

@@ -22,18 +22,17 @@ from torch.utils.data import DataLoader
 from .checkpoint import CheckpointManager
 from .config import RunConfig
 from .data import load_glue, make_collator
+from .data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
 from .memory_plan import format_memory_plan, plan_memory
 from .metrics import compute_metrics, is_failed, majority_baseline
 from .models import load_model_and_tokenizer
 from .optim import build_optimizer
 from .optim.groups import build_param_groups
-from .resources import quickstart_glue_dir
+from .run_files import RESULTS_FILE, TRAINER_STATE_FILE, RunPaths
 from .run_logging import MetricsLogger
 from .strategies import Strategy, build_strategy
 
 logger = logging.getLogger(__name__)
-
-RESULTS_FILE = "results.json"
 
 
 @dataclass
@@ -84,16 +83,11 @@ class Trainer:
         self.cfg = cfg
         self.strategy = strategy or build_strategy(cfg.strategy, cfg.training)
         self.output_dir = Path(cfg.logging.output_dir)
-        self.data_seed = cfg.training.data_seed if cfg.training.data_seed is not None else cfg.training.seed
+        self.paths = RunPaths(self.output_dir)
+        self.data_seed = cfg.training.data_seed  # the config fills it with training.seed when unset
         self.state = TrainState()
 
     # ---- set-up ---------------------------------------------------------------------------
-    def _data_source(self) -> str:
-        source = self.cfg.data.source
-        if source == "builtin:quickstart":
-            return str(quickstart_glue_dir())
-        return source
-
     def setup(self) -> None:
         cfg = self.cfg
         from .data.glue import get_task
@@ -105,7 +99,7 @@ class Trainer:
                                           is_regression=self.task.is_regression, seed=cfg.training.seed)
         self.loaded = loaded
         self.data = load_glue(cfg.data.task, tokenizer=loaded.tokenizer, max_seq_length=cfg.data.max_seq_length,
-                              source=self._data_source(), hub_id=cfg.data.hub_id,
+                              source=cfg.data.resolved_source(), hub_id=cfg.data.hub_id,
                               split_dev_in_half=cfg.data.split_dev_in_half, split_seed=cfg.data.split_seed,
                               max_train_examples=cfg.data.max_train_examples,
                               max_eval_examples=cfg.data.max_eval_examples)
@@ -136,19 +130,17 @@ class Trainer:
         self.peak_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
         tcfg = cfg.training
-        self.micro_batches_per_epoch = math.ceil(
-            len(self.data.train) / (tcfg.per_device_batch_size * self.strategy.world_size))
+        self.micro_batches_per_epoch = batches_per_epoch(len(self.data.train), tcfg.per_device_batch_size,
+                                                         self.strategy.world_size)
         steps_per_epoch = max(1, self.micro_batches_per_epoch // tcfg.gradient_accumulation_steps)
         self.total_steps = tcfg.max_steps or max(1, math.ceil(steps_per_epoch * tcfg.num_epochs))
-        sch = cfg.schedule
-        self.warmup_steps = (sch.warmup_steps if sch.warmup_steps is not None
-                             else round((sch.warmup_ratio or 0.0) * self.total_steps))
+        self.warmup_steps = cfg.schedule.warmup_for(self.total_steps)
         self.eval_at = set(eval_steps(self.total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps))
         self.selection_split = self.data.task.eval_splits[0]
         self.baselines = {split: majority_baseline(cfg.data.task, self.data.train_labels, labels)
                           for split, labels in self.data.eval_labels.items()}
 
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+        self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                              is_main_process=self.strategy.is_main_process,
                                              barrier=self.strategy.barrier)
         self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
@@ -159,7 +151,7 @@ class Trainer:
     def _resume(self, where: str) -> None:
         directory = self.checkpoints.resolve(where)
         self.strategy.load_checkpoint(directory)
-        saved = torch.load(directory / "trainer_state.pt", map_location="cpu", weights_only=False)
+        saved = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
         self.state = TrainState(**saved["train_state"])
         here = self.cfg.training.per_device_batch_size * self.strategy.world_size
         if self.state.examples_per_round and self.state.examples_per_round != here:
@@ -179,18 +171,9 @@ class Trainer:
     # ---- data ---------------------------------------------------------------------------------
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches of `epoch`: a permutation fixed by (data seed, epoch)."""
-        n = len(self.data.train)
-        gen = torch.Generator().manual_seed(self.data_seed * 1_000_003 + epoch)
-        order = torch.randperm(n, generator=gen).tolist()
-        bs, world, rank = self.cfg.training.per_device_batch_size, self.strategy.world_size, self.strategy.rank
-        batches = []
-        for start in range(0, n, bs * world):
-            chunk = order[start:start + bs * world]
-            if len(chunk) < world:
-                # Every rank must get a batch (their collectives pair up): wrap around the epoch.
-                chunk = chunk + order[:world - len(chunk)]
-            batches.append(chunk[rank::world])
-        return batches
+        return epoch_batches(len(self.data.train), batch_size=self.cfg.training.per_device_batch_size,
+                             data_seed=self.data_seed, epoch=epoch, rank=self.strategy.rank,
+                             world_size=self.strategy.world_size)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.strategy.device) for k, v in batch.items()}
@@ -285,22 +268,18 @@ class Trainer:
         bs = self.cfg.evaluation.batch_size
         rank, world = self.strategy.rank, self.strategy.world_size
         for split, dataset in self.data.eval.items():
-            indices = list(range(rank, len(dataset), world))
-            # Same number of batches on every rank (sharded forwards are collective): pad the short
-            # ranks with a repeated example whose logits are dropped below.
-            per_rank = -(-len(dataset) // world)
-            real = len(indices)
-            padded = indices + [indices[-1] if indices else 0] * (per_rank - real)
-            loader = DataLoader([dataset[i] for i in padded], batch_size=bs, collate_fn=self.collate)
+            # Same number of batches on every rank (sharded forwards are collective); the padding's
+            # logits are dropped below.
+            shard = eval_shard(len(dataset), rank, world)
+            loader = DataLoader([dataset[i] for i in shard.padded], batch_size=bs, collate_fn=self.collate)
             preds = []
             for batch in loader:
                 batch = self._to_device(batch)
                 batch.pop("labels")
                 preds.append(self.strategy.forward(batch).logits.float().cpu())
-            local = (torch.cat(preds) if preds else torch.empty(0))[:real]
-            gathered = self.strategy.gather_objects((indices, local))
-            order = [i for idx, _ in gathered for i in idx]
-            logits = torch.cat([t for _, t in gathered])[torch.tensor(np.argsort(order))]
+            local = (torch.cat(preds) if preds else torch.empty(0))[:shard.num_real]
+            gathered = self.strategy.gather_objects((shard.indices, local))
+            logits = torch.cat([t for _, t in gathered])[torch.tensor(restore_order([idx for idx, _ in gathered]))]
             out[split] = compute_metrics(self.cfg.data.task, logits.numpy(), self.data.eval_labels[split])
         return out
 
@@ -362,7 +341,7 @@ class Trainer:
         With evaluation.select_best, the best model's weights are exported."""
         model = self.strategy.consolidated_model()  # collective under sharding
         if self.strategy.is_main_process:
-            best = self.output_dir / "best" / "model.pt"
+            best = self.paths.best_model
             if self.cfg.evaluation.select_best and best.is_file():
                 model.load_state_dict(torch.load(best, map_location="cpu"))
             directory.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ft_framework.run_files import METRICS_FILE, RESULTS_FILE
+
 BASE_RUN = {
     "model": {"name_or_path": "some/model", "init": "pretrained"},
     "data": {"task": "rte", "source": "hub"},
@@ -25,6 +27,7 @@ BASE_RUN = {
 
 FAKE_TRAIN = r"""
 import json, os, sys, time, yaml
+from ft_framework.run_files import METRICS_FILE, RESULTS_FILE
 cfg = yaml.safe_load(open(sys.argv[1]))
 out, seed, task = cfg["logging"]["output_dir"], cfg["training"]["seed"], cfg["data"]["task"]
 print("fake run", seed, task, "threads", os.environ.get("OMP_NUM_THREADS"), "resume" if len(sys.argv) > 2 else "")
@@ -37,7 +40,7 @@ if seed in seeds("FAKE_FAIL_SEEDS"):
     sys.exit(1)
 k = cfg["optimizer"]["hparams"].get("anneal_k", 0.0)
 score = 0.5 + 0.01 * seed + 0.1 * float(k)
-with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+with open(os.path.join(out, METRICS_FILE), "a") as f:
     for step in (1, 2):
         f.write(json.dumps({"type": "train", "step": step, "loss": 1.0 / step, "lambda": [0.5 * step, None],
                             "forgetting_distance": 0.1 * step}) + "\n")
@@ -46,8 +49,8 @@ final = {"step": 2, "metrics": {"validation": {"accuracy": score}}}
 results = {"task": task, "main_metric": "accuracy", "selection_split": "validation", "steps": 2,
            "final": final, "best": final, "reported": "final",
            "majority_baseline": {"validation": {"accuracy": 0.52}}, "failed": score <= 0.52, "config": cfg}
-json.dump(results, open(os.path.join(out, "results.json.tmp"), "w"))
-os.replace(os.path.join(out, "results.json.tmp"), os.path.join(out, "results.json"))
+json.dump(results, open(os.path.join(out, RESULTS_FILE + ".tmp"), "w"))
+os.replace(os.path.join(out, RESULTS_FILE + ".tmp"), os.path.join(out, RESULTS_FILE))
 """
 
 
@@ -75,7 +78,7 @@ def write_results(run_dir: Path, *, task: str, score: float, failed: bool, split
     results = {"task": task, "main_metric": main, "selection_split": split, "steps": 4, "final": final,
                "best": final, "reported": "final", "majority_baseline": {split: {main: 0.5}}, "failed": failed,
                "config": config or {}}
-    (run_dir / "results.json").write_text(json.dumps(results))
+    (run_dir / RESULTS_FILE).write_text(json.dumps(results))
     if curves:
         lines = []
         for step in (1, 2, 3, 4):
@@ -83,4 +86,4 @@ def write_results(run_dir: Path, *, task: str, score: float, failed: bool, split
                           "forgetting_distance": 0.1 * step})
             if step % 2 == 0:
                 lines.append({"type": "eval", "step": step, "metrics": {split: {main: score * step / 4}}})
-        (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+        (run_dir / METRICS_FILE).write_text("\n".join(json.dumps(x) for x in lines) + "\n")
