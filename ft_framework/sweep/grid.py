@@ -22,7 +22,6 @@ from typing import Any, Iterable, Sequence
 
 from ft_framework.config import (ConfigError, RunConfig, apply_overrides, parse_override, resolve_task_overrides,
                                  set_path, validate_config)
-
 from ft_framework.run_files import RUNS_SUBDIR
 
 from .spec import SweepSpec

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
-from ft_framework.run_files import (INDEX_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
+from ft_framework.run_files import (INDEX_FILE, LOCK_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
                                     RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE, RunPaths)
 
 from .grid import PlannedRun

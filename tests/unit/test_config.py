@@ -382,3 +382,14 @@ def test_config_error_is_a_value_error(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_set_path_takes_dotted_or_split_paths_and_refuses_to_go_through_a_value():
+    from ft_framework.config import set_path
+
+    data = {"training": {"seed": 1}}
+    set_path(data, "optimizer.hparams.lr", 3e-5)
+    set_path(data, ["training", "seed"], 2)
+    assert data == {"training": {"seed": 2}, "optimizer": {"hparams": {"lr": 3e-5}}}
+    with pytest.raises(ConfigError, match="cannot set 'training.seed.x': 'training.seed' is a value, not a section"):
+        set_path(data, "training.seed.x", 1)

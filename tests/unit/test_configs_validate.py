@@ -1,6 +1,7 @@
 """Every recipe in configs/ loads and validates, for every task it has overrides for.
 
-The recipes are found by globbing the directory, so a new config is covered automatically.
+The recipes are found by globbing the directory, so a new config is covered automatically (the
+sweep files in configs/sweeps/ are expanded by tests/unit/sweep/test_sweep_spec_grid.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ from ft_framework.config import GLUE_TASK_NAMES, load_config, read_yaml
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
-# Commands that may run a recipe (DESIGN.md, "contract — entry points").
+# Commands that may run a recipe: the console scripts and the launchers of launch/ (see README.md).
 LAUNCHERS = ("ft-train ", "deepspeed launch/train.py ", "torchrun ", "python launch/train.py ", "ft-sweep ")
 
 
 def test_configs_exist():
     assert CONFIGS, f"no YAML recipes found in {CONFIG_DIR}"
+
+
+def test_every_file_in_configs_is_one_a_test_validates():
+    # Run recipes are configs/*.yaml (this file); sweeps are configs/sweeps/*.yaml (the sweep tests).
+    # Anything else (a .yml, a nested directory, a DeepSpeed JSON) would be validated by no test.
+    covered = set(CONFIGS) | set((CONFIG_DIR / "sweeps").glob("*.yaml"))
+    files = {p for p in CONFIG_DIR.rglob("*") if p.is_file()}
+    assert files - covered == set(), "files in configs/ that no test loads"
 
 
 @pytest.fixture(params=CONFIGS, ids=lambda p: p.name)
