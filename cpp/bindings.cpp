@@ -1,12 +1,16 @@
 // pybind11 module ft_framework._cpu_kernel: runtime ISA dispatch and OpenMP threading around the
-// per-ISA step ranges. Tensors arrive as raw addresses: the Python wrapper (ft_framework/optim/cpu.py)
-// has already checked device, dtype, contiguity and sizes, so no torch headers are needed here.
+// per-ISA step ranges. Tensors arrive through the buffer protocol (1-D views that share the tensors'
+// memory; bf16 as 16-bit integers, which the buffer protocol has no type for) and the step's
+// coefficients as one Coefficients object, so no torch headers are needed here. The Python wrapper
+// (ft_framework/optim/cpu.py) checks device, dtype and contiguity first and says what to change;
+// the checks here keep a direct caller from writing out of bounds.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <omp.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -74,21 +78,50 @@ constexpr int64_t kMinParallelElems = 1 << 15;
 // Thread ranges start on 64-element boundaries so every thread's body runs whole vectors.
 constexpr int64_t kChunkAlign = 64;
 
-void fused_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                uintptr_t anchor, int64_t numel, bool grad_bf16, bool anchor_bf16,
-                float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps, float denom_scale, float step_size,
-                float pre_decay, float pre_pull, float post_pull, float post_decay, int num_threads) {
-    if (numel < 0) throw std::invalid_argument("numel must be >= 0");
-    if (!param || !grad || !exp_avg || !exp_avg_sq) throw std::invalid_argument("null tensor address");
+struct Buffer {
+    void* ptr;
+    int64_t numel;
+    ftk::ElemType type;
+};
+
+// A 1-D contiguous buffer of fp32 (or, where allowed, 16-bit bf16 bit patterns).
+Buffer as_buffer(const py::buffer& b, const char* role, bool writable, bool allow_bf16) {
+    const py::buffer_info info = b.request(writable);
+    const std::string name(role);
+    if (info.ndim != 1) throw std::invalid_argument(name + " must be a 1-D buffer");
+    if (info.shape[0] > 1 && info.strides[0] != info.itemsize)
+        throw std::invalid_argument(name + " is not contiguous (the kernel updates memory in place)");
+    if (info.itemsize == 4 && info.format == py::format_descriptor<float>::format())
+        return {info.ptr, info.shape[0], ftk::ElemType::F32};
+    if (allow_bf16 && info.itemsize == 2 && (info.format == "h" || info.format == "H"))
+        return {info.ptr, info.shape[0], ftk::ElemType::BF16};
+    throw std::invalid_argument(name + " must hold float32" + (allow_bf16 ? " or bfloat16 bits (int16)" : "") +
+                                ", got buffer format '" + info.format + "'");
+}
+
+void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
+                const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
+                const ftk::StepCoeffs& coeffs, int num_threads) {
+    const Buffer p = as_buffer(param, "param", true, false);
+    const Buffer g = as_buffer(grad, "grad", false, true);
+    const Buffer m = as_buffer(exp_avg, "exp_avg", true, false);
+    const Buffer v = as_buffer(exp_avg_sq, "exp_avg_sq", true, false);
+    const Buffer a = anchor ? as_buffer(*anchor, "anchor", false, true) : Buffer{nullptr, p.numel, ftk::ElemType::F32};
+    const int64_t numel = p.numel;
+    if (g.numel != numel || m.numel != numel || v.numel != numel || a.numel != numel)
+        throw std::invalid_argument("grad, exp_avg, exp_avg_sq and anchor must have the parameter's " +
+                                    std::to_string(numel) + " elements");
+    if (numel == 0) return;
     ftk::StepArgs s;
-    s.param = reinterpret_cast<float*>(param);
-    s.grad = reinterpret_cast<const void*>(grad);
-    s.exp_avg = reinterpret_cast<float*>(exp_avg);
-    s.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
-    s.anchor = reinterpret_cast<const void*>(anchor);
-    s.grad_type = grad_bf16 ? ftk::ElemType::BF16 : ftk::ElemType::F32;
-    s.anchor_type = anchor_bf16 ? ftk::ElemType::BF16 : ftk::ElemType::F32;
-    s.c = {beta1, beta2, eps, one_minus_beta1, one_minus_beta2, denom_scale, step_size, pre_decay, pre_pull, post_pull, post_decay};
+    s.param = static_cast<float*>(p.ptr);
+    s.grad = g.ptr;
+    s.exp_avg = static_cast<float*>(m.ptr);
+    s.exp_avg_sq = static_cast<float*>(v.ptr);
+    s.anchor = a.ptr;
+    s.grad_type = g.type;
+    s.anchor_type = a.type;
+    s.c = coeffs;
+    py::gil_scoped_release nogil;  // the buffers' memory stays alive: the caller holds the arrays
     const RangeFn fn = range_fn(g_level);
 
     int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
@@ -118,10 +151,27 @@ PYBIND11_MODULE(_cpu_kernel, m) {
     m.def("get_level", [] { return std::string(kLevelNames[static_cast<int>(g_level)]); });
     m.def("set_level", &set_level, py::arg("name"));
     m.def("max_threads", [] { return omp_get_max_threads(); });
-    m.def("fused_step", &fused_step, py::call_guard<py::gil_scoped_release>(),
+    py::class_<ftk::StepCoeffs>(m, "Coefficients",
+                                "One step's coefficients (cpp/step_args.h); 1 - beta is given rounded once from double")
+        .def(py::init<>())
+        .def_readwrite("beta1", &ftk::StepCoeffs::beta1)
+        .def_readwrite("beta2", &ftk::StepCoeffs::beta2)
+        .def_readwrite("eps", &ftk::StepCoeffs::eps)
+        .def_readwrite("one_minus_beta1", &ftk::StepCoeffs::one_minus_beta1)
+        .def_readwrite("one_minus_beta2", &ftk::StepCoeffs::one_minus_beta2)
+        .def_readwrite("denom_scale", &ftk::StepCoeffs::denom_scale)
+        .def_readwrite("step_size", &ftk::StepCoeffs::step_size)
+        .def_readwrite("pre_decay", &ftk::StepCoeffs::pre_decay)
+        .def_readwrite("pre_pull", &ftk::StepCoeffs::pre_pull)
+        .def_readwrite("post_pull", &ftk::StepCoeffs::post_pull)
+        .def_readwrite("post_decay", &ftk::StepCoeffs::post_decay);
+    // The buffers are read before the GIL is released (py::buffer needs it); the step runs without.
+    m.def("fused_step",
+          [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
+             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {
+              fused_step(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads);
+          },
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
-          py::arg("numel"), py::arg("grad_bf16"), py::arg("anchor_bf16"), py::arg("beta1"), py::arg("beta2"), py::arg("one_minus_beta1"), py::arg("one_minus_beta2"),
-          py::arg("eps"), py::arg("denom_scale"), py::arg("step_size"), py::arg("pre_decay"),
-          py::arg("pre_pull"), py::arg("post_pull"), py::arg("post_decay"), py::arg("num_threads"),
-          "One fused step over `numel` fp32 parameters (addresses from tensor.data_ptr()); anchor=0 means none.");
+          py::arg("coeffs"), py::arg("num_threads") = 0,
+          "One fused step in place over 1-D buffers of equal length; anchor=None means none.");
 }

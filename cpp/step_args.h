@@ -1,5 +1,6 @@
 // Shared, ISA-neutral description of one fused optimizer step over a flat range of elements.
-// Every rule in shared/spec/optimizers.md is this one element program with different coefficients:
+// Every update rule (AdamW, BERTAdam, RecAdam, prior_wd) is this one element program with
+// different coefficients:
 //
 //   p <- p - pre_decay * p                  (AdamW: decoupled decay before the step)
 //   p <- p - pre_pull * (p - a)             (prior_wd: pull toward the anchor, applied first)

@@ -1,5 +1,5 @@
 // AVX2 + FMA path, 8 floats per register. Compiled with -mavx2 -mfma; only called after the
-// runtime check in dispatch.cpp says the CPU has both.
+// runtime check in bindings.cpp (best_supported_level) says the CPU has both.
 #include <immintrin.h>
 #include "step_body.h"
 

@@ -1,5 +1,6 @@
 // AVX-512F path, 16 floats per register. Compiled with -mavx512f -mfma; only called after the
-// runtime check in dispatch.cpp says the CPU (and the OS, via XCR0) supports AVX-512F.
+// runtime check in bindings.cpp (best_supported_level) says the CPU (and the OS, via XCR0)
+// supports AVX-512F.
 #include <immintrin.h>
 #include "step_body.h"
 

@@ -285,13 +285,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         """
         sq = self.forgetting_sq_sum()
         if all_reduce:
-            import torch.distributed as dist
+            from .. import collectives
 
-            backend = dist.get_backend(reduce_group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            buf = sq.to(device)
-            dist.all_reduce(buf, group=reduce_group)
-            sq = buf.cpu()
+            sq = collectives.all_reduce(sq, group=reduce_group)
         return math.sqrt(float(sq))
 
     # ---- checkpoints ---------------------------------------------------------------------

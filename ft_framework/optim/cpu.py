@@ -1,14 +1,15 @@
 """Python side of the C++ CPU step (ft_framework._cpu_kernel).
 
-The kernel updates memory in place through raw addresses, so every tensor is checked here first:
-a non-contiguous or wrongly typed tensor is refused, never copied (a copy would silently drop the
-update — the failure mode of DeepSpeedCPUAdam's binding).
+The kernel updates memory in place through buffers that share the tensors' memory, so every tensor
+is checked here first: a non-contiguous or wrongly typed tensor is refused, never copied (a copy
+would silently drop the update — the failure mode of DeepSpeedCPUAdam's binding).
 
 FT_FRAMEWORK_SIMD=scalar|avx2|avx512 forces a SIMD level at import (it must be one this CPU runs).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -112,11 +113,26 @@ def fused_step(
         raise ValueError(f"size mismatch with the parameter's {n} elements: {wrong}")
     if n == 0:
         return
-    kernel.fused_step(
-        param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        0 if anchor is None else anchor.data_ptr(), n,
-        grad.dtype == torch.bfloat16, anchor is not None and anchor.dtype == torch.bfloat16,
-        coeffs.beta1, coeffs.beta2, 1.0 - coeffs.beta1, 1.0 - coeffs.beta2, coeffs.eps, coeffs.denom_scale, coeffs.step_size,
-        coeffs.pre_decay, coeffs.pre_pull, coeffs.post_pull, coeffs.post_decay,
-        torch.get_num_threads() if num_threads is None else int(num_threads),
-    )
+    kernel.fused_step(_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
+                      None if anchor is None else _buffer(anchor), _kernel_coefficients(coeffs),
+                      torch.get_num_threads() if num_threads is None else int(num_threads))
+
+
+def _buffer(t: torch.Tensor):
+    """A 1-D numpy view sharing t's memory (bf16, which numpy lacks, as its int16 bit patterns)."""
+    flat = t.detach().view(-1)
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return flat.numpy()
+
+
+@functools.lru_cache(maxsize=256)
+def _kernel_coefficients(c: StepCoefficients):
+    """The kernel's Coefficients for `c` (cached: a rule's coefficients repeat across tensors)."""
+    k = _require_kernel().Coefficients()
+    k.beta1, k.beta2, k.eps = c.beta1, c.beta2, c.eps
+    # 1 - beta rounded once from double (1.0f - fp32(0.999) would be off by 1.3e-5).
+    k.one_minus_beta1, k.one_minus_beta2 = 1.0 - c.beta1, 1.0 - c.beta2
+    k.denom_scale, k.step_size = c.denom_scale, c.step_size
+    k.pre_decay, k.pre_pull, k.post_pull, k.post_decay = c.pre_decay, c.pre_pull, c.post_pull, c.post_decay
+    return k

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -40,8 +40,9 @@ class Strategy(ABC):
         return self.rank == 0
 
     @property
-    def params_are_sharded(self) -> bool:
-        """True when each rank's optimizer holds a disjoint shard (ZeRO, FSDP): reduce telemetry."""
+    def optimizer_state_is_partitioned(self) -> bool:
+        """True when each rank's optimizer holds a disjoint part of the state, anchors included
+        (ZeRO, FSDP): sums over it (the forgetting distance) need an all-reduce."""
         return False
 
     def barrier(self) -> None:
@@ -50,9 +51,6 @@ class Strategy(ABC):
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (a one-element list without distribution)."""
         return [obj]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        return obj
 
     # ---- setup -------------------------------------------------------------------------------
     @staticmethod
@@ -64,8 +62,31 @@ class Strategy(ABC):
         return torch.device(device)
 
     @abstractmethod
-    def setup(self, model: nn.Module, build_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Places/wraps the model and builds the optimizer with `build_optimizer(model)`."""
+    def setup(self, model: nn.Module, build_optimizer,
+              anchors: Mapping[str, torch.Tensor] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Places/wraps the model, builds the optimizer with `build_optimizer(model)` (param groups
+        without anchors), then places theta* with `place_anchors(anchors)` when given.
+
+        `anchors` maps parameter names to the full pretrained values (fp32); the strategy takes the
+        tensors over, so the caller should drop its reference afterwards (under ZeRO/FSDP each
+        rank then keeps only its own part of theta*)."""
+
+    def place_anchors(self, anchors: Mapping[str, torch.Tensor]) -> None:
+        """Puts theta* into the optimizer state, once, after wrapping: each optimized parameter
+        whose name is in `anchors` gets its anchor (sharded like the parameter for DTensors).
+        Names of parameters the optimizer does not hold (frozen ones) are skipped, as
+        build_param_groups skips them."""
+        named = dict(self.unwrapped_model().named_parameters())
+        unknown = sorted(set(anchors) - set(named))
+        if unknown:
+            raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
+                             "pass the pretrained state of this model")
+        name_of = {id(p): n for n, p in named.items()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = name_of.get(id(p))
+                if name in anchors:
+                    self.optimizer.set_anchor(p, anchors[name], copy=False)
 
     # ---- the step ------------------------------------------------------------------------------
     def autocast(self):
@@ -79,7 +100,10 @@ class Strategy(ABC):
             return self.model(**batch)
 
     @abstractmethod
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
+        """Back-propagates one micro-batch's loss (already divided by the accumulation count: the
+        trainer owns that count). `last_micro_batch` says whether the next clip_and_step follows;
+        strategies that reduce gradients at the end of the accumulation use it."""
 
     @abstractmethod
     def clip_and_step(self, max_grad_norm: float | None) -> float:
@@ -93,7 +117,7 @@ class Strategy(ABC):
         """||theta - theta*||_2 over the anchored parameters, summed over shards when sharded."""
         if not hasattr(self.optimizer, "forgetting_distance"):
             return None
-        return self.optimizer.forgetting_distance(all_reduce=self.params_are_sharded)
+        return self.optimizer.forgetting_distance(all_reduce=self.optimizer_state_is_partitioned)
 
     def current_lambdas(self) -> list[float | None] | None:
         return self.optimizer.current_lambdas() if hasattr(self.optimizer, "current_lambdas") else None

@@ -16,11 +16,13 @@ class DDPStrategy(ProcessGroupMixin, SingleDeviceStrategy):
         super().__init__(precision, device)
         self._join_process_group("ddp", "torchrun --nproc_per_node N launch/train.py --config ...")
 
-    def setup(self, model: nn.Module, build_optimizer):
+    def setup(self, model: nn.Module, build_optimizer, anchors=None):
         model = model.to(self.device)
         ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.optimizer = build_optimizer(model)
+        if anchors:
+            self.place_anchors(anchors)  # replicated, like the parameters
         return self.model, self.optimizer
 
     def unwrapped_model(self) -> nn.Module:

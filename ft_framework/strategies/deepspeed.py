@@ -1,16 +1,23 @@
 """DeepSpeed ZeRO stages 0-3, optimizer/parameter CPU offload, bf16/fp16, with our optimizer.
 
-Our optimizer is passed to DeepSpeed as an instance. Under ``offload_optimizer`` it receives the
-fp32 CPU partitions and (impl="auto") runs the C++ kernel on them; without offload it runs the
-torch implementation on the device. theta* anchors are taken out of the optimizer before
-``deepspeed.initialize`` and re-attached to the flat partitions as an ``anchor`` state tensor,
-filled from the exact fp32 pretrained values, so each rank holds total/world_size of them.
+Our optimizer is passed to DeepSpeed as an instance, built without anchors. Under
+``offload_optimizer`` it receives the fp32 CPU partitions and (impl="auto") runs the C++ kernel on
+them; without offload it runs the torch implementation on the device. After
+``deepspeed.initialize``, ``place_anchors`` gives every anchored flat partition an ``anchor`` state
+tensor and fills it with the exact fp32 pretrained values of its own elements, so each rank holds
+total/world_size of theta*.
+
+Gradient accumulation is counted by the trainer alone: it divides each micro-batch's loss and
+says which backward ends the accumulation; DeepSpeed is told that boundary
+(set_gradient_accumulation_boundary) instead of counting micro-steps itself, and steps once.
 
 Checkpoints: DeepSpeed's own checkpoint (parallel, each rank its shard; the wrapped optimizer's
 state dict carries the anchors) for a same-size resume, plus one consolidated file keyed by
 parameter name (fp32 master weights, moments, anchors, step) that resumes on any number of ranks.
-DeepSpeed's universal-checkpoint converter drops optimizer keys other than Adam's, anchors among
-them (shared/spec/FACTS.md), hence the file of our own.
+DeepSpeed's universal-checkpoint converter keeps only the optimizer-state keys Adam has, so it
+would drop the anchors: hence the file of our own.
+
+Every DeepSpeed internal this needs lives in deepspeed_adapter.py.
 """
 
 from __future__ import annotations
@@ -21,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
+from ..optim.base import check_loaded_anchors
 from .base import Strategy
-from .ds_state import MASTER, state_map_for
 from .process_group import ProcessGroupMixin
 
 NATIVE_TAG = "deepspeed"
@@ -81,74 +88,82 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self.precision = training_cfg.precision
         self.ds_config = build_deepspeed_config(ds_cfg, training_cfg)
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
-        self.accumulation = training_cfg.gradient_accumulation_steps
         import deepspeed
 
+        from . import deepspeed_adapter  # checks the DeepSpeed version
+
         self._deepspeed = deepspeed
+        self._adapter = deepspeed_adapter
         self._join_process_group(
             "deepspeed", "deepspeed launch/train.py --config ... (or torchrun --nproc_per_node N launch/train.py ...)",
             init=lambda backend: deepspeed.init_distributed(dist_backend=backend))
-        self._micro_steps = 0
 
     # ---- topology ------------------------------------------------------------------------------
     @property
-    def params_are_sharded(self) -> bool:
+    def optimizer_state_is_partitioned(self) -> bool:
+        # bf16 at stage 0 still runs DeepSpeed's BF16 optimizer, which partitions the fp32 state.
         return self.zero_stage > 0 or self.precision == "bf16"
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, build_optimizer):
+    def setup(self, model: nn.Module, build_optimizer, anchors=None):
         optimizer = build_optimizer(model)
-        self.names = {id(p): n for n, p in model.named_parameters()}
-        # Anchors leave the optimizer before DeepSpeed repartitions it, keyed by parameter name.
-        anchors = {}
-        for name, p in model.named_parameters():
-            state = optimizer.state.get(p)
-            if state and "anchor" in state:
-                anchors[name] = state.pop("anchor")
-                if not state:
-                    del optimizer.state[p]
+        if any("anchor" in s for s in optimizer.state.values()):
+            raise ValueError("DeepSpeed repartitions the optimizer's parameters, so anchors in its param groups "
+                             "would be lost: build the param groups without anchors "
+                             "(build_param_groups(..., attach_anchors=False)) and pass theta* as setup(anchors=...)")
         engine, _, _, _ = self._deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         self.engine = engine
         self.model = engine
         self.optimizer = optimizer  # ours; ZeRO's wrapper shares its param_groups
-        self.state_map = state_map_for(engine, optimizer, engine.module.parameters())
-        self._attach_anchors(anchors)
+        self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.state_map = self._adapter.state_map_for(engine, optimizer, engine.module.parameters())
+        if anchors:
+            self.place_anchors(anchors)
         return self.model, self.optimizer
 
     def _named_model_params(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.engine.module.named_parameters())
 
     @torch.no_grad()
-    def _attach_anchors(self, anchors: dict[str, torch.Tensor]) -> None:
-        """Creates the anchor state of every anchored partition and fills it with exact theta*."""
-        dtype = getattr(self.optimizer, "_anchor_dtype", torch.float32)
-        name_of = {id(p): n for n, p in self._named_model_params()}
+    def place_anchors(self, anchors) -> None:
+        """Gives every anchored partition a zero anchor of its own size and fills it with the exact
+        theta* of its elements (each rank reads only its part of each full tensor)."""
+        unknown = sorted(set(anchors) - set(self.names.values()))
+        if unknown:
+            raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
+                             "pass the pretrained state of this model")
         for params, flat in self.state_map.partitions():
-            anchored = [p for p in params if name_of[id(p)] in anchors]
+            anchored = [p for p in params if self.names[id(p)] in anchors]
             if not anchored:
                 continue
             if len(anchored) != len(params):
-                missing = [name_of[id(p)] for p in params if name_of[id(p)] not in anchors]
+                missing = [self.names[id(p)] for p in params if self.names[id(p)] not in anchors]
                 raise ValueError(f"a DeepSpeed partition mixes anchored and new parameters ({missing[:3]}...): "
                                  "put new (head) parameters in their own param group")
-            # One anchor tensor per partition (per parameter at stage 0), filled piece by piece.
-            self.optimizer.state[flat]["anchor"] = torch.zeros_like(flat, dtype=dtype)
+            # One anchor per partition (per parameter at stage 0), filled piece by piece.
+            self.optimizer.init_anchor(flat)
             for p in anchored:
-                self.state_map.set_full(p, "anchor", anchors[name_of[id(p)]])
+                self.state_map.set_full(p, "anchor", anchors[self.names[id(p)]])
 
     # ---- the step --------------------------------------------------------------------------------
     def forward(self, batch):
         return self.engine(**batch)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        # The trainer already divides by the accumulation steps; DeepSpeed must not divide again.
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
+        # The trainer counted and divided: DeepSpeed neither divides again (scale_wrt_gas=False) nor
+        # counts (its gradient_accumulation_steps only sizes train_batch_size); it is told whether
+        # this backward ends the accumulation, where ZeRO reduces the gradients.
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
         self.engine.backward(loss, scale_wrt_gas=False)
-        self._micro_steps += 1
-        if self._micro_steps % self.accumulation != 0:
-            self.engine.step()  # not a boundary: DeepSpeed only advances its micro-step count
 
     def clip_and_step(self, max_grad_norm: float | None) -> float:
-        # Clipping is DeepSpeed's (gradient_clipping in its config), done inside step().
+        # DeepSpeed clips inside step(), at gradient_clipping from its config, which
+        # build_deepspeed_config writes from training.max_grad_norm: a different value here
+        # would be silently ignored, so it is an error.
+        configured = float(self.ds_config.get("gradient_clipping") or 0.0)
+        if float(max_grad_norm or 0.0) != configured:
+            raise ValueError(f"clip_and_step(max_grad_norm={max_grad_norm}) but DeepSpeed clips at gradient_clipping="
+                             f"{configured} from its config; set training.max_grad_norm, which writes it")
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -161,7 +176,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         """Full value of optimizer state `key` ('fp32' = master weights) per parameter name
         (collective: every rank must call it)."""
         return {name: self.state_map.get_full(p, key) for name, p in self._named_model_params()
-                if key == MASTER or self._partition_has(p, key)}
+                if key == self._adapter.MASTER or self._partition_has(p, key)}
 
     def _partition_has(self, p, key: str) -> bool:
         for params, flat in self.state_map.partitions():
@@ -178,8 +193,8 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                 continue
             theta = flat.detach().reshape(-1).narrow(0, start, numel).double()
             total += (theta - anchor.reshape(-1).narrow(0, start, numel).double()).square().sum().cpu()
-        if self.params_are_sharded:
-            dist.all_reduce(total)
+        if self.optimizer_state_is_partitioned:
+            total = collectives.all_reduce(total)
         return float(total.sqrt())
 
     def anchor_numel_on_this_rank(self) -> int:
@@ -198,7 +213,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     def _consolidate(self) -> dict[str, Any]:
         params: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in self._named_model_params():
-            entry = {MASTER: self.state_map.get_full(p, MASTER)}
+            entry = {self._adapter.MASTER: self.state_map.get_full(p, self._adapter.MASTER)}
             for key in OPTIMIZER_KEYS + ("anchor",):
                 if self._partition_has(p, key):
                     entry[key] = self.state_map.get_full(p, key)
@@ -220,17 +235,11 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                                    "resume from an earlier checkpoint") from exc
             if path is None:
                 raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
-            self._check_anchors_present()
+            # The anchors were checked on the way in: ZeRO hands each rank's partition state to our
+            # optimizer's load_state_dict (check_loaded_anchors).
         else:
             self.load_consolidated(directory / CONSOLIDATED_FILE)
         self.barrier()
-
-    def _check_anchors_present(self) -> None:
-        for params, flat in self.state_map.partitions():
-            state = self.optimizer.state.get(flat, {})
-            if "anchor" in state and tuple(state["anchor"].shape) != tuple(flat.shape):
-                raise ValueError(f"checkpoint anchor has shape {tuple(state['anchor'].shape)}, the partition "
-                                 f"{tuple(flat.shape)}: wrong or corrupted checkpoint")
 
     @torch.no_grad()
     def load_consolidated(self, path: Path) -> None:
@@ -248,22 +257,18 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         anchored_now = {n for params, flat in self.state_map.partitions()
                         if "anchor" in self.optimizer.state.get(flat, {})
                         for n in (self.names.get(id(p)) for p in params) if n}
+        check_loaded_anchors(f"checkpoint {path}", (
+            (name, tuple(saved["params"][name]["anchor"].shape) if "anchor" in saved["params"][name] else None,
+             self._adapter.full_shape(p), name in anchored_now) for name, p in named))
         for name, p in named:
-            entry = saved["params"][name]
-            shape = tuple(getattr(p, "ds_shape", p.shape))
-            for key, value in entry.items():
+            shape = self._adapter.full_shape(p)
+            for key, value in saved["params"][name].items():
                 if tuple(value.shape) != shape:
-                    raise ValueError(f"checkpoint {key} of {name} has shape {tuple(value.shape)}, the model "
-                                     f"{shape}: wrong or corrupted checkpoint")
-            if name in anchored_now and "anchor" not in entry:
-                raise ValueError(f"checkpoint has no anchor (theta*) for {name}, which this run anchors; "
-                                 "loading it would silently drop the pull toward the pretrained weights")
+                    raise ValueError(f"checkpoint {path}: {key} of parameter {name!r} has shape {tuple(value.shape)}, "
+                                     f"the parameter has {shape}: wrong or corrupted checkpoint")
         step = torch.tensor(float(saved["step"]))
         for params, flat in self.state_map.partitions():
-            state = self.optimizer.state[flat]
-            for key in OPTIMIZER_KEYS:
-                state.setdefault(key, torch.zeros_like(flat, dtype=torch.float32))
-            state["step"] = step.clone()
+            self.optimizer.init_state(flat)["step"] = step.clone()
         for name, p in named:
             for key, value in saved["params"][name].items():
                 self.state_map.set_full(p, key, value)
@@ -272,7 +277,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     # ---- export ----------------------------------------------------------------------------------
     def consolidated_model(self) -> nn.Module:
         """A plain fp32 copy of the model built from the gathered master weights (collective)."""
-        masters = {name: self.state_map.get_full(p, MASTER) for name, p in self._named_model_params()}
+        masters = {name: self.state_map.get_full(p, self._adapter.MASTER) for name, p in self._named_model_params()}
         module = self.engine.module
         plain = type(module)(module.config)
         missing, unexpected = plain.load_state_dict(masters, strict=False)

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..optim.base import local_tensor
+from .. import collectives
+from ..optim.base import check_loaded_anchors, local_tensor
 from .base import Strategy
 from .process_group import ProcessGroupMixin
 
@@ -72,10 +72,12 @@ def _meta_skeleton(model: nn.Module) -> nn.Module:
 
 class _ShardedLossScaler:
     """Dynamic loss scaling for fp16 on sharded gradients: each rank checks its own gradient shards
-    for inf/nan and one all-reduce (MAX) makes every rank skip or take the step together."""
+    for inf/nan and one all-reduce (MAX) makes every rank skip or take the step together.
 
-    def __init__(self, strategy: "FSDPStrategy", init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
-        self.strategy = strategy
+    torch's GradScaler cannot do this: it looks for inf/nan per device on its own rank only, and
+    under CPU offload the sharded gradients are CPU tensors it does not unscale."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
         self.scale = float(init_scale)
         self.growth_interval = growth_interval
         self.good_steps = 0
@@ -90,7 +92,7 @@ class _ShardedLossScaler:
             if g.numel() and not bool(torch.isfinite(g).all()):
                 found.fill_(1.0)
                 break
-        found = self.strategy._all_reduce(found, dist.ReduceOp.MAX)
+        found = collectives.all_reduce(found, op="max")
         if float(found):
             return True
         inv = 1.0 / self.scale
@@ -132,25 +134,17 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
 
         self.mesh = init_device_mesh(self.device.type, (self._world_size,))
         # fp16 gradients need loss scaling (on CUDA only: the base class refuses fp16 on CPU).
-        self.scaler = _ShardedLossScaler(self) if precision == "fp16" else None
+        self.scaler = _ShardedLossScaler() if precision == "fp16" else None
         self._skeleton: nn.Module | None = None
         self.sharded_module_names: list[str] = []
 
     # ---- topology --------------------------------------------------------------------------
     @property
-    def params_are_sharded(self) -> bool:
+    def optimizer_state_is_partitioned(self) -> bool:
         return True
 
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        buf = t.to(self._comm_device())
-        dist.all_reduce(buf, op=op)
-        return buf.to(t.device)
-
     # ---- setup -------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, build_optimizer):
+    def setup(self, model: nn.Module, build_optimizer, anchors=None):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if self.mixed_precision:
@@ -170,12 +164,15 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         fully_shard(model, **kwargs)
         self.sharded_module_names.append("")
         self.model = model
-        # Built on the sharded (DTensor) parameters: set_anchor shards the full fp32 theta*.
+        # Built on the sharded (DTensor) parameters; place_anchors then shards the full fp32 theta*
+        # like each parameter, locally on every rank (set_anchor), keeping only this rank's shard.
         self.optimizer = build_optimizer(model)
+        if anchors:
+            self.place_anchors(anchors)
         return self.model, self.optimizer
 
     # ---- the step ----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
         (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
 
     def _grad_params(self) -> list[torch.Tensor]:
@@ -191,7 +188,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 continue  # a replicated gradient is counted once
             if g.numel():
                 sq += torch.linalg.vector_norm(g, 2, dtype=torch.float32).cpu().square()
-        total = self._all_reduce(sq).sqrt()
+        total = collectives.all_reduce(sq).sqrt()
         if max_grad_norm:
             coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
             for g in grads:
@@ -236,21 +233,14 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     def _check_anchors(self, directory: Path, saved: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         """Refuses a checkpoint whose anchors (theta*) are missing or mis-shaped, before loading."""
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        for fqn, entry in optim_sd["state"].items():
-            if "anchor" not in entry:
-                continue
+
+        def saved_shape(fqn: str):
             key = f"optimizer.state.{fqn}.anchor"
-            if key not in saved:
-                raise ValueError(
-                    f"checkpoint {directory} has no anchor (theta*) for parameter {fqn!r}, which this "
-                    "optimizer anchors; loading it would silently drop the pull toward the pretrained "
-                    "weights. Load a checkpoint saved with anchors, or build the optimizer without anchors")
-            size = tuple(getattr(saved[key], "size", ()) or ())
-            want = shapes.get(fqn, tuple(entry["anchor"].shape))
-            if size != want:
-                raise ValueError(
-                    f"checkpoint {directory}: anchor (theta*) for parameter {fqn!r} has shape {size}, "
-                    f"the parameter has {want}: wrong or corrupted checkpoint")
+            return tuple(getattr(saved[key], "size", ()) or ()) if key in saved else None
+
+        check_loaded_anchors(f"checkpoint {directory}", (
+            (fqn, saved_shape(fqn), shapes.get(fqn, tuple(entry["anchor"].shape)), True)
+            for fqn, entry in optim_sd["state"].items() if "anchor" in entry))
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -267,12 +257,11 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         self._check_anchors(directory, saved, optim_sd)
         # DCP loads into a template: every state key must exist first, so create exp_avg, exp_avg_sq
         # and step for parameters that have not stepped yet (only anchors exist after construction).
-        init_state = getattr(self.optimizer, "_init_state", None)
-        if init_state is not None:
+        if hasattr(self.optimizer, "init_state"):
             for group in self.optimizer.param_groups:
                 for p in group["params"]:
                     if p.requires_grad:
-                        init_state(p)
+                        self.optimizer.init_state(p)
         model_sd, optim_sd = self._state_dicts()
         # Load what the checkpoint has: a parameter that never had a gradient has no moments there.
         for fqn, entry in optim_sd["state"].items():
@@ -302,8 +291,9 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         out = {}
         for name, value in sharded.items():
             if hasattr(value, "full_tensor"):
-                if local_tensor(value).device != self._comm_device():  # CPU-offloaded shard under nccl
-                    value = value.to(self._comm_device())
+                device = collectives.group_device()
+                if local_tensor(value).device != device:  # a CPU-offloaded shard under nccl
+                    value = value.to(device)
                 value = value.full_tensor()
             out[name] = value.detach().cpu()
         return out
@@ -328,12 +318,3 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
             raise RuntimeError(f"consolidated state lacks {still_missing[:5]}")
         return plain
 
-    def export_pretrained(self, directory: Path) -> Path:
-        """Writes the full model with `save_pretrained` on rank 0; every rank must call it."""
-        directory = Path(directory)
-        model = self.consolidated_model()
-        if self.is_main_process:
-            directory.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(directory)
-        self.barrier()
-        return directory

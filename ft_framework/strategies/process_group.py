@@ -1,6 +1,6 @@
 """What every multi-process strategy (DDP, DeepSpeed, FSDP) shares: joining the process group a
 launcher (torchrun, the deepspeed launcher) describes in the environment, and the collectives the
-trainer uses for evaluation and checkpoints."""
+trainer uses for evaluation and checkpoints (made through ft_framework.collectives)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from .. import collectives
 
 
 class ProcessGroupMixin:
@@ -17,15 +19,22 @@ class ProcessGroupMixin:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RuntimeError(f"strategy {strategy_name} needs a distributed launch (also for one process): "
                                f"{launcher}")
-        if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            (init or (lambda b: dist.init_process_group(backend=b)))(backend)
-        # Cached: the trainer still asks for them after close() has destroyed the process group.
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         if self.device.type == "cuda":
+            # Before the process group exists: nccl binds each rank's communicator to the current
+            # device, and a rank that has not chosen one talks from cuda:0 (every rank on one GPU).
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            (init or self._init_process_group)(backend)
+        # Cached: the trainer still asks for them after close() has destroyed the process group.
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    def _init_process_group(self, backend: str) -> None:
+        # device_id binds the nccl communicator to this rank's GPU right away (eager init).
+        kwargs = {"device_id": self.device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, **kwargs)
 
     @property
     def rank(self) -> int:
@@ -36,17 +45,10 @@ class ProcessGroupMixin:
         return self._world_size
 
     def barrier(self) -> None:
-        dist.barrier()
+        collectives.barrier()
 
     def gather_objects(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return collectives.all_gather_object(obj)
 
     def close(self) -> None:
         if dist.is_initialized():

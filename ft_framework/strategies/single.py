@@ -21,12 +21,14 @@ class SingleDeviceStrategy(Strategy):
         # fp16 needs loss scaling; bf16 and fp32 do not.
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
 
-    def setup(self, model: nn.Module, build_optimizer):
+    def setup(self, model: nn.Module, build_optimizer, anchors=None):
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model)
+        if anchors:
+            self.place_anchors(anchors)
         return self.model, self.optimizer
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def _grad_params(self):

@@ -6,6 +6,9 @@ from transformers import AlbertConfig, AlbertForSequenceClassification
 from ft_framework.config import DeepSpeedConfig, TrainingConfig
 
 CASES = ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+# Two micro-batches per optimizer step: the same global batches, so the same result as one process.
+ACCUM_CASES = ("zero1_accum", "zero2_offload_accum", "zero3_accum")
+ACCUM = 2
 GLOBAL_BATCH = 8
 SEQ = 12
 HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
@@ -36,10 +39,15 @@ def batches_for_rank(step: int, rank: int, world: int) -> dict:
     return {k: v[rank::world] for k, v in global_batch(step).items()}
 
 
+def accumulation(case: str) -> int:
+    return ACCUM if case.endswith("_accum") else 1
+
+
 def ds_configs(case: str, world_size: int):
     stage = int(case[4])
-    offload = case.endswith("offload")
+    offload = "offload" in case
+    accum = accumulation(case)
     ds = DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload, offload_param=offload and stage == 3)
-    training = TrainingConfig(max_steps=5, per_device_batch_size=GLOBAL_BATCH // world_size,
-                              device="cpu", max_grad_norm=None)
+    training = TrainingConfig(max_steps=5, per_device_batch_size=GLOBAL_BATCH // world_size // accum,
+                              gradient_accumulation_steps=accum, device="cpu", max_grad_norm=None)
     return ds, training

@@ -14,10 +14,11 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ds_common import (CASES, HPARAMS, batches_for_rank, make_model_and_anchors,  # noqa: E402
-                       ds_configs)
+from ds_common import (ACCUM_CASES, CASES, HPARAMS, accumulation, batches_for_rank,  # noqa: E402
+                       ds_configs, make_model_and_anchors)
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
@@ -29,19 +30,23 @@ def make_strategy(case: str):
     model, anchors = make_model_and_anchors()
 
     def make_optimizer(m):
-        groups = build_param_groups(m, anchors, lr=HPARAMS["lr"], weight_decay=0.01)
+        # Split into anchored and new groups, but theta* goes to setup: placed after wrapping.
+        groups = build_param_groups(m, anchors, lr=HPARAMS["lr"], weight_decay=0.01, attach_anchors=False)
         return build_optimizer("recadam", groups, impl="auto", **HPARAMS)
 
-    strategy.setup(model, make_optimizer)
+    strategy.setup(model, make_optimizer, anchors=anchors)
     return strategy, anchors
 
 
-def train(strategy, steps: range):
+def train(strategy, steps: range, accum: int = 1):
+    """Like the trainer: `accum` micro-batches per step, each loss divided by accum."""
     rank, world = strategy.rank, strategy.world_size
     for step in steps:
         batch = batches_for_rank(step, rank, world)
-        out = strategy.forward(batch)
-        strategy.backward(out.loss)
+        for micro in range(accum):
+            part = {k: v[micro::accum] for k, v in batch.items()}
+            out = strategy.forward(part)
+            strategy.backward(out.loss / accum, last_micro_batch=micro == accum - 1)
         strategy.clip_and_step(None)
 
 
@@ -54,6 +59,11 @@ def snapshot(strategy) -> dict:
         "anchor_numel_per_rank": strategy.gather_objects(strategy.anchor_numel_on_this_rank()),
         "forgetting_distance": strategy.forgetting_distance(),
         "impl": strategy.optimizer.impl,
+        # What the step actually ran on: the kernel's counter, and the device/dtype of the fp32
+        # partitions the optimizer received (under offload DeepSpeed hands it CPU copies).
+        "kernel_calls": strategy.gather_objects(cpu_kernel_calls()),
+        "partition_devices": sorted({flat.device.type for _, flat in strategy.state_map.partitions()}),
+        "accelerator": get_accelerator().device_name(),
         "steps": strategy.optimizer.group_steps(),
     }
     return result
@@ -64,7 +74,36 @@ def save(strategy, path: Path, obj) -> None:
         torch.save(obj, path)
 
 
+_KERNEL_CALLS = [0]
+
+
+def count_kernel_calls() -> None:
+    """Counts the C++ kernel's fused steps in this process, so a test can tell which path ran."""
+    from ft_framework.optim import cpu
+
+    real = cpu._kernel
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def fused_step(self, *args, **kwargs):
+            _KERNEL_CALLS[0] += 1
+            return real.fused_step(*args, **kwargs)
+
+    cpu._kernel = Counting()
+
+
+def cpu_kernel_calls() -> int:
+    calls, _KERNEL_CALLS[0] = _KERNEL_CALLS[0], 0
+    return calls
+
+
 def main_phase(out: Path) -> None:
+    for case in ACCUM_CASES:
+        strategy, _ = make_strategy(case)
+        train(strategy, range(5), accumulation(case))
+        save(strategy, out / f"{case}.pt", snapshot(strategy))
     for case in CASES:
         strategy, _ = make_strategy(case)
         train(strategy, range(5))
@@ -99,6 +138,13 @@ def main_phase(out: Path) -> None:
             errors[label] = "no error"
         except (ValueError, RuntimeError) as exc:
             errors[label] = str(exc)
+    # DeepSpeed clips inside engine.step() at its configured gradient_clipping (0 here): another
+    # value is refused before anything steps.
+    try:
+        strategy.clip_and_step(1.0)
+        errors["clip"] = "no error"
+    except ValueError as exc:
+        errors["clip"] = str(exc)
     save(strategy, out / "corrupted.pt", errors)
 
 
@@ -119,6 +165,7 @@ def reshard_phase(out: Path, load_from: str, save_to: str | None) -> None:
 
 if __name__ == "__main__":
     results, phase = Path(sys.argv[1]), sys.argv[2]
+    count_kernel_calls()
     try:
         if phase == "main":
             main_phase(results)

@@ -48,11 +48,13 @@ def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[st
 
 
 def make_optimizer_builder(pretrained: dict[str, torch.Tensor], **kw):
+    """Groups split into anchored and new parameters, without theta*: the strategy places it
+    (setup(..., anchors=pretrained)) after wrapping."""
     from ft_framework.optim import build_optimizer
     from ft_framework.optim.groups import build_param_groups
 
     def build(model):
-        groups = build_param_groups(model, pretrained, lr=HPARAMS["lr"])
+        groups = build_param_groups(model, pretrained, lr=HPARAMS["lr"], attach_anchors=False)
         return build_optimizer("recadam", groups, **{**HPARAMS, **kw})
 
     return build

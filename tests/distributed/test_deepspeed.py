@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("deepspeed")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from ds_common import CASES, HPARAMS, global_batch, make_model_and_anchors  # noqa: E402
+from ds_common import ACCUM_CASES, CASES, HPARAMS, global_batch, make_model_and_anchors  # noqa: E402
 
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
@@ -74,7 +74,7 @@ def assert_params_match(got: dict, want: dict, atol=PARAM_ATOL):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + ACCUM_CASES)
 def test_parameters_equal_single_process(results, reference, case):
     assert_params_match(load(results, f"{case}.pt")["masters"], reference["params"])
 
@@ -92,10 +92,18 @@ def test_anchors_are_exact_and_sharded(results, reference, case):
     assert all(total / 2 <= n <= total / 2 + 64 for n in per_rank), (per_rank, total)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_offloaded_step_runs_the_cpu_kernel_and_telemetry_is_global(results, reference, case):
+@pytest.mark.parametrize("case", CASES + ACCUM_CASES)
+def test_the_step_runs_where_the_partitions_live_and_telemetry_is_global(results, reference, case):
     got = load(results, f"{case}.pt")
-    assert got["impl"] == "cpu"
+    # Under offload the fp32 partitions are CPU tensors whatever the accelerator, and the C++
+    # kernel steps them on every rank. Without offload they live on the accelerator's device (the
+    # CPU here, under DS_ACCELERATOR=cpu, so the kernel runs there too; on a GPU it is torch).
+    where = "cpu" if "offload" in case else got["accelerator"]
+    assert got["partition_devices"] == [where]
+    kernel = where == "cpu"
+    assert got["impl"] == ("cpu" if kernel else "torch")
+    assert len(got["kernel_calls"]) == 2
+    assert all((n > 0) == kernel for n in got["kernel_calls"]), got["kernel_calls"]
     assert got["steps"] and set(got["steps"]) == {5}
     assert got["forgetting_distance"] == pytest.approx(reference["forgetting_distance"], rel=1e-6)
 
@@ -126,5 +134,7 @@ def test_resume_on_another_number_of_ranks_keeps_everything(results, reference, 
 
 def test_corrupted_checkpoints_are_clear_errors(results):
     errors = load(results, "corrupted.pt")
-    assert "no anchor (theta*) for albert.embeddings.word_embeddings.weight" in errors["missing"]
-    assert "has shape (3, 3), the model (100, 16): wrong or corrupted checkpoint" in errors["misshaped"]
+    assert "no anchor (theta*) for parameter 'albert.embeddings.word_embeddings.weight'" in errors["missing"]
+    assert ("anchor (theta*) for parameter 'albert.embeddings.word_embeddings.weight' has shape (3, 3), "
+            "the parameter has (100, 16): wrong or corrupted checkpoint") in errors["misshaped"]
+    assert errors["clip"].startswith("clip_and_step(max_grad_norm=1.0) but DeepSpeed clips at gradient_clipping=0.0")

@@ -148,3 +148,23 @@ def test_denormal_flush_is_confined_to_the_kernel(restore_level):
                 opt.step()
             assert_close_to_reference(p.detach(), ref.theta)
             assert (tiny * 2).item() == pytest.approx(2e-40, rel=1e-3)
+
+
+@pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="C++ kernel not built")
+def test_the_binding_itself_refuses_what_would_write_out_of_bounds():
+    from ft_framework.optim.coefficients import StepCoefficients
+
+    kernel = cpu_kernel._require_kernel()
+    coeffs = cpu_kernel._kernel_coefficients(StepCoefficients(beta1=0.9, beta2=0.999, eps=1e-8, step_size=0.1))
+    p, g = torch.zeros(4), torch.ones(4)
+    with pytest.raises(ValueError, match="must have the parameter's 4 elements"):
+        kernel.fused_step(p.numpy(), g.numpy(), torch.zeros(3).numpy(), torch.zeros(4).numpy(), None, coeffs, 1)
+    with pytest.raises(ValueError, match="exp_avg must hold float32, got buffer format 'd'"):
+        kernel.fused_step(p.numpy(), g.numpy(), torch.zeros(4, dtype=torch.float64).numpy(),
+                          torch.zeros(4).numpy(), None, coeffs, 1)
+    with pytest.raises(ValueError, match="param is not contiguous"):
+        kernel.fused_step(torch.zeros(8)[::2].numpy(), g.numpy(), torch.zeros(4).numpy(),
+                          torch.zeros(4).numpy(), None, coeffs, 1)
+    m, v = torch.zeros(4), torch.zeros(4)
+    kernel.fused_step(p.numpy(), g.numpy(), m.numpy(), v.numpy(), None, coeffs, 1)
+    assert torch.allclose(m, torch.full((4,), 0.1)) and bool((p < 0).all())  # updated in place

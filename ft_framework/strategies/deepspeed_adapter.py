@@ -1,19 +1,67 @@
-"""Addressing one model parameter's slice of DeepSpeed ZeRO's flat fp32 partitions.
+"""The one module that knows DeepSpeed's internals: how ZeRO lays a parameter's fp32 master
+weights and optimizer state out over the ranks' flat partitions.
 
 ZeRO flattens each param group into one fp32 tensor and gives every rank a partition of it; the
-wrapped optimizer's state (exp_avg, ..., our ``anchor``) is keyed by that partition. These maps
-read and write the *full* value of one parameter's state under any key ("fp32" = the master
+wrapped optimizer's state (exp_avg, ..., our ``anchor``) is keyed by that partition. The state maps
+below read and write the *full* value of one parameter's state under any key ("fp32" = the master
 weights), with a collective across the data-parallel group, so a checkpoint can be written by
-parameter name and loaded on any number of ranks. They also create the per-partition anchor state
-and fill it with exact fp32 theta* (each rank only its own part: total/world_size elements).
+parameter name and loaded on any number of ranks, and theta* can be placed so that each rank holds
+only its own part (total/world_size elements).
+
+DeepSpeed's public helpers (deepspeed.utils.safe_get/set_full_*) are used where they work:
+- the fp32 master weights, at stages 1/2 (get and set) and 3 (get);
+- optimizer state at stage 3 (get).
+Where they do not, this module reads the layout itself, and it is the only one that does (a test
+greps the package for the private names):
+- stages 1/2, optimizer state: DeepSpeed links a parameter to its optimizer-state fragments only
+  after the first optimizer step (lazily), but anchors are placed at setup and state is loaded
+  before any step, so the fragment addresses of ``_hp_mapping`` are used directly;
+- stage 3, set: ``set_full_hp_param`` asserts the unpadded size and then slices at
+  partition_numel * rank, past the end of a padded last partition (37 elements on 2 ranks are
+  stored as 2 x 19), so the value is padded and copied into the partition view here.
+
+Importing this module checks the DeepSpeed version against SUPPORTED_DEEPSPEED.
 """
 
 from __future__ import annotations
 
+import re
+
+import deepspeed
 import torch
-import torch.distributed as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+
+from .. import collectives
 
 MASTER = "fp32"
+# Lower bound: the ZeRO-3 partition accessor takes release_swap_buffers since DeepSpeed's NVMe
+# set/get work (early 2025), first released before 0.17. Upper bound: ZeRO's internal layout
+# changes between minor releases without notice; 0.19.8 is the release the tests run against.
+SUPPORTED_DEEPSPEED = ((0, 17), (0, 20))
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if not match:
+        raise RuntimeError(f"cannot read the DeepSpeed version {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_deepspeed_version(version: str) -> None:
+    """Raises with a one-line instruction when `version` is outside SUPPORTED_DEEPSPEED."""
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_DEEPSPEED
+    wanted = f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"
+    if not (lo_major, lo_minor) <= _version_tuple(version) < (hi_major, hi_minor):
+        raise RuntimeError(f"ft_framework's DeepSpeed strategy supports deepspeed{wanted} (it reads ZeRO's "
+                           f"partition layout), found {version}: pip install 'deepspeed{wanted}'")
+
+
+check_deepspeed_version(deepspeed.__version__)
+
+
+def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's full shape (ZeRO-3 replaces p's storage with an empty placeholder)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
 
 
 class Zero12StateMap:
@@ -32,28 +80,30 @@ class Zero12StateMap:
     def partitions(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         return list(zip(self.groups, self.flats))
 
-    def _target(self, p, key) -> torch.Tensor:
-        flat = self._flat_of[id(p)]
-        return flat if key == MASTER else self.base.state[flat][key]
-
     def set_full(self, p, key: str, full: torch.Tensor) -> None:
+        if key == MASTER:
+            safe_set_full_fp32_param(p, full.detach().float())
+            # Every rank holds the full 16/32-bit model parameter at stages 1/2.
+            p.data.copy_(full.detach().view_as(p).to(p.device, p.dtype))
+            return
         mapping = p._hp_mapping
         if mapping is not None:
             hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
             source = full.detach().flatten().narrow(0, lp.start, lp.numel)
-            target = self._target(p, key)
+            target = self.base.state[self._flat_of[id(p)]][key]
             target.narrow(0, hp.start, hp.numel).copy_(source.to(target.device, target.dtype))
-        if key == MASTER:  # every rank holds the full 16/32-bit model parameter in stage 1/2
-            p.data.copy_(full.detach().view_as(p).to(p.device, p.dtype))
 
     def get_full(self, p, key: str) -> torch.Tensor:
-        target = self._target(p, key)
+        if key == MASTER:
+            return safe_get_full_fp32_param(p).float().view(p.shape).cpu()
+        target = self.base.state[self._flat_of[id(p)]][key]
         buffer = torch.zeros(p.numel(), dtype=torch.float32, device=target.device)
         mapping = p._hp_mapping
         if mapping is not None:
             hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
             buffer.narrow(0, lp.start, lp.numel).copy_(target.narrow(0, hp.start, hp.numel))
-        dist.all_reduce(buffer, group=p._dp_group)
+        # Each rank fills its fragment, zeros elsewhere: the sum is the full value.
+        collectives.all_reduce_(buffer, group=p._dp_group)
         return buffer.view(p.shape).cpu()
 
     def real_slices(self):
@@ -81,9 +131,7 @@ class Zero3StateMap:
         return list(zip(self.groups, self.flats))
 
     def set_full(self, p, key: str, full: torch.Tensor) -> None:
-        # Not DeepSpeed's set_full_hp_param: it asserts the unpadded size and then slices at
-        # partition_numel * rank, past the end of a padded last partition (37 elements on 2 ranks
-        # are stored as 2 x 19). Same copy, with the value padded.
+        # Not DeepSpeed's set_full_hp_param (see the module docstring): the same copy, padded.
         view, _ = self.zero._get_fp32_opt_state_partition(p, release_swap_buffers=False,
                                                            optim_state_key=None if key == MASTER else key)
         rank = self.zero._get_param_partition_rank(p)
@@ -94,12 +142,13 @@ class Zero3StateMap:
         view.data.copy_(flat.narrow(0, view.numel() * rank, view.numel()).to(view.device, view.dtype))
 
     def get_full(self, p, key: str) -> torch.Tensor:
-        return self.zero.get_full_hp_param(p, None if key == MASTER else key).float().view(p.ds_shape).cpu()
+        value = safe_get_full_fp32_param(p) if key == MASTER else safe_get_full_optimizer_state(p, key)
+        return value.float().view(full_shape(p)).cpu()
 
     def real_slices(self):
         for params, flat in self.partitions():
             for p in params:
-                group, offset, numel = self.zero.grad_position[self.zero.get_param_id(p)]
+                _group, offset, numel = self.zero.grad_position[self.zero.get_param_id(p)]
                 rank = self.zero._get_param_partition_rank(p)
                 # The last rank's partition of a parameter ends in padding.
                 real = max(0, min(numel, p.ds_numel - numel * rank))

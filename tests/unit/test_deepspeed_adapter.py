@@ -1,0 +1,56 @@
+"""DeepSpeed's internals are read in strategies/deepspeed_adapter.py only, and that module refuses
+DeepSpeed versions outside the range it was written for."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import ft_framework
+
+PACKAGE = Path(ft_framework.__file__).parent
+ADAPTER = PACKAGE / "strategies" / "deepspeed_adapter.py"
+# Private functions and internal attributes of DeepSpeed's ZeRO optimizers and parameters. (The
+# ZeRO-3 parameter attributes ds_shape / ds_numel / ds_id, which DeepSpeed sets for user code to
+# read a partitioned parameter's full size, are not on the list.)
+INTERNAL_NAMES = [
+    "_hp_mapping", "hp_fragment_address", "lp_fragment_address", "_dp_group",
+    "_get_fp32_opt_state_partition", "_get_param_partition_rank",
+    "_reassign_or_swap_out_partitioned_parameters", "_z3_optimizer", "_link_all_hp_params",
+    "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition",
+    "bit16_groups", "bf16_groups", "fp16_groups", "grad_position", "get_param_id",
+]
+
+
+def test_deepspeed_internals_appear_in_the_adapter_only():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == ADAPTER:
+            continue
+        text = path.read_text()
+        for name in INTERNAL_NAMES:
+            for m in re.finditer(rf"\b{re.escape(name)}\b", text):
+                line = text.count("\n", 0, m.start()) + 1
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
+    assert not offenders, "move these into strategies/deepspeed_adapter.py:\n" + "\n".join(offenders)
+
+
+def test_the_adapter_does_use_them():  # the list above names what the adapter really reads
+    text = ADAPTER.read_text()
+    used = [n for n in INTERNAL_NAMES if re.search(rf"\b{re.escape(n)}\b", text)]
+    assert len(used) >= 12, used
+
+
+def test_versions_outside_the_supported_range_are_refused_in_one_line():
+    pytest.importorskip("deepspeed")
+    from ft_framework.strategies.deepspeed_adapter import check_deepspeed_version
+
+    for ok in ("0.17.0", "0.19.8", "0.19.10+abc"):
+        check_deepspeed_version(ok)
+    for bad in ("0.16.9", "0.20.0", "1.0.0"):
+        with pytest.raises(RuntimeError) as err:
+            check_deepspeed_version(bad)
+        msg = str(err.value)
+        assert "\n" not in msg
+        assert msg.startswith("ft_framework's DeepSpeed strategy supports deepspeed>=0.17,<0.20")
+        assert f"found {bad}: pip install 'deepspeed>=0.17,<0.20'" in msg
