@@ -1,0 +1,107 @@
+"""How a command-line run ends: its exit code, and what it prints when it fails.
+
+=====  ==========================================================================================
+code   meaning
+=====  ==========================================================================================
+0      finished; results.json written
+1      crashed (a bug, out of memory, a lost peer): the traceback is printed
+2      user error (:class:`~ft_framework.errors.UserError`): one line, no traceback (``--debug``
+       prints it)
+3      diverged (:data:`~ft_framework.divergence.EXIT_DIVERGED`): results.json says where and why
+=====  ==========================================================================================
+
+With several ranks, an error every rank hits alike (a config error, the output-directory guard, a
+refused resume) is printed by rank 0 only; an error only one rank hits (its data, its memory) is
+printed by that rank, and the ranks that then lose their peer print one short line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any, TextIO
+
+from ft_framework.divergence import EXIT_DIVERGED
+from ft_framework.errors import UserError
+
+__all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "is_peer_failure", "report_failure",
+           "same_on_every_rank"]
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_USER_ERROR = 2
+
+_SAME_ON_EVERY_RANK = "_ft_same_on_every_rank"
+# Messages of errors raised when another process of the group is gone (gloo, NCCL, the TCP store).
+_PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo",
+               "nccl", "socket", "tcpstore", "timed out", "timeout", "connection refused")
+
+
+def same_on_every_rank(exc: BaseException) -> BaseException:
+    """Marks `exc` as one that every rank raises alike, so only rank 0 prints it."""
+    setattr(exc, _SAME_ON_EVERY_RANK, True)
+    return exc
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective failed because another rank went away (not this rank's own problem)."""
+    try:
+        import torch.distributed as dist
+
+        dist_errors = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError", "DistStoreError")
+                            if hasattr(dist, n))
+    except ImportError:  # pragma: no cover
+        dist_errors = ()
+    if dist_errors and isinstance(exc, dist_errors):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message on one line: a multi-line one (several config keys) joins its lines with "; "."""
+    lines = [" ".join(line.split()) for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    head, rest = lines[0], lines[1:]
+    return head + (" " if head.endswith(":") else "; ") + "; ".join(rest) if rest else head
+
+
+def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_on_every_rank: bool = False,
+                   stream: TextIO | None = None) -> int:
+    """Prints `exc` the way the command line shows it and returns the exit code.
+
+    `same_on_every_rank`: the error came from a step every rank runs alike (loading the config)."""
+    stream = stream or sys.stderr
+    rank, world = _rank_and_world()
+    tag = f"{prog}: " if world <= 1 else f"{prog} (rank {rank}): "
+    if isinstance(exc, UserError):  # ConfigError is one too
+        alike = same_on_every_rank or getattr(exc, _SAME_ON_EVERY_RANK, False)
+        if debug:
+            traceback.print_exception(exc, file=stream)
+        if rank == 0 or not alike or debug:
+            print(f"{tag}error: {_one_line(exc)}", file=stream, flush=True)
+        return EXIT_USER_ERROR
+    if world > 1 and is_peer_failure(exc) and not debug:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        print(f"{tag}stopped: another rank failed or went away (its error is shown by that rank; "
+              f"here: {type(exc).__name__}: {first})", file=stream, flush=True)
+        return EXIT_CRASH
+    traceback.print_exception(exc, file=stream)
+    return EXIT_CRASH
+
+
+def diverged_line(prog: str, results: dict[str, Any]) -> str:
+    """The line ft-train prints for a diverged run."""
+    d = results["diverged"]
+    return (f"{prog}: diverged at step {d['step']}: {d['what']}; training stopped, results.json records it "
+            "(failed: true). Lower the learning rate (optimizer.hparams.lr) or the pull "
+            "(optimizer.hparams.pretrain_cof), or clip gradients (training.max_grad_norm)")

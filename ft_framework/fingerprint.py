@@ -1,0 +1,164 @@
+"""The training-relevant fingerprint of a run's config, and the check a resume makes against it.
+
+Every checkpoint stores the resolved config it was trained with (and the world size). A resume
+compares the config it is started with against that one, key by key:
+
+- keys that may change on resume (:data:`ALLOWED_ON_RESUME`) pass, and so do the keys the user names
+  in ``checkpoint.allow_config_change``;
+- every other difference refuses the resume with one line listing each key with its old and new
+  value.
+
+Every change that passes is returned, stamped with the step it takes effect at, so results.json
+can record when the run stopped being one config.
+
+    changes = check_resume(saved_record, current_record, step=120, allowed_by_user=["optimizer.hparams.lr"])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable, Mapping
+
+from ft_framework.errors import UserError, did_you_mean
+
+__all__ = ["ALLOWED_ON_RESUME", "ResumeRefused", "check_allow_list", "check_resume", "config_record",
+           "diff_configs", "fingerprint"]
+
+# Dotted key (or key prefix: a whole section) -> why it may change when a run resumes. Written here
+# once; the README and the refusal message point at this list.
+ALLOWED_ON_RESUME: dict[str, str] = {
+    "logging": "where and how often the run logs (includes the progress bar and output_dir)",
+    "evaluation.batch_size": "evaluation batch size (same predictions, other memory use)",
+    "checkpoint.every_steps": "checkpoint cadence",
+    "checkpoint.keep_last": "checkpoint cadence",
+    "checkpoint.resume_from": "where to resume from",
+    "checkpoint.allow_config_change": "this list itself",
+    "checkpoint.export_dir": "where the final model is exported",
+    "training.max_steps": "a longer run (only longer: a shorter one would cut the schedule it ran)",
+    "training.num_epochs": "a longer run (only longer)",
+    "strategy": "strategy and world size (checkpoints reshard)",
+    "training.device": "the device (like the strategy: where it runs, not what it trains)",
+    "world_size": "number of processes (checkpoints reshard)",
+    # The split of the global batch over ranks and accumulation steps follows the world size; the
+    # global batch itself (training.global_batch_size below) must not change.
+    "training.per_device_batch_size": "the split of the global batch over ranks",
+    "training.gradient_accumulation_steps": "the split of the global batch over ranks",
+}
+# Allowed only when the new value is at least the old one.
+_ONLY_LONGER = ("training.max_steps", "training.num_epochs")
+# Synthetic keys added to the compared record (not config keys).
+_DERIVED = ("world_size", "training.global_batch_size")
+
+
+class ResumeRefused(UserError):
+    """The config of a resumed run differs from its checkpoint's in a training-relevant key."""
+
+
+def config_record(config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """What a checkpoint stores about its config: the resolved config, the world size, the global
+    batch and the fingerprint (a hash of the training-relevant part)."""
+    training = config.get("training") or {}
+    record = {
+        "config": json.loads(json.dumps(config)),
+        "world_size": int(world_size),
+        "global_batch_size": _global_batch(training, world_size),
+    }
+    record["fingerprint"] = fingerprint(record)
+    return record
+
+
+def _global_batch(training: Mapping[str, Any], world_size: int) -> int | None:
+    try:
+        return int(training["per_device_batch_size"]) * int(training["gradient_accumulation_steps"]) * int(world_size)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _flat(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The compared view of a record: dotted config keys plus the derived keys."""
+    out = _flatten(record.get("config") or {})
+    out["world_size"] = record.get("world_size")
+    out["training.global_batch_size"] = record.get("global_batch_size")
+    return out
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, Mapping) and node:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node} if prefix else {}
+
+
+def _matches(key: str, patterns: Iterable[str]) -> str | None:
+    """The first pattern that is `key` or a section above it."""
+    for pattern in patterns:
+        if key == pattern or key.startswith(pattern + "."):
+            return pattern
+    return None
+
+
+def fingerprint(record: Mapping[str, Any]) -> str:
+    """sha256 (16 hex digits) of the keys that may not change on resume."""
+    relevant = {k: v for k, v in sorted(_flat(record).items()) if not _matches(k, ALLOWED_ON_RESUME)}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every key whose value differs, in key order."""
+    a, b = _flat(old), _flat(new)
+    missing = object()
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, missing), b.get(key, missing)
+        if va != vb:
+            out.append((key, None if va is missing else va, None if vb is missing else vb))
+    return out
+
+
+def _longer(old: Any, new: Any) -> bool:
+    return old is not None and new is not None and new >= old
+
+
+def check_allow_list(keys: Iterable[str], config: Mapping[str, Any]) -> None:
+    """Every entry of checkpoint.allow_config_change must name a config key or section."""
+    flat = _flatten(config)
+    sections = {k.rsplit(".", i)[0] for k in flat for i in range(k.count(".") + 1)}
+    for key in keys:
+        if key not in sections and key not in _DERIVED:
+            raise UserError(f"checkpoint.allow_config_change: {key!r} is not a config key"
+                            f"{did_you_mean(key, sorted(sections))}; give dotted keys such as "
+                            "optimizer.hparams.lr or a whole section such as optimizer")
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value, default=str)
+
+
+def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: int,
+                 allowed_by_user: Iterable[str] = (), where: str = "the checkpoint") -> list[dict[str, Any]]:
+    """Compares the config a run resumes with (`current`, from :func:`config_record`) against its
+    checkpoint's (`saved`). Raises :class:`ResumeRefused` listing every key that may not change;
+    returns the changes that may, as ``{"step", "key", "old", "new", "allowed_by"}`` records."""
+    user = list(allowed_by_user)
+    changes, refused = [], []
+    for key, old, new in diff_configs(saved, current):
+        if _matches(key, user):
+            allowed_by = "checkpoint.allow_config_change"
+        elif _matches(key, ALLOWED_ON_RESUME) and (key not in _ONLY_LONGER or _longer(old, new)):
+            allowed_by = "allowed on resume"
+        else:
+            refused.append((key, old, new))
+            continue
+        changes.append({"step": int(step), "key": key, "old": old, "new": new, "allowed_by": allowed_by})
+    if refused:
+        listed = "; ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, o, n in refused)
+        shorter = [k for k, o, n in refused if k in _ONLY_LONGER and o is not None and n is not None]
+        hint = " (a resumed run may only get longer)" if shorter else ""
+        raise ResumeRefused(
+            f"cannot resume from {where} (step {step}): its config differs in {listed}{hint}. Resume with "
+            "the checkpoint's values, start a fresh run in another logging.output_dir, or allow these keys "
+            f"with checkpoint.allow_config_change=[{','.join(k for k, _, _ in refused)}]")
+    return changes

@@ -1,0 +1,118 @@
+"""Where a model comes from, decided before transformers is asked: a local directory, the local
+Hugging Face cache, or the hub — and a one-line error within seconds when it is none of them.
+
+transformers retries an unreachable hub for about half a minute and then raises an 80-line
+traceback; a local path that does not exist is reported as a malformed hub id. This module answers
+both first:
+
+    local_only = check_model_source("bert-base-uncased", key="model.name_or_path")
+    AutoConfig.from_pretrained(name, local_files_only=local_only)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ft_framework.errors import UserError
+
+__all__ = ["HUB_PROBE_TIMEOUT_S", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
+           "probe_hub"]
+
+HUB_PROBE_TIMEOUT_S = 3.0
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def looks_like_path(name: str) -> bool:
+    """A name meant as a local path, not a hub id ("org/model"): absolute, ./ ../ ~, more than one
+    "/", or a first component that is a local directory."""
+    if name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1:
+        return True
+    first = name.split("/")[0]
+    return "/" in name and Path(first).is_dir()
+
+
+def hub_is_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "").rstrip("/") or "https://huggingface.co"
+
+
+def _proxy_for(url: str) -> str | None:
+    scheme = urlparse(url).scheme
+    for var in (f"{scheme}_proxy", f"{scheme.upper()}_PROXY", "all_proxy", "ALL_PROXY"):
+        if os.environ.get(var):
+            host = urlparse(url).hostname or ""
+            no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+            if any(host.endswith(h.strip().lstrip(".")) for h in no_proxy.split(",") if h.strip()):
+                return None
+            return os.environ[var]
+    return None
+
+
+def probe_hub(endpoint: str | None = None, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """None when a TCP connection to the hub (or its proxy) opens within `timeout` seconds, else
+    why not. Name resolution is bounded too (it runs in a thread)."""
+    url = endpoint or hub_endpoint()
+    target = _proxy_for(url) or url
+    parsed = urlparse(target if "://" in target else f"http://{target}")
+    host = parsed.hostname or ""
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc.strerror or str(exc) or type(exc).__name__)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"no answer from {host}:{port} within {timeout:g} s"
+    return outcome[0]
+
+
+def _in_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # a name the hub would reject is simply not cached
+        return False
+    return isinstance(found, str)
+
+
+def check_model_source(name: str, *, key: str = "model.name_or_path") -> bool:
+    """Checks that model `name` (a local directory or a hub id) can be loaded; returns True when it
+    must be loaded from the local cache only (the hub cannot be reached but the cache holds it).
+    Raises :class:`UserError` (one line, within seconds) otherwise."""
+    if Path(name).expanduser().is_dir():
+        return False
+    if looks_like_path(name):
+        raise UserError(f"{key}: directory {name!r} not found (a local model directory must hold config.json "
+                        "and the weights; a hub id looks like org/name)")
+    cached = _in_cache(name)
+    if hub_is_offline():
+        if cached:
+            return True
+        raise UserError(f"{key}: {name!r} is neither a local directory nor in the Hugging Face cache, and "
+                        "HF_HUB_OFFLINE is set; download it where there is network "
+                        f"(huggingface-cli download {name}) or point {key} at a local directory")
+    why = probe_hub()
+    if why is None:
+        return False
+    if cached:
+        return True
+    raise UserError(f"{key}: {name!r} is neither a local directory nor in the Hugging Face cache, and "
+                    f"the hub ({hub_endpoint()}) cannot be reached ({why}); download it where there is "
+                    f"network (huggingface-cli download {name}) or point {key} at a local directory")
