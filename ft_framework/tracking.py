@@ -16,9 +16,11 @@ starting a second one. Records past the checkpoint that an interrupted attempt h
 sent again by the resumed one (metrics.jsonl drops them; MLflow keeps both values of such a step in
 its history, W&B ignores steps it has seen).
 
-MLflow: ``logging.mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else a local store in
-``./mlruns`` (an SQLite file ``mlruns/mlflow.db``, artifacts in ``mlruns/artifacts``; MLflow 3 keeps
-its plain file store in maintenance mode; a ``file:`` URI still selects it). The experiment is
+MLflow: ``logging.mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's local file
+store ``./mlruns`` (relative to the working directory, so a sweep's runs share it). MLflow 3 keeps
+the file store in maintenance mode and refuses it unless MLFLOW_ALLOW_FILE_STORE=true, which is set
+for the process when a file store is used; a database store is one setting away
+(``tracking_uri: sqlite:///mlruns.db``: its artifacts go beside the database file). The experiment is
 ``logging.experiment`` (a sweep sets it to the sweep's name, so its runs share one experiment),
 else ``ft_framework``; the run name is ``logging.run_name``, else the output directory's name.
 
@@ -91,12 +93,11 @@ class Tracker(Protocol):
 
 
 def default_mlflow_uri(cwd: str | Path | None = None) -> str:
-    """MLFLOW_TRACKING_URI, else the local SQLite store ./mlruns/mlflow.db (absolute)."""
+    """MLFLOW_TRACKING_URI, else MLflow's local file store ./mlruns (absolute)."""
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    root = Path(cwd or os.getcwd()).absolute() / "mlruns"
-    return f"sqlite:///{root / 'mlflow.db'}"
+    return (Path(cwd or os.getcwd()).absolute() / "mlruns").as_uri()
 
 
 def _prepare_mlflow_uri(uri: str) -> tuple[str, str | None]:

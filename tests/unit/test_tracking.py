@@ -1,0 +1,213 @@
+"""Trackers (ft_framework/tracking.py) with the real libraries: MLflow's local store in a temp dir,
+read back through MlflowClient; W&B in offline mode, read back from its run directory (the
+transaction log run-<id>.wandb). A run's records go through MetricsLogger as the trainer sends them;
+a resumed run continues the same tracker runs. The real trainer: tests/recipes/test_tracking_run.py."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from ft_framework.config import ConfigError, validate_config
+from ft_framework.run_logging import MetricsLogger
+from ft_framework.tracking import flatten_config, missing_tracker_packages, open_trackers
+
+BASE = {"model": {"name_or_path": "x"}, "data": {"task": "sst2"}, "schedule": {"warmup_steps": 0},
+        "training": {"max_steps": 1}}
+
+RECORDS = [
+    {"type": "train", "step": 1, "epoch": 0, "loss": 0.7, "lr": 1e-3, "grad_norm": 1.5, "lambda": [0.1, None],
+     "forgetting_distance": 0.01},
+    {"type": "train", "step": 2, "epoch": 0, "loss": 0.6, "lr": 1e-3, "grad_norm": float("nan"), "lambda": [0.2, None],
+     "forgetting_distance": 0.02},
+    {"type": "eval", "step": 2, "metrics": {"validation": {"accuracy": 0.5}}},
+    {"type": "train", "step": 3, "epoch": 1, "loss": 0.5, "lr": 5e-4, "grad_norm": 1.0, "lambda": [0.3, None],
+     "forgetting_distance": 0.03},
+    {"type": "eval", "step": 3, "metrics": {"validation": {"accuracy": 0.75}}},
+]
+
+
+def config(tmp_path, **logging):
+    data = json.loads(json.dumps(BASE))
+    data["logging"] = {"output_dir": str(tmp_path / "run"), "run_name": "my-run", "experiment": "my-sweep", **logging}
+    return validate_config(data)
+
+
+def send(cfg, records, resuming=False, finish=True):
+    log = MetricsLogger(Path(cfg.logging.output_dir), trackers=open_trackers(cfg, resuming=resuming))
+    for r in records:
+        log.write(r)
+    results = Path(cfg.logging.output_dir) / "results.json"
+    if finish:
+        results.write_text(json.dumps({"ok": True}))
+        log.log_artifact(results)
+    log.close(ok=finish)
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+
+def test_report_to_defaults_follow_the_old_tensorboard_flag():
+    assert validate_config(BASE).logging.report_to == []
+    old = validate_config({**BASE, "logging": {"tensorboard": True}}).logging
+    assert old.report_to == ["tensorboard"] and old.tensorboard
+    new = validate_config({**BASE, "logging": {"report_to": ["tensorboard", "mlflow"]}}).logging
+    assert new.tensorboard
+    with pytest.raises(ConfigError, match="does not list tensorboard"):
+        validate_config({**BASE, "logging": {"tensorboard": True, "report_to": ["mlflow"]}})
+    with pytest.raises(ConfigError, match="report_to"):
+        validate_config({**BASE, "logging": {"report_to": ["comet"]}})
+    # The resolved config validates back to itself (results.json -> re-validation).
+    cfg = validate_config({**BASE, "logging": {"tensorboard": True}})
+    assert validate_config(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
+def test_missing_tracker_is_a_config_error_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert missing_tracker_packages(["mlflow"]) == []
+    with pytest.raises(ConfigError, match=r"pip install 'ft_framework\[wandb\]'"):
+        validate_config({**BASE, "logging": {"report_to": ["wandb"]}})
+
+
+def test_flatten_config():
+    assert flatten_config({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}, "f": None}) == \
+        {"a.b": 1, "a.c.d": [1, 2], "e": {}, "f": None}
+
+
+# ---- MLflow --------------------------------------------------------------------------------------
+
+
+def test_mlflow_gets_params_metrics_artifacts_and_a_resume_continues_the_run(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()   # MLflow's file store
+    cfg = config(tmp_path, report_to=["mlflow"], mlflow={"tracking_uri": uri})
+    send(cfg, RECORDS[:3], finish=False)                  # an attempt interrupted after step 2
+    first = json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]
+    send(cfg, RECORDS[3:], resuming=True)                 # resumed from its checkpoint
+    assert json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]["run_id"] == first["run_id"]
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("my-sweep")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.run_name == "my-run" and run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["optimizer.name"] == "recadam" and params["training.max_steps"] == "1"
+    assert params["logging.report_to"] == '["mlflow"]'
+    assert set(params) == set(flatten_config(cfg.to_dict()))
+
+    def history(key):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+
+    assert history("train/loss") == [(1, 0.7), (2, 0.6), (3, 0.5)]
+    assert history("train/grad_norm") == [(1, 1.5), (3, 1.0)]            # nan left out, as for TensorBoard
+    assert history("train/lambda/group_0") == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert history("eval/validation/accuracy") == [(2, 0.5), (3, 0.75)]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["results.json"]
+
+
+# ---- W&B -----------------------------------------------------------------------------------------
+
+
+def read_wandb_log(path: Path) -> list:
+    """The records of a W&B transaction log (run-<id>.wandb): a 7-byte header, then LevelDB-style
+    32 KiB blocks of chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, pending, raw = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            raw.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            raw.append(pending + chunk)
+    records = []
+    for r in raw:
+        rec = pb.Record()
+        rec.ParseFromString(r)
+        records.append(rec)
+    return records
+
+
+def complete_log(path: Path, timeout: float = 30.0) -> list:
+    """The log's records once its exit record is there (W&B's service may still be writing it
+    for a moment after run.finish() returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_wandb_log(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def wandb_runs(directory: Path) -> list[dict]:
+    out = []
+    for log in sorted(directory.glob("wandb/offline-run-*/run-*.wandb")):
+        run = {"history": [], "files": [], "config": {}}
+        for rec in complete_log(log):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                run.update(id=rec.run.run_id, group=rec.run.run_group, name=rec.run.display_name)
+                run["config"].update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+            elif kind == "history":
+                run["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                       for i in rec.history.item})
+            elif kind == "files":
+                run["files"] += [f.path for f in rec.files.files]
+        out.append(run)
+    return out
+
+
+def test_wandb_offline_gets_the_same_records_and_a_resume_continues_the_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = config(tmp_path, report_to=["wandb"])
+    send(cfg, RECORDS[:3], finish=False)
+    send(cfg, RECORDS[3:], resuming=True)
+    saved = json.loads((tmp_path / "run" / "trackers.json").read_text())["wandb"]
+    assert saved["mode"] == "offline"
+    runs = wandb_runs(tmp_path / "run")
+    assert len(runs) == 2 and {r["id"] for r in runs} == {saved["id"]}   # one run, two attempts
+    first, resumed = runs
+    assert first["group"] == "my-sweep" and first["name"] == "my-run"
+    assert first["config"]["optimizer.name"] == "recadam"
+    assert set(first["config"]) >= set(flatten_config(cfg.to_dict()))
+    rows = [row for run in runs for row in run["history"]]
+    steps = {row["_step"]: row for row in rows}
+    assert sorted(steps) == [1, 2, 3]
+    assert [steps[s]["train/loss"] for s in (1, 2, 3)] == [0.7, 0.6, 0.5]
+    assert "train/grad_norm" not in steps[2]
+    assert steps[2]["eval/validation/accuracy"] == 0.5 and steps[3]["eval/validation/accuracy"] == 0.75
+    assert "results.json" in resumed["files"]
+
+
+def test_only_the_main_process_opens_trackers(tmp_path):
+    cfg = config(tmp_path, report_to=["mlflow", "wandb"])
+    assert open_trackers(cfg, enabled=False) == []
+    assert not (tmp_path / "run" / "trackers.json").exists()
