@@ -113,13 +113,15 @@ class Trainer:
             groups = build_param_groups(
                 model, loaded.pretrained_state, lr=self.base_lr, weight_decay=opt_cfg.weight_decay,
                 no_decay_bias_and_norm=opt_cfg.no_decay_bias_and_norm,
-                layerwise_lr_decay=opt_cfg.layerwise_lr_decay)
+                layerwise_lr_decay=opt_cfg.layerwise_lr_decay, attach_anchors=False)
             return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **opt_cfg.optimizer_kwargs())
 
         num_params = sum(p.numel() for p in loaded.model.parameters())
         num_anchored = sum(t.numel() for t in loaded.pretrained_state.values())
-        self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer)
-        # The optimizer holds theta* now (sharded under ZeRO/FSDP); a full copy per rank would undo that.
+        # The strategy places theta* once, after wrapping (sharded under ZeRO/FSDP, each rank its part).
+        self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer,
+                                                         anchors=loaded.pretrained_state)
+        # The optimizer holds theta* now; a full copy per rank would undo the sharding.
         loaded.pretrained_state = None
         if self.strategy.is_main_process:
             plan = plan_memory(cfg, world_size=self.strategy.world_size, num_params=num_params,
@@ -160,8 +162,10 @@ class Trainer:
             logger.warning("resuming with %d examples per micro-batch round instead of %d: data order "
                            "continues from the same example, batches differ", here, self.state.examples_per_round)
         torch.set_rng_state(saved["rng"]["torch"])
-        if torch.cuda.is_available() and saved["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
+        cuda_states = saved["rng"].get("cuda")
+        if self.strategy.device.type == "cuda" and cuda_states:
+            # One state per rank, of that rank's own device (see _save_checkpoint).
+            torch.cuda.set_rng_state(cuda_states[self.strategy.rank % len(cuda_states)], self.strategy.device)
         np.random.set_state(saved["rng"]["numpy"])
         random.setstate(saved["rng"]["python"])
         # Logs past the checkpoint belong to the interrupted attempt: drop them so they are not doubled.
@@ -202,9 +206,10 @@ class Trainer:
         try:
             while st.step < self.total_steps:
                 self.model.train()
-                for _ in range(accum):
+                for micro in range(accum):
                     out = self.strategy.forward(self._to_device(next(batches)))
-                    self.strategy.backward(out.loss / accum)
+                    # The trainer alone counts accumulation: it divides, and tells the strategy the end.
+                    self.strategy.backward(out.loss / accum, last_micro_batch=micro == accum - 1)
                     st.window_loss += float(out.loss.detach())
                     st.window_micro_batches += 1
                 self._set_lr(st.step)
@@ -299,7 +304,10 @@ class Trainer:
     # ---- checkpoints and results -------------------------------------------------------------
     def _save_checkpoint(self) -> None:
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+               # Each rank's own device (collective): get_rng_state_all on rank 0 would hand every rank
+               # rank 0's view, where the other ranks' devices never advanced.
+               "cuda": (self.strategy.gather_objects(torch.cuda.get_rng_state(self.strategy.device))
+                        if self.strategy.device.type == "cuda" else None)}
         self.state.examples_per_round = self.cfg.training.per_device_batch_size * self.strategy.world_size
         extra = {"train_state": vars(self.state).copy(), "rng": rng}
         self.checkpoints.save(self.state.step, self.strategy, extra)
