@@ -1,0 +1,112 @@
+"""``python -m ft_framework.torchrun [torchrun arguments]``: torchrun, with its failures told in one line.
+
+The same arguments and behaviour as ``torchrun`` (it calls torch.distributed.run). What differs is
+what a failure prints on the node it happens on: instead of torchrun's tracebacks (with C++ frames
+for a socket that timed out) and its failure table, one line saying what happened and what to check:
+
+- this node cannot reach the rendezvous (``--rdzv-endpoint``; ``read_timeout``, default 60 s),
+- the rendezvous did not fill up: another node never joined (``join_timeout``, default 600 s),
+- a worker failed: which ranks, with which exit code (the worker's own error line is above).
+
+Both timeouts are torchrun's ``--rdzv-conf join_timeout=S,read_timeout=S``. The exit code is
+torchrun's: 1.
+
+    python -m ft_framework.torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint NODE0:29400 --rdzv-id job1 launch/train.py --config run.yaml
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main", "describe_failure"]
+
+PROG = "ft_framework.torchrun"
+# torchrun's defaults (torch/distributed/elastic/rendezvous/{c10d_rendezvous_backend,dynamic_rendezvous}.py).
+_DEFAULT_CONF = {"join_timeout": "600", "read_timeout": "60"}
+
+
+def _rdzv_conf(text: str | None) -> dict[str, str]:
+    conf = dict(_DEFAULT_CONF)
+    for item in (text or "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            conf[key.strip()] = value.strip()
+    return conf
+
+
+def _cause(exc: BaseException) -> str:
+    inner = exc.__cause__ or exc.__context__
+    if inner is None:
+        return ""
+    lines = str(inner).strip().splitlines()
+    return f" ({type(inner).__name__}: {lines[0]})" if lines else f" ({type(inner).__name__})"
+
+
+def describe_failure(exc: BaseException, args) -> str | None:
+    """One line for a torchrun failure on this node, or None when it is not one of ours to tell."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                          RendezvousError, RendezvousTimeoutError)
+
+    endpoint = getattr(args, "rdzv_endpoint", "") or "(none)"
+    conf = _rdzv_conf(getattr(args, "rdzv_conf", ""))
+    nnodes = getattr(args, "nnodes", "?")
+    same = (f"start every node with the same --rdzv-endpoint {endpoint}, --rdzv-id "
+            f"{getattr(args, 'rdzv_id', '?')} and --nnodes {nnodes}")
+    if isinstance(exc, RendezvousConnectionError):
+        return (f"{PROG}: this node cannot reach the rendezvous at {endpoint} within read_timeout="
+                f"{conf['read_timeout']} s{_cause(exc)}: start the node whose address it is first, check that "
+                f"{endpoint} is reachable from here, and {same}")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"{PROG}: the rendezvous at {endpoint} did not fill up within join_timeout={conf['join_timeout']} s "
+                f"(not all of --nnodes {nnodes} joined){_cause(exc)}: {same}, and check that every node reaches "
+                f"{endpoint}")
+    if isinstance(exc, RendezvousClosedError):
+        return f"{PROG}: the rendezvous at {endpoint} was closed (the job ended on another node){_cause(exc)}"
+    if isinstance(exc, RendezvousError):
+        return f"{PROG}: rendezvous at {endpoint} failed: {type(exc).__name__}{_cause(exc)}: {same}"
+    if isinstance(exc, ChildFailedError):
+        parts = []
+        for rank, failure in sorted(exc.failures.items()):
+            code = failure.exitcode
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            parts.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}")
+        return (f"{PROG}: workers failed on this node: {'; '.join(parts)}; their own error lines are above"
+                + (" (after the restarts --max-restarts allowed)" if int(getattr(args, 'max_restarts', 0) or 0)
+                   else ""))
+    return None
+
+
+def _quiet_cpp_logs_here():
+    """Keeps c10d's C++ logs (a stack trace per failed connection attempt) out of this process's
+    output, unless the user set their level: the one line says it. The workers do not inherit it."""
+    import os
+
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch  # noqa: F401 - c10 reads the level once, when it loads
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_cpp_logs_here()
+    from torch.distributed import run as torchrun
+
+    args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        torchrun.run(args)
+    except Exception as exc:  # noqa: BLE001 - told in one line when we know it, re-raised otherwise
+        line = describe_failure(exc, args)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
