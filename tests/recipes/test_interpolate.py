@@ -1,0 +1,113 @@
+"""ft-interpolate on real runs of the tiny BERT: α = 1 gives the run's own metrics, α = 0 the
+pretrained encoder under the fine-tuned head (evaluated independently, by the trainer), the
+distance at α = 1 is the run's logged ‖θ − θ*‖, θ* from the checkpoint's anchors equals θ* from
+the pretrained model, and under RI θ* is still the pretrained model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_run import write_run_config
+from ft_framework.cli import interpolate_main
+from ft_framework.config import load_config
+from ft_framework.interpolate import interpolate_state, load_run, run_interpolation
+from ft_framework.trainer import Trainer
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_bert_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("interp")
+    cfg = write_run_config(root / "run.yaml", tiny_bert_dir, root / "out", training={"max_steps": 12},
+                           data={"max_train_examples": 32},
+                           optimizer={"name": "adamw", "hparams": {"lr": 5e-3}},
+                           checkpoint={"every_steps": 12, "export_dir": str(root / "out" / "export")})
+    results = Trainer(load_config(cfg)).fit()
+    return root, results
+
+
+def test_alpha_one_is_the_run_and_alpha_zero_the_pretrained_encoder(finished_run, tiny_bert_dir, capsys):
+    root, results = finished_run
+    run_dir = root / "out"
+    assert interpolate_main([str(run_dir), "--alphas", "0,0.5,1"]) == 0
+    printed = capsys.readouterr().out
+    assert "||theta_a - theta*||" in printed and "best accuracy on validation" in printed
+    out = json.loads((run_dir / "interpolation.json").read_text())
+    assert (run_dir / "interpolation.png").stat().st_size > 0
+    assert out["theta_source"].startswith("export")
+    rows = {r["alpha"]: r for r in out["rows"]}
+    assert rows[1.0]["metrics"] == results["final"]["metrics"]
+    last = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["type"] == "train"][-1]
+    assert rows[1.0]["distance"] == pytest.approx(last["forgetting_distance"], rel=1e-5)
+    assert rows[0.5]["distance"] == pytest.approx(rows[1.0]["distance"] / 2)
+    assert rows[0.0]["distance"] == 0.0
+
+    # α = 0 by hand: the pretrained encoder with the run's head, scored by the trainer itself.
+    cfg, _ = load_run(run_dir)
+    trainer = Trainer(cfg.model_copy(update={"logging": cfg.logging.model_copy(
+        update={"output_dir": str(root / "alpha0")}), "checkpoint": cfg.checkpoint.model_copy(update={"export_dir": None})}))
+    trainer.setup()
+    from transformers import AutoModelForSequenceClassification
+
+    tuned = AutoModelForSequenceClassification.from_pretrained(run_dir / "export").state_dict()
+    pretrained = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir).state_dict()
+    by_hand = {n: (tuned[n] if n.startswith("classifier.") else pretrained[n]) for n in tuned}
+    trainer.strategy.unwrapped_model().load_state_dict(by_hand)
+    assert trainer.evaluate() == rows[0.0]["metrics"]
+
+
+def test_checkpoint_path_and_anchors_give_the_same_curve(finished_run, tmp_path):
+    root, results = finished_run
+    run_dir = root / "out"
+    saved = json.loads((run_dir / "results.json").read_text())
+    # Without the export, θ comes from the final checkpoint; θ* from the anchors saved in it or
+    # from the pretrained model: the same tensors, so the same numbers.
+    results_no_export = {**saved}
+    results_no_export.pop("exported_to")
+    (run_dir / "results.json").write_text(json.dumps(results_no_export))
+    try:
+        anchors = run_interpolation(run_dir, [0.0, 0.3, 1.0], theta_star="anchors", write=False)
+        pretrained = run_interpolation(run_dir, [0.0, 0.3, 1.0], theta_star="pretrained", write=False)
+    finally:
+        (run_dir / "results.json").write_text(json.dumps(saved))
+    assert "checkpoints" in anchors["theta_source"] and anchors["theta_star_source"].startswith("anchors")
+    assert pretrained["theta_star_source"].startswith("pretrained")
+    assert anchors["rows"] == pretrained["rows"]
+    assert anchors["rows"][-1]["metrics"] == results["final"]["metrics"]
+
+
+def test_under_ri_theta_star_is_the_pretrained_model(tiny_bert_dir, tmp_path):
+    cfg = write_run_config(tmp_path / "ri.yaml", tiny_bert_dir, tmp_path / "ri", training={"max_steps": 3},
+                           model={"init": "random"}, evaluation={"num_evals": 1},
+                           checkpoint={"every_steps": 3})
+    results = Trainer(load_config(cfg)).fit()
+    out = run_interpolation(tmp_path / "ri", [0.0, 1.0], write=False)
+    # RecAdam's anchors under RI are the pretrained weights, not the re-initialized start.
+    assert out["theta_star_source"].startswith("anchors")
+    assert out["rows"][-1]["metrics"] == results["final"]["metrics"]
+    from ft_framework.interpolate import anchors_from_checkpoint
+    from transformers import AutoModelForSequenceClassification
+
+    ckpt = tmp_path / "ri" / "checkpoints" / "step_00000003"
+    anchors = anchors_from_checkpoint(ckpt)
+    pretrained = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir).state_dict()
+    assert set(anchors) == {n for n in pretrained if not n.startswith("classifier.")
+                            and n in dict(AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir).named_parameters())}
+    for name, value in anchors.items():
+        assert torch.equal(value, pretrained[name]), name
+    theta = torch.load(ckpt / "model.pt", weights_only=True)
+    at_zero = interpolate_state(theta, anchors, 0.0)
+    assert all(torch.equal(at_zero[n], pretrained[n]) for n in anchors)
+    assert torch.equal(at_zero["classifier.weight"], theta["classifier.weight"])
+
+
+def test_a_run_without_saved_weights_is_a_clear_error(tiny_bert_dir, tmp_path):
+    cfg = write_run_config(tmp_path / "r.yaml", tiny_bert_dir, tmp_path / "r", training={"max_steps": 2},
+                           evaluation={"num_evals": 1})
+    Trainer(load_config(cfg)).fit()
+    assert interpolate_main([str(tmp_path / "r")]) == 2
