@@ -1,0 +1,118 @@
+"""A Hugging Face model (save_pretrained, with the tokenizer) from a sharded checkpoint, in one
+process and without a training world: `ft-export CHECKPOINT_DIR OUT_DIR`.
+
+The checkpoint carries what export needs: the model's class and config (MODEL_SUBDIR/config.json),
+the tokenizer files, and (a LoRA model) the adapter config. The model is built on the meta device,
+materialized once on the CPU, and its parameters are read from the checkpoint's fp32 masters one
+saved chunk at a time (no optimizer state is read). Memory: the model's fp32 weights plus one
+parameter. The trainer's `checkpoint.export_dir` goes through the same function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layout import MASTER, MODEL_SUBDIR, CheckpointFormatError, _planners, buffer_key, param_key, read_manifest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_model", "export_pretrained", "load_model_weights"]
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_model(checkpoint_dir: Path, manifest: dict[str, Any] | None = None, *,
+                config_dir: Path | None = None, model_class: str | None = None) -> nn.Module:
+    """The checkpoint's model with uninitialized (empty) CPU weights: its class and config, and the
+    LoRA adapters when it had them. `config_dir` / `model_class` stand in for a checkpoint without
+    model files (one converted from an old format)."""
+    from transformers import AutoConfig
+
+    checkpoint_dir = Path(checkpoint_dir)
+    manifest = manifest or read_manifest(checkpoint_dir)
+    entry = manifest.get("model") or {}
+    config_path = Path(config_dir) if config_dir else (checkpoint_dir / MODEL_SUBDIR if entry.get("config") else None)
+    class_path = model_class or entry.get("class")
+    if config_path is None or class_path is None:
+        raise CheckpointFormatError(
+            f"checkpoint {checkpoint_dir} holds no model files (it was converted from an old format, or saved "
+            "without a model): resume training from it and export a later checkpoint, or pass --config-dir "
+            "(a directory with the model's config.json) and --model-class (e.g. "
+            "transformers:AutoModelForSequenceClassification)")
+    config = AutoConfig.from_pretrained(config_path)
+    cls = _import(class_path)
+    with torch.device("meta"):
+        # An Auto class builds through from_config; a model class from its config.
+        model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
+        peft_entry = entry.get("peft")
+        if peft_entry:
+            from peft import get_peft_config, get_peft_model
+
+            model = get_peft_model(model, get_peft_config(dict(peft_entry["config"])),
+                                   adapter_name=peft_entry.get("adapter", "default"))
+    model = model.to_empty(device="cpu")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    # Non-persistent buffers (position ids, Mixout targets) are neither saved nor exported: zero them
+    # rather than leave uninitialized memory behind.
+    for buf in model.buffers():
+        buf.zero_()
+    return model.eval()
+
+
+@torch.no_grad()
+def load_model_weights(model: nn.Module, checkpoint_dir: Path) -> nn.Module:
+    """Reads every parameter's master (and the persistent buffers) into `model`, in place, one
+    saved chunk at a time, in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(checkpoint_dir))
+    available = reader.read_metadata().state_dict_metadata
+    state: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        key = param_key(name, MASTER)
+        if key not in available:
+            raise CheckpointFormatError(f"checkpoint {checkpoint_dir} has no {name!r}: it belongs to another model")
+        state[key] = p.detach().view(-1)
+    for name, buf in model.state_dict(keep_vars=True).items():
+        if buffer_key(name) in available and isinstance(buf, torch.Tensor) and not isinstance(buf, nn.Parameter):
+            state[buffer_key(name)] = buf.detach()
+    _, load_planner = _planners()
+    dcp.load(state, storage_reader=reader, planner=load_planner({k: 0 for k in state}), no_dist=True)
+    return model
+
+
+def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = None,
+                      config_dir: Path | None = None, model_class: str | None = None) -> Path:
+    """Writes the checkpoint's model to `out_dir` with save_pretrained, and its tokenizer (the one
+    stored in the checkpoint unless `tokenizer` is given). A LoRA model is written merged, its
+    adapter under adapter/ (ft_framework.lora.save_model)."""
+    import warnings
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    manifest = read_manifest(checkpoint_dir)
+    model = build_model(checkpoint_dir, manifest, config_dir=config_dir, model_class=model_class)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_model_weights(model, checkpoint_dir)
+    if tokenizer is None and manifest.get("tokenizer"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir / MODEL_SUBDIR)
+    from ..lora import save_model
+
+    save_model(model, out_dir, tokenizer)
+    logger.info("exported %s to %s", checkpoint_dir, out_dir)
+    return out_dir

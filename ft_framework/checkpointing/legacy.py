@@ -1,0 +1,171 @@
+"""Checkpoints in the formats before the sharded layout, and their one-time converter.
+
+Before it, each engine had its own format:
+
+- DeepSpeed: DeepSpeed's native checkpoint (``deepspeed/``) plus ``consolidated_optimizer.pt``
+  (every parameter's fp32 master, moments and anchor, gathered on rank 0) and ``deepspeed_meta.json``;
+- FSDP: torch.distributed.checkpoint files of ``get_state_dict`` plus ``fsdp_checkpoint.json``;
+- single / DDP: ``model.pt`` and ``optimizer.pt``.
+
+Loading one of them fails with an error naming the converter:
+
+    python -m ft_framework.checkpointing.legacy OLD_CHECKPOINT_DIR NEW_CHECKPOINT_DIR
+
+which runs in one process, without a training world, and writes the sharded layout (trainer state
+and COMPLETE marker copied), so the run resumes from NEW_CHECKPOINT_DIR under any strategy. It
+holds the old checkpoint's full state in memory once (the old formats were written that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .layout import MASTER, STEP, Fragment, ParamInfo, save_sharded
+
+DEEPSPEED_META = "deepspeed_meta.json"
+DEEPSPEED_CONSOLIDATED = "consolidated_optimizer.pt"
+FSDP_INFO = "fsdp_checkpoint.json"
+SINGLE_MODEL = "model.pt"
+SINGLE_OPTIMIZER = "optimizer.pt"
+CONVERTER = "python -m ft_framework.checkpointing.legacy"
+# Copied along: the trainer's state and the completeness marker (ft_framework.run_files).
+CARRIED_FILES = ("trainer_state.pt", "COMPLETE")
+
+
+def legacy_kind(directory: Path) -> str | None:
+    directory = Path(directory)
+    if (directory / DEEPSPEED_META).is_file() or (directory / DEEPSPEED_CONSOLIDATED).is_file():
+        return "deepspeed"
+    if (directory / FSDP_INFO).is_file():
+        return "fsdp"
+    if (directory / SINGLE_MODEL).is_file() and (directory / SINGLE_OPTIMIZER).is_file():
+        return "single"
+    return None
+
+
+def legacy_format_error(directory: Path) -> str | None:
+    """The message for a checkpoint in an old format (None when it is not one)."""
+    kind = legacy_kind(directory)
+    if kind is None:
+        return None
+    return (f"checkpoint {directory} is in the old {kind} format (before the sharded layout); convert it "
+            f"once with `{CONVERTER} {directory} NEW_DIR` and resume from NEW_DIR (any strategy, any "
+            "number of ranks)")
+
+
+# ---- reading the old formats (full state, one process) -------------------------------------------
+def _read_deepspeed(directory: Path) -> tuple[dict, dict]:
+    saved = torch.load(directory / DEEPSPEED_CONSOLIDATED, map_location="cpu", weights_only=True)
+    if saved.get("format") != "ft_framework.consolidated_optimizer/1":
+        raise ValueError(f"{directory / DEEPSPEED_CONSOLIDATED} is not an ft_framework consolidated optimizer file")
+    step = torch.tensor(float(saved["step"]))
+    params = {}
+    for name, entry in saved["params"].items():
+        fields = {("master" if k == "fp32" else k): v for k, v in entry.items()}
+        if "exp_avg" in fields:
+            fields[STEP] = step.clone()
+        params[name] = fields
+    return params, {}
+
+
+def _read_fsdp(directory: Path) -> tuple[dict, dict]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(directory)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    model, optim = state["model"], state.get("optimizer", {}).get("state", {})
+    # Entries with optimizer state are the (trained) parameters; the rest of the model state are
+    # buffers (a frozen parameter would land there too: the old format does not tell them apart).
+    params = {name: {MASTER: value} for name, value in model.items() if name in optim}
+    buffers = {name: value for name, value in model.items() if name not in optim}
+    for name, entry in optim.items():
+        params[name].update({k: v for k, v in entry.items() if isinstance(v, torch.Tensor)})
+    return params, buffers
+
+
+def _read_single(directory: Path) -> tuple[dict, dict]:
+    model = torch.load(directory / SINGLE_MODEL, map_location="cpu", weights_only=True)
+    optim = torch.load(directory / SINGLE_OPTIMIZER, map_location="cpu", weights_only=False)["optimizer"]
+    by_index = {}
+    for group in optim["param_groups"]:
+        names = group.get("param_names")
+        if names is None:
+            raise ValueError(f"{directory / SINGLE_OPTIMIZER} has param groups without param_names: the "
+                             "optimizer state cannot be matched to parameter names")
+        by_index.update(dict(zip(group["params"], names)))
+    params = {name: {MASTER: value} for name, value in model.items() if name in set(by_index.values())}
+    buffers = {name: value for name, value in model.items() if name not in params}
+    for index, entry in optim["state"].items():
+        params[by_index[index]].update({k: v for k, v in entry.items() if isinstance(v, torch.Tensor)})
+    return params, buffers
+
+
+class _WholeState:
+    """A one-process 'strategy' whose fragments are whole tensors: what the converter saves."""
+
+    name = "converted"
+    rank = 0
+    world_size = 1
+
+    def __init__(self, params: dict[str, dict[str, torch.Tensor]]):
+        self.params = params
+
+    def checkpoint_params(self) -> list[ParamInfo]:
+        return [ParamInfo(n, tuple(f[MASTER].shape), f[MASTER].dtype) for n, f in self.params.items()]
+
+    def checkpoint_fragments(self) -> list[Fragment]:
+        out = []
+        for name, fields in self.params.items():
+            for field, value in fields.items():
+                t = value.detach().contiguous()
+                out.append(Fragment(name, field, t if t.dim() == 0 else t.view(-1), 0, True))
+        return out
+
+    def anchored_parameter_names(self) -> set[str]:
+        return {n for n, f in self.params.items() if "anchor" in f}
+
+
+def convert(old: Path, new: Path) -> Path:
+    """Writes the old-format checkpoint `old` in the sharded layout into `new` (one process)."""
+    old, new = Path(old), Path(new)
+    kind = legacy_kind(old)
+    if kind is None:
+        raise ValueError(f"{old} is not a checkpoint in an old ft_framework format")
+    params, buffers = {"deepspeed": _read_deepspeed, "fsdp": _read_fsdp, "single": _read_single}[kind](old)
+    if new.exists() and any(new.iterdir()):
+        raise FileExistsError(f"{new} exists and is not empty")
+    new.mkdir(parents=True, exist_ok=True)
+    save_sharded(new, _WholeState(params), buffers=list(buffers.items()), saved_by={"converted_from": kind})
+    for name in CARRIED_FILES:
+        if (old / name).is_file():
+            shutil.copy2(old / name, new / name)
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=CONVERTER, description="Convert a checkpoint of an old ft_framework "
+                                     "format (DeepSpeed native + consolidated, FSDP, single/DDP) to the sharded "
+                                     "layout that resumes under any strategy and world size.")
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        convert(args.old, args.new)
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.new}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
