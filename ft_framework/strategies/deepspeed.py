@@ -64,10 +64,14 @@ def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
     config = {**user, **{k: v for k, v in ours.items() if k not in user}}
     zero = dict(user.get("zero_optimization", {}))
     zero.setdefault("stage", ds_cfg.zero_stage)
+    # Pinned host memory makes the GPU<->CPU copies of the offloaded partitions asynchronous DMA
+    # (DeepSpeed's default is pageable memory); there is nothing to pin for on a CPU-only run.
+    on_cuda = training_cfg.device == "cuda" or (training_cfg.device == "auto" and torch.cuda.is_available())
+    offload = {"device": "cpu", "pin_memory": True} if on_cuda else {"device": "cpu"}
     if ds_cfg.offload_optimizer:
-        zero.setdefault("offload_optimizer", {"device": "cpu"})
+        zero.setdefault("offload_optimizer", dict(offload))
     if ds_cfg.offload_param:
-        zero.setdefault("offload_param", {"device": "cpu"})
+        zero.setdefault("offload_param", dict(offload))
     config["zero_optimization"] = zero
     # Our optimizer runs the offloaded step itself (the C++ kernel); DeepSpeed must not insist
     # on its own DeepSpeedCPUAdam.

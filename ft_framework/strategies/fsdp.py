@@ -87,11 +87,14 @@ class _ShardedLossScaler:
 
     def unscale_(self, grads: list[torch.Tensor]) -> bool:
         """Unscales the local gradient shards in place; True when any rank found inf/nan."""
-        found = torch.zeros((), dtype=torch.float32)
+        # One flag per device, read once: a per-tensor bool() would wait on the GPU for every tensor.
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
-            if g.numel() and not bool(torch.isfinite(g).all()):
-                found.fill_(1.0)
-                break
+            if g.numel():
+                by_device.setdefault(g.device, []).append(torch.isfinite(g).all().logical_not())
+        found = torch.zeros((), dtype=torch.float32)
+        for flags in by_device.values():
+            found = torch.maximum(found, torch.stack(flags).any().float().cpu())
         found = collectives.all_reduce(found, op="max")
         if float(found):
             return True
