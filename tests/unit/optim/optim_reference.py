@@ -1,5 +1,5 @@
-"""Independent float64 reference of shared/spec/optimizers.md, written rule by rule from the
-spec's formulas (deliberately not through ft_framework's StepCoefficients program)."""
+"""Independent float64 reference of the update rules (docs/optimizers.md), written rule by rule
+from their formulas (deliberately not through ft_framework's StepCoefficients program)."""
 
 from __future__ import annotations
 
