@@ -8,32 +8,43 @@ import sys
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    """ft-train --config FILE [key.sub=value ...]: one fine-tuning run."""
+    """ft-train --config FILE [key.sub=value ...]: one fine-tuning run. Exit codes (failures.py):
+    0 finished, 1 crashed, 2 user error (one line), 3 diverged."""
     parser = argparse.ArgumentParser(
-        prog="ft-train", description="Fine-tune a pretrained model on a GLUE task.",
+        prog="ft-train", description="Fine-tune a pretrained model on a GLUE task. Exit codes: 0 finished, "
+        "1 crashed, 2 a config or data error (one line; --debug adds the traceback), 3 diverged (results.json "
+        "says where).",
         epilog="Example: ft-train --config configs/quickstart.yaml training.num_epochs=2")
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="override config values; the value is parsed as YAML")
     # DeepSpeed's launcher appends --local_rank=N; the rank also arrives in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug", action="store_true", help="print the traceback of a config or data error too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .config import ConfigError, load_config
+    from .config import load_config
+    from .failures import EXIT_DIVERGED, diverged_line, report_failure
     from .run_files import RunPaths
     from .trainer import Trainer, format_results_table
 
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"ft-train: {exc}", file=sys.stderr)
-        return 2
-    trainer = Trainer(cfg)
+    except Exception as exc:  # every rank reads the same file: rank 0 alone reports it
+        return report_failure(exc, prog="ft-train", debug=args.debug, same_on_every_rank=True)
     try:
-        results = trainer.fit()
-    finally:
-        trainer.strategy.close()
+        trainer = Trainer(cfg)
+        try:
+            results = trainer.fit()
+        finally:
+            trainer.strategy.close()
+    except Exception as exc:
+        return report_failure(exc, prog="ft-train", debug=args.debug)
+    if results.get("diverged"):
+        if trainer.strategy.is_main_process:
+            print(diverged_line("ft-train", results), file=sys.stderr)
+        return EXIT_DIVERGED
     if trainer.strategy.is_main_process:
         print()
         print(format_results_table(results))

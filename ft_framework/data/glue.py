@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ft_framework.errors import MissingPath, UserError
+
 from .tasks import TaskSpec, get_task
 
 logger = logging.getLogger(__name__)
@@ -86,13 +88,13 @@ def _encode_label(spec: TaskSpec, value: str, where: str, column: str | int) -> 
         try:
             return float(value)
         except ValueError:
-            raise ValueError(
+            raise UserError(
                 f"{where}: label column {column!r} has value {value!r}, expected a float score"
             ) from None
     try:
         return spec.label_list.index(value)
     except ValueError:
-        raise ValueError(
+        raise UserError(
             f"{where}: unknown label {value!r} in column {column!r}; expected one of {list(spec.label_list)}"
         ) from None
 
@@ -104,21 +106,40 @@ def _column_index(header: list[str], column: str | int, path: Path) -> int:
     try:
         return header.index(column)
     except ValueError:
-        raise ValueError(f"{path}: missing column {column!r}; header has {header}") from None
+        raise UserError(f"{path}: missing column {column!r}; header has {header}") from None
 
 
 def _read_glue_tsv(path: str | Path, spec: TaskSpec) -> _RawSplit:
     """Parse one original-layout GLUE TSV file of task ``spec``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GLUE {spec.name} file not found: {path}")
+        raise MissingPath(f"GLUE {spec.name} file not found: {path}")
+    try:
+        return _parse_glue_tsv(path, spec)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _not_utf8(path: Path) -> UserError:
+    """The error for a file that is not UTF-8, naming the first bad line and byte."""
+    with path.open("rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return UserError(f"{path}:{line_no}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column "
+                                 f"{exc.start + 1}); save the file as UTF-8")
+    return UserError(f"{path}: not UTF-8 text; save the file as UTF-8")
+
+
+def _parse_glue_tsv(path: Path, spec: TaskSpec) -> _RawSplit:
     layout = _TSV_LAYOUTS[spec.name]
     with path.open(encoding="utf-8", newline="") as f:
         # GLUE TSVs contain unbalanced raw quotes, so quote processing must be off.
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = next(rows, None) if layout.has_header else None
         if layout.has_header and header is None:
-            raise ValueError(f"{path}: empty file, expected a header line")
+            raise UserError(f"{path}: empty file, expected a header line")
         text_idx = [_column_index(header, c, path) for c in layout.text_columns]
         label_idx = _column_index(header, layout.label_column, path)
         needed = max(text_idx + [label_idx]) + 1
@@ -134,13 +155,17 @@ def _read_glue_tsv(path: str | Path, spec: TaskSpec) -> _RawSplit:
                 if layout.skip_short_rows:
                     skipped += 1
                     continue
-                raise ValueError(f"{path}:{line_no}: row has {len(row)} columns, expected at least {needed}")
+                raise UserError(f"{path}:{line_no}: row has {len(row)} columns, expected at least {needed}")
             # Extra trailing columns are ignored: values are taken by header position.
             for col, i in zip(texts, text_idx):
                 col.append(row[i])
             labels.append(_encode_label(spec, row[label_idx], f"{path}:{line_no}", layout.label_column))
     if skipped:
         logger.warning("%s: skipped %d malformed rows", path, skipped)
+    if not labels:
+        what = "only a header line" if layout.has_header else "no rows"
+        raise UserError(f"{path}: no examples (the file holds {what}); a run needs at least one to train on "
+                        "and one to evaluate")
     # float32 scores, like the hub's STS-B feature, so both sources give bit-identical labels.
     dtype = np.float32 if spec.is_regression else np.int64
     return _RawSplit(texts, np.asarray(labels, dtype=dtype))
@@ -153,7 +178,7 @@ def _resolve_task_dir(source: str | Path, spec: TaskSpec) -> Path:
         return root / spec.title
     if (root / "train.tsv").is_file():
         return root
-    raise FileNotFoundError(
+    raise MissingPath(
         f"no GLUE data for task {spec.name!r} under {root}: expected {root / spec.title / 'train.tsv'} "
         f"(or point source at the {spec.title} directory itself)"
     )
