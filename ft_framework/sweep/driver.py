@@ -117,4 +117,7 @@ def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str
             if bar is not None:
                 bar.close()
             refresh()
+        from .postprocess import run_interpolations
+
+        run_interpolations(spec, store, runs)  # the sweep's `interpolate:` post-step, if any
     return SweepResult(store=store, runs=runs, counts=dict(counts), ran=ran)

@@ -33,6 +33,12 @@ IDENTITY_EXCLUDED: tuple[tuple[str, ...], ...] = (
     ("logging", "output_dir"),
     ("logging", "progress_bar"),
     ("checkpoint", "resume_from"),
+    # Trackers (ft_framework/tracking.py): where a run reports, not what it computes.
+    ("logging", "report_to"),
+    ("logging", "run_name"),
+    ("logging", "experiment"),
+    ("logging", "mlflow"),
+    ("logging", "wandb"),
 )
 
 
@@ -162,9 +168,18 @@ def expand(spec: SweepSpec, overrides: Sequence[str] = (), store_root: str | Pat
             cfg = validate_config(data, where=where)
             name = method_name if method_name is not None else cfg.optimizer.name
             run_id = run_identity(cfg)
-            logging_cfg = cfg.logging.model_copy(update={"output_dir": str(root / RUNS_SUBDIR / run_id),
-                                                          "progress_bar": False})
-            cfg = cfg.model_copy(update={"logging": logging_cfg})
+            run_dir = root / RUNS_SUBDIR / run_id
+            # Trackers: the sweep's runs share one MLflow experiment / W&B group, named by the sweep.
+            logging_cfg = cfg.logging.model_copy(update={
+                "output_dir": str(run_dir), "progress_bar": False,
+                "experiment": cfg.logging.experiment or spec.name or root.name,
+                "run_name": cfg.logging.run_name or " ".join(
+                    [name, *[f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in combo.items()]])})
+            update: dict[str, Any] = {"logging": logging_cfg}
+            if getattr(spec, "interpolate", None) is not None and not cfg.checkpoint.export_dir:
+                # The interpolation post-step needs the final weights: export them into the run.
+                update["checkpoint"] = cfg.checkpoint.model_copy(update={"export_dir": str(run_dir / "export")})
+            cfg = cfg.model_copy(update=update)
             run = PlannedRun(run_id=run_id, method=name, axes=dict(combo), config=cfg, fixed=fixed)
             if run_id in seen:
                 other = seen[run_id]

@@ -356,6 +356,11 @@ class Report:
                     _md_table(["Run", "Method", "Task", "Seed", "Setting", "State"],
                               [[r.run_id, r.method, r.task, str(r.seed), r.setting_label, r.state]
                                for r in unfinished], align_left=6), ""]
+        from .postprocess import interpolation_markdown
+
+        interpolation = interpolation_markdown(self)  # runs with interpolation.json (ft-interpolate)
+        if interpolation:
+            out += [interpolation, ""]
         return "\n".join(out)
 
     # ---- CSV ------------------------------------------------------------------------------
@@ -401,6 +406,9 @@ class Report:
             from .plots import write_plots
 
             written += write_plots(self, out / "plots")
+            from .postprocess import write_interpolation_plots
+
+            written += write_interpolation_plots(self, out / "plots")
         return written
 
 

@@ -144,6 +144,21 @@ class ReportSpec(_Strict):
     seed_keys: list[str] = Field(default_factory=lambda: ["training.seed", "training.data_seed"])
 
 
+class InterpolateSpec(_Strict):
+    """The interpolation post-step (ft_framework/sweep/postprocess.py): ft-interpolate on every run."""
+
+    alphas: list[float] = Field(default_factory=lambda: [round(i / 10, 1) for i in range(11)])
+    # Where θ* comes from: auto (checkpoint anchors when θ comes from a checkpoint, else the pretrained model).
+    theta_star: Literal["auto", "anchors", "pretrained"] = "auto"
+
+    @field_validator("alphas")
+    @classmethod
+    def _alphas(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0.0 <= a <= 1.0 for a in value):
+            raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {value}")
+        return sorted(set(float(a) for a in value))
+
+
 class SweepSpec(_SetAndAxesChecks):
     """A grid of runs: base config x axes (x methods)."""
 
@@ -156,6 +171,8 @@ class SweepSpec(_SetAndAxesChecks):
     runner: RunnerSpec = Field(default_factory=RunnerSpec)
     output_dir: str = "runs/sweep"
     report: ReportSpec = Field(default_factory=ReportSpec)
+    # Post-step: interpolate every finished run toward θ* (WiSE-FT); None: none.
+    interpolate: InterpolateSpec | None = None
     # Directory relative `base` paths are read from (the sweep file's); not part of the YAML.
     source_dir: str | None = Field(None, exclude=True)
 
@@ -204,7 +221,7 @@ class SweepSpec(_SetAndAxesChecks):
 
 def _valid_keys(loc: tuple[Any, ...]) -> list[str] | None:
     """The keys valid where an unknown key `loc` was found."""
-    where = {(): SweepSpec, ("runner",): RunnerSpec, ("report",): ReportSpec}.get(tuple(loc[:-1]))
+    where = {(): SweepSpec, ("runner",): RunnerSpec, ("report",): ReportSpec, ("interpolate",): InterpolateSpec}.get(tuple(loc[:-1]))
     if where is None:
         return None
     return [k for k in where.model_fields if k != "source_dir"]
