@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import MASTER, MODEL_SUBDIR, CheckpointFormatError, _planners, buffer_key, param_key, read_manifest
+from .layout import (MANIFEST_FILE, MASTER, MODEL_SUBDIR, CheckpointFormatError, _planners, _quiet_dcp, buffer_key,
+                     fragment_key, param_key, read_manifest)
 
 logger = logging.getLogger(__name__)
 
@@ -81,16 +82,19 @@ def load_model_weights(model: nn.Module, checkpoint_dir: Path) -> nn.Module:
     reader = dcp.FileSystemReader(str(checkpoint_dir))
     available = reader.read_metadata().state_dict_metadata
     state: dict[str, torch.Tensor] = {}
+    targets: dict[str, tuple[str, int]] = {}
     for name, p in model.named_parameters():
         key = param_key(name, MASTER)
         if key not in available:
             raise CheckpointFormatError(f"checkpoint {checkpoint_dir} has no {name!r}: it belongs to another model")
-        state[key] = p.detach().view(-1)
+        state[fragment_key(key, 0)] = p.detach().view(-1)
+        targets[fragment_key(key, 0)] = (key, 0)
     for name, buf in model.state_dict(keep_vars=True).items():
         if buffer_key(name) in available and isinstance(buf, torch.Tensor) and not isinstance(buf, nn.Parameter):
             state[buffer_key(name)] = buf.detach()
     _, load_planner = _planners()
-    dcp.load(state, storage_reader=reader, planner=load_planner({k: 0 for k in state}), no_dist=True)
+    with _quiet_dcp():
+        dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=True)
     return model
 
 
@@ -99,14 +103,10 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
     """Writes the checkpoint's model to `out_dir` with save_pretrained, and its tokenizer (the one
     stored in the checkpoint unless `tokenizer` is given). A LoRA model is written merged, its
     adapter under adapter/ (ft_framework.lora.save_model)."""
-    import warnings
-
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     manifest = read_manifest(checkpoint_dir)
     model = build_model(checkpoint_dir, manifest, config_dir=config_dir, model_class=model_class)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_model_weights(model, checkpoint_dir)
+    load_model_weights(model, checkpoint_dir)
     if tokenizer is None and manifest.get("tokenizer"):
         from transformers import AutoTokenizer
 
@@ -116,3 +116,43 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
     save_model(model, out_dir, tokenizer)
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
     return out_dir
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory from a checkpoint, a run's checkpoints/ root or a run's output
+    directory (the latter two through their `latest` pointer)."""
+    from ..run_files import CHECKPOINTS_DIR, LATEST_FILE
+
+    path = Path(path)
+    for root in (path, path / CHECKPOINTS_DIR):
+        if not (root / MANIFEST_FILE).is_file() and (root / LATEST_FILE).is_file():
+            return root / (root / LATEST_FILE).read_text().strip()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """ft-export CHECKPOINT_DIR OUT_DIR: the checkpoint's model as a Hugging Face model."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="ft-export", description="Write a Hugging Face model (save_pretrained, with the tokenizer) from an "
+        "ft_framework checkpoint saved under any strategy and number of ranks; one process, no GPU, offline.",
+        epilog="Example: ft-export runs/rte/checkpoints/step_00000300 exported/rte")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (or a run's output directory: its "
+                        "latest checkpoint)")
+    parser.add_argument("out", type=Path, help="where to write the model")
+    parser.add_argument("--config-dir", type=Path, help="model config.json directory, for a checkpoint without model "
+                        "files (converted from an old format)")
+    parser.add_argument("--model-class", help="module:Class of the model for such a checkpoint "
+                        "(e.g. transformers:AutoModelForSequenceClassification)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        export_pretrained(resolve_checkpoint(args.checkpoint), args.out, config_dir=args.config_dir,
+                          model_class=args.model_class)
+    except CheckpointFormatError as exc:
+        print(f"ft-export: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported to {args.out}")
+    return 0

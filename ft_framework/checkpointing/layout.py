@@ -38,9 +38,11 @@ e.g. the 16-bit weights) and ``checkpoint_extra_state()`` / ``load_checkpoint_ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol
@@ -124,6 +126,12 @@ def parse_param_key(key: str) -> tuple[str, str] | None:
         return None
     name, _, field = key[len(PARAM_PREFIX):].rpartition("/")
     return name, field
+
+
+def fragment_key(key: str, offset: int) -> str:
+    """The state-dict key of one fragment of `key` (a rank may hold several); DCP stores it under
+    `key`, as the chunk at `offset`."""
+    return f"{key}@{offset}"
 
 
 def buffer_key(name: str) -> str:
@@ -299,28 +307,32 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 def _planners():
     """The save and load planners (imported lazily: torch.distributed.checkpoint is heavy)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                       MetadataIndex, TensorProperties)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
                                                       WriteItemType)
     from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
                                                               create_read_items_for_chunk_list)
 
     class FragmentSavePlanner(DefaultSavePlanner):
-        """Writes each fragment as the chunk [offset, offset + n) of a 1-D tensor of the
-        parameter's full size; everything else (0-d steps, buffers, bytes) as DCP does."""
+        """Writes each fragment as the chunk [offset, offset + n) of the 1-D tensor `fqn` of the
+        parameter's full size; everything else (0-d steps, buffers, bytes) as DCP does.
 
-        def __init__(self, ranges: dict[str, tuple[int, int]]):
+        `ranges` maps the state-dict key of a fragment (fragment_key) to (fqn, offset, full numel);
+        a rank may hold several fragments of one fqn."""
+
+        def __init__(self, ranges: dict[str, tuple[str, int, int]]):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self.ranges = ranges  # key -> (offset, full numel)
+            self.ranges = ranges
+            self.by_chunk: dict[tuple[str, int], torch.Tensor] = {}
 
         def create_local_plan(self) -> SavePlan:
             items = []
             for key, value in self.state_dict.items():
                 if key in self.ranges:
-                    offset, total = self.ranges[key]
+                    fqn, offset, total = self.ranges[key]
+                    self.by_chunk[(fqn, offset)] = value
                     items.append(WriteItem(
-                        index=MetadataIndex(key, torch.Size([offset])), type=WriteItemType.SHARD,
+                        index=MetadataIndex(fqn, torch.Size([offset])), type=WriteItemType.SHARD,
                         tensor_data=TensorWriteData(
                             chunk=ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=value.size()),
                             properties=TensorProperties.create_from_tensor(value), size=torch.Size([total]))))
@@ -330,29 +342,36 @@ def _planners():
             return self.plan
 
         def lookup_object(self, index):
-            return self.state_dict[index.fqn]
+            if index.fqn in self.state_dict:
+                return self.state_dict[index.fqn]
+            return self.by_chunk[(index.fqn, index.offset[0])]
 
     class FragmentLoadPlanner(DefaultLoadPlanner):
-        """Reads into each target the range [offset, offset + n) of its key: only the saved
-        chunks that overlap it, whoever wrote them."""
+        """Reads into each fragment target the range [offset, offset + n) of its fqn: only the
+        saved chunks that overlap it, whoever wrote them. `targets` maps the state-dict key of a
+        fragment to (fqn, offset); other keys load as DCP does."""
 
-        def __init__(self, offsets: dict[str, int]):
+        def __init__(self, targets: dict[str, tuple[str, int]]):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self.offsets = offsets
+            self.targets = targets
+            self.by_chunk: dict[tuple[str, int], torch.Tensor] = {}
 
         def create_local_plan(self) -> LoadPlan:
             items = []
             for key, target in self.state_dict.items():
-                md = self.metadata.state_dict_metadata[key]
-                if key in self.offsets and not isinstance(md, BytesStorageMetadata) and len(md.size) == 1:
-                    chunk = ChunkStorageMetadata(offsets=torch.Size([self.offsets[key]]), sizes=target.size())
-                    items.extend(create_read_items_for_chunk_list(key, md, [chunk]))
+                if key in self.targets:
+                    fqn, offset = self.targets[key]
+                    self.by_chunk[(fqn, offset)] = target
+                    chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=target.size())
+                    items.extend(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
                 else:
-                    items.extend(_create_read_items(key, md, target))
+                    items.extend(_create_read_items(key, self.metadata.state_dict_metadata[key], target))
             return LoadPlan(items)
 
         def lookup_tensor(self, index):
-            return self.state_dict[index.fqn]
+            if index.fqn in self.state_dict:
+                return self.state_dict[index.fqn]
+            return self.by_chunk[(index.fqn, index.offset[0])]
 
     return FragmentSavePlanner, FragmentLoadPlanner
 
@@ -361,6 +380,14 @@ def _no_dist(strategy) -> bool:
     import torch.distributed as dist
 
     return strategy.world_size == 1 or not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns on every one-process save/load that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 # ---- save ---------------------------------------------------------------------------------------
@@ -387,16 +414,21 @@ def save_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
     is_main = strategy.rank == 0
     params = {p.name: p for p in strategy.checkpoint_params()}
     state: dict[str, Any] = {}
-    ranges: dict[str, tuple[int, int]] = {}
+    ranges: dict[str, tuple[str, int, int]] = {}
     for frag in strategy.checkpoint_fragments():
         if not frag.write or (frag.tensor.dim() > 0 and frag.tensor.numel() == 0):
             continue
         key = param_key(frag.name, frag.field)
-        if key in state:
-            raise RuntimeError(f"two fragments of {key} on rank {strategy.rank}: a strategy lists each range once")
-        state[key] = frag.tensor.detach()
-        if frag.tensor.dim() > 0:
-            ranges[key] = (int(frag.offset), params[frag.name].numel)
+        if frag.tensor.dim() == 0:
+            if key in state:
+                raise RuntimeError(f"two values of {key} on rank {strategy.rank}: a strategy writes a step once")
+            state[key] = frag.tensor.detach()
+            continue
+        skey = fragment_key(key, frag.offset)
+        if skey in state:
+            raise RuntimeError(f"two fragments of {key} at offset {frag.offset} on rank {strategy.rank}")
+        state[skey] = frag.tensor.detach()
+        ranges[skey] = (key, int(frag.offset), params[frag.name].numel)
     if model is None and hasattr(strategy, "unwrapped_model"):
         model = strategy.unwrapped_model()
     if is_main:
@@ -407,8 +439,9 @@ def save_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
             state[EXTRA_PREFIX + strategy.name] = extra
         directory.mkdir(parents=True, exist_ok=True)
     save_planner, _ = _planners()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
-             planner=save_planner(ranges), no_dist=_no_dist(strategy))
+    with _quiet_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
+                 planner=save_planner(ranges), no_dist=_no_dist(strategy))
     if is_main:
         info = {"strategy": strategy.name, "world_size": strategy.world_size, "torch": torch.__version__}
         info.update(saved_by or {})
@@ -470,24 +503,25 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         strategy.prepare_checkpoint_load()
     available = metadata.state_dict_metadata
     state: dict[str, Any] = {}
-    offsets: dict[str, int] = {}
-    # Several fragments may share one target (a step shared by a flat partition): each key loads
-    # into its own target; identical values land in the same tensor.
+    targets: dict[str, tuple[str, int]] = {}
+    # A step shared by a flat partition (ZeRO) is the target of every parameter in it: each key
+    # loads into it in turn, and they all hold the same count.
     for frag in strategy.checkpoint_fragments():
         key = param_key(frag.name, frag.field)
         if key not in available:
             continue  # a moment or step the saving run never created (no gradient yet): stays zero
-        if frag.tensor.dim() > 0 and frag.tensor.numel() == 0:
+        if frag.tensor.dim() == 0:
+            state[key] = frag.tensor
             continue
-        if key in state:
-            raise RuntimeError(f"two fragments of {key} on rank {strategy.rank}: a strategy lists each range once")
+        if frag.tensor.numel() == 0:
+            continue
         md = available[key]
-        if frag.tensor.dim() > 0 and frag.offset + frag.tensor.numel() > math.prod(md.size):
+        if frag.offset + frag.tensor.numel() > math.prod(md.size):
             raise CheckpointFormatError(f"checkpoint {directory}: {key} has {math.prod(md.size)} elements, "
                                         f"this rank needs [{frag.offset}, {frag.offset + frag.tensor.numel()})")
-        state[key] = frag.tensor
-        if frag.tensor.dim() > 0:
-            offsets[key] = int(frag.offset)
+        skey = fragment_key(key, frag.offset)
+        state[skey] = frag.tensor
+        targets[skey] = (key, int(frag.offset))
     if model is None and hasattr(strategy, "unwrapped_model"):
         model = strategy.unwrapped_model()
     for name, buf in _buffers(model):
@@ -499,7 +533,8 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         state[extra_key] = None
     _, load_planner = _planners()
     try:
-        dcp.load(state, storage_reader=reader, planner=load_planner(offsets), no_dist=_no_dist(strategy))
+        with _quiet_dcp():
+            dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=_no_dist(strategy))
     except Exception as exc:
         raise RuntimeError(f"checkpoint {directory} cannot be loaded ({exc}); resume from an earlier "
                            "checkpoint") from exc

@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("deepspeed")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from reshard_common import STEPS, make_model_and_anchors, reference  # noqa: E402
+from reshard_common import HPARAMS, STEPS, make_model_and_anchors, reference  # noqa: E402
 
 ATOL = 1e-6
 
@@ -55,7 +55,8 @@ def save_without_anchors(directory: Path) -> None:
 
     strategy = SingleDeviceStrategy("fp32", "cpu")
     model, _ = make_model_and_anchors("RI")
-    strategy.setup(model, lambda m: build_optimizer("recadam", build_param_groups(m, None, lr=1e-3), impl="torch"))
+    strategy.setup(model, lambda m: build_optimizer("recadam", build_param_groups(m, None, lr=1e-3), impl="torch",
+                                                  **HPARAMS))
     ckpt_strategy_shim.install(strategy)
     directory.mkdir(parents=True)
     strategy.save_checkpoint(directory)
