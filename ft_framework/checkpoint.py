@@ -64,16 +64,34 @@ class CheckpointManager:
         return final
 
     def _prune(self, keep: str) -> None:
-        done = sorted(p for p in self.root.glob(f"{CHECKPOINT_PREFIX}*") if (p / COMPLETE_MARKER).is_file())
-        for old in done[:-self.keep_last]:
-            if old.name != keep:
-                shutil.rmtree(old, ignore_errors=True)
+        """Deletes the complete checkpoints before the newest `keep_last`, and older directories an
+        interrupted prune left. The COMPLETE marker goes first, so a kill in the middle leaves an
+        incomplete directory (never resumed from, deleted by the next prune), never a marker that
+        outlives its checkpoint's files."""
+        steps = sorted(p for p in self.root.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+        done = [p for p in steps if (p / COMPLETE_MARKER).is_file()]
+        kept = {p.name for p in done[-self.keep_last:]} | {keep}
+        for old in steps:
+            if old.name in kept or old.name > keep:
+                continue
+            (old / COMPLETE_MARKER).unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path | None:
         pointer = self.root / LATEST_FILE
         if not pointer.is_file():
             return None
         return self.root / pointer.read_text().strip()
+
+    def latest_complete(self) -> Path | None:
+        """checkpoint.resume_from 'auto': the newest complete checkpoint (the `latest` pointer's,
+        else the highest step with its COMPLETE marker), or None when there is none yet."""
+        pointed = self.latest()
+        steps = sorted(self.root.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True) if self.root.is_dir() else []
+        for directory in ([pointed] if pointed is not None else []) + steps:
+            if (directory / COMPLETE_MARKER).is_file() and (directory / TRAINER_STATE_FILE).is_file():
+                return directory
+        return None
 
     def resolve(self, where: str) -> Path:
         """The checkpoint directory for checkpoint.resume_from ('latest' or a path), verified."""
