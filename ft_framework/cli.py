@@ -174,3 +174,11 @@ def interpolate_main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(train_main())
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """ft-export CHECKPOINT_DIR OUT_DIR: a Hugging Face model (with its tokenizer) from a checkpoint
+    saved under any strategy and number of ranks; one process, offline."""
+    from .checkpointing.export import main
+
+    return main(argv)
