@@ -45,6 +45,9 @@ def test_config_refuses_what_cannot_combine_with_lora():
         validate_config(data)
     data["strategy"]["deepspeed"]["zero_stage"] = 2
     validate_config(data)
+    data["checkpoint"] = {"every_steps": 10}
+    with pytest.raises(ConfigError, match="master"):  # DeepSpeed's checkpoint needs masters of frozen weights
+        validate_config(data)
     with pytest.raises(ConfigError, match="lora"):
         validate_config(_base(lora={"rank": 4}))
 
