@@ -1,0 +1,899 @@
+"""The GPU suite in one command: tests/gpu and three benchmarks on ONE GPU, as a markdown report.
+
+    python benchmarks/gpu_suite.py --out gpu_results.md          # everything (< 25 min on an H100)
+    python benchmarks/gpu_suite.py --only a,b                    # some parts: tests, a, b, c
+    python benchmarks/gpu_suite.py --tiny --out /tmp/smoke.md    # the same code at toy sizes on the CPU
+
+Parts:
+  tests  `pytest tests/gpu` (every strategy on one GPU with nccl; see tests/gpu/test_gpu.py).
+  a      Optimizer step, 200 M fp32 parameters in 100 tensors: our RecAdam (torch multi-tensor impl)
+         against torch.optim.AdamW fused and foreach, CUDA-event timing, median of --steps after
+         --warmup; the RecAdam / fused ratio against the 1.5x target; plus torch.compile variants
+         of our step made without touching the library.
+  b      ALBERT-xxlarge (published architecture, random weights), seq 128, bf16, DeepSpeed ZeRO-2 +
+         optimizer CPU offload, our RecAdam (C++ kernel) against DeepSpeedCPUAdam: step time,
+         samples/s, the CPU optimizer step's share of the step, peak GPU memory; then with the GPU
+         capped at --cap-gb (torch.cuda.set_per_process_memory_fraction) and the largest batch that
+         fits. Runs under the deepspeed launcher, world size 1.
+  c      No offload: ZeRO-2 (deepspeed launcher) and FSDP2 (torchrun), world size 1, bf16:
+         samples/s with our RecAdam against torch AdamW fused (the end-to-end cost of RecAdam).
+
+--tiny: toy sizes on the CPU (DS_ACCELERATOR=cpu, gloo; tests run with FT_GPU_TESTS_DEVICE=cpu),
+so every line of the suite can be smoke-tested without a GPU. Its numbers mean nothing.
+Workers (b, c) are this file re-launched with --worker; they write JSON that the parent formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = ("tests", "a", "b", "c")
+TARGET_RATIO = 1.5  # RecAdam step <= 1.5 x fused AdamW (issue 9)
+
+ALBERT_XXLARGE = dict(vocab_size=30000, embedding_size=128, hidden_size=4096, num_hidden_layers=12,
+                      num_attention_heads=64, intermediate_size=16384, hidden_act="gelu_new",
+                      max_position_embeddings=512, type_vocab_size=2,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+ALBERT_TINY = dict(ALBERT_XXLARGE, vocab_size=1000, embedding_size=16, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)
+RECADAM_HPARAMS = dict(lr=1e-5, anneal_k=0.1, anneal_t0=1000, pretrain_cof=5000.0)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_suite {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ==================================================================================================
+# Arguments, sizes, formatting (pure: tested on CPU by tests/gpu/test_gpu_suite_cpu.py)
+# ==================================================================================================
+def parse_only(text: str | None) -> list[str]:
+    if not text:
+        return list(PARTS)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {bad}; valid: {', '.join(PARTS)}")
+    return [p for p in PARTS if p in parts]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="gpu_results.md", help="markdown report path (default gpu_results.md)")
+    p.add_argument("--only", type=parse_only, default=list(PARTS), metavar="PARTS",
+                   help="comma-separated subset of: tests,a,b,c (default all)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test of the suite)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 20 for a, 8 for b/c)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per candidate (default 5 for a, 3 for b/c)")
+    p.add_argument("--a-params", type=float, default=None, help="part a: parameters (default 200e6; tiny 2e6)")
+    p.add_argument("--a-tensors", type=int, default=None, help="part a: tensors (default 100; tiny 10)")
+    p.add_argument("--no-compile", action="store_true", help="part a: skip the torch.compile variants")
+    p.add_argument("--batch", type=int, default=None, help="parts b/c: micro-batch (default 32; tiny 4)")
+    p.add_argument("--seq", type=int, default=None, help="parts b/c: sequence length (default 128; tiny 16)")
+    p.add_argument("--cap-gb", type=float, default=16.0, help="part b: GPU memory cap in GB (default 16)")
+    p.add_argument("--max-batch", type=int, default=None, help="part b: upper end of the batch search (default 1024; tiny 64)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per launched worker / pytest (default 900)")
+    # internal: this file re-launched as a worker
+    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return p
+
+
+def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    tiny = args.tiny
+    defaults = dict(a_params=2e6 if tiny else 200e6, a_tensors=10 if tiny else 100, batch=4 if tiny else 32,
+                    seq=16 if tiny else 128, max_batch=64 if tiny else 1024)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def chunk_sizes(total: float, tensors: int) -> list[int]:
+    """`tensors` sizes summing to int(total), as equal as possible (the first ones one larger)."""
+    total, tensors = int(total), max(1, int(tensors))
+    base, extra = divmod(total, tensors)
+    return [base + (1 if i < extra else 0) for i in range(tensors)]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in header]] + [[("" if c is None else str(c)).replace("|", "\\|").replace("\n", " ")
+                                            for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "n/a"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def largest_fitting_batch(fits: Callable[[int], bool], start: int, limit: int) -> tuple[int | None, list[tuple[int, bool]]]:
+    """The largest batch in [1, limit] for which fits(batch) holds, assuming fitting is monotone:
+    doubling from `start` until it fails (or halving until one fits), then bisection between the
+    last fit and the first failure. Returns (largest or None, [(batch, fitted), ...] in order)."""
+    tried: list[tuple[int, bool]] = []
+
+    def probe(b: int) -> bool:
+        ok = bool(fits(b))
+        tried.append((b, ok))
+        return ok
+
+    b = max(1, min(start, limit))
+    if probe(b):
+        good, bad = b, None
+        while bad is None and good < limit:
+            nxt = min(good * 2, limit)
+            if probe(nxt):
+                good = nxt
+            else:
+                bad = nxt
+        if bad is None:
+            return good, tried
+    else:
+        bad, good = b, None
+        while good is None and bad > 1:
+            nxt = bad // 2
+            if probe(nxt):
+                good = nxt
+            else:
+                bad = nxt
+        if good is None:
+            return None, tried
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if probe(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "deepspeed", "ft_framework"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda or "none (CPU build)"
+        out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            out["gpu_memory_gb"] = f"{props.total_memory / 1e9:.1f}"
+    except Exception as exc:  # noqa: BLE001
+        out["gpu"] = f"unknown ({exc})"
+    return out
+
+
+def report_header(v: dict[str, str], command: str, tiny: bool) -> str:
+    lines = ["# GPU suite results", ""]
+    if tiny:
+        lines += ["**--tiny smoke run: toy sizes on the CPU; the numbers mean nothing.**", ""]
+    lines += [f"- GPU: {v.get('gpu')}" + (f" ({v['gpu_memory_gb']} GB)" if v.get("gpu_memory_gb") else ""),
+              f"- torch {v.get('torch')}, CUDA {v.get('cuda')}, DeepSpeed {v.get('deepspeed')}, "
+              f"transformers {v.get('transformers')}, Python {v.get('python')}",
+              f"- CPU: {cpu_name()} ({os.cpu_count()} logical cores)",
+              f"- date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+              f"- command: `{command}`", ""]
+    return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# ---- section formatting (pure) ---------------------------------------------------------------
+def format_tests(r: dict[str, Any]) -> str:
+    out = ["## tests/gpu", "", f"`{r.get('command', '')}` (exit code {r.get('returncode')}, {fmt(r.get('seconds'), 0)} s)", ""]
+    out.append(markdown_table(["passed", "failed", "errors", "skipped"],
+                              [[r.get("passed", 0), r.get("failed", 0), r.get("errors", 0), r.get("skipped", 0)]]))
+    if r.get("summary"):
+        out += ["", "```", r["summary"].strip(), "```"]
+    return "\n".join(out)
+
+
+def format_a(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"## a. Optimizer step\n\nfailed: {r['error']}"
+    out = ["## a. Optimizer step", "",
+           f"{r['numel'] / 1e6:.0f} M fp32 parameters in {r['tensors']} tensors on {r['device']}; "
+           f"median of {r['steps']} steps after {r['warmup']} warm-up steps ({r['timer']}).", ""]
+    rows = []
+    fused = next((c["median_ms"] for c in r["candidates"] if c["name"] == "torch AdamW fused" and c.get("median_ms")), None)
+    for c in r["candidates"]:
+        ratio = c["median_ms"] / fused if fused and c.get("median_ms") else None
+        rows.append([c["name"], fmt(c.get("median_ms"), 3), fmt(c.get("min_ms"), 3),
+                     fmt(ratio, 2) + ("x" if ratio else ""), c.get("note", "")])
+    out.append(markdown_table(["candidate", "median ms", "min ms", "vs fused AdamW", "note"], rows))
+    ours = next((c["median_ms"] for c in r["candidates"] if c["name"].startswith("RecAdam (ours") and c.get("median_ms")), None)
+    if ours and fused:
+        ratio = ours / fused
+        verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
+        out += ["", f"RecAdam / fused AdamW = {ratio:.2f}x: {verdict} the {TARGET_RATIO}x target."]
+    return "\n".join(out)
+
+
+def format_b(r: dict[str, Any], capped: dict[str, Any] | None) -> str:
+    out = ["## b. ALBERT-xxlarge, ZeRO-2 + optimizer CPU offload, bf16", ""]
+    if r.get("error"):
+        out.append(f"failed: {r['error']}")
+    else:
+        out += [f"{r['model']} ({r['numel'] / 1e6:.1f} M parameters, random weights), seq {r['seq']}, "
+                f"batch {r['batch']}, world size {r['world_size']} ({r['backend']}), median of {r['steps']} steps "
+                f"after {r['warmup']} warm-up.", ""]
+        out.append(_train_table(r["candidates"], cpu_share=True))
+    if capped is not None:
+        out += ["", f"### with the GPU capped at {capped.get('cap_gb')} GB (set_per_process_memory_fraction)", ""]
+        if capped.get("error") and not capped.get("candidates"):
+            out.append(f"failed: {capped['error']}")
+        else:
+            if capped.get("note"):
+                out += [capped["note"], ""]
+            out.append(_train_table(capped.get("candidates", []), cpu_share=True))
+            lb = capped.get("largest_batch")
+            out += ["", f"Largest batch that fits (RecAdam, seq {capped.get('seq')}): **{fmt(lb)}** "
+                        f"(searched up to {capped.get('max_batch')}; probes: "
+                        + ", ".join(f"{b}{'' if ok else ' OOM'}" for b, ok in capped.get("probes", [])) + ")"]
+            if capped.get("largest_batch_run"):
+                out += ["", _train_table([capped["largest_batch_run"]], cpu_share=True)]
+    return "\n".join(out)
+
+
+def format_c(results: dict[str, dict[str, Any]]) -> str:
+    out = ["## c. No offload, one GPU: samples/s, RecAdam vs torch AdamW fused", ""]
+    rows = []
+    for label, r in results.items():
+        if r.get("error") and not r.get("candidates"):
+            rows.append([label, "failed", "", "", "", "", r["error"][:300]])
+            continue
+        cands = {c["name"]: c for c in r["candidates"]}
+        base = cands.get("torch AdamW fused", {}).get("samples_per_s")
+        for c in r["candidates"]:
+            rel = (c["samples_per_s"] / base) if base and c.get("samples_per_s") else None
+            rows.append([label, c["name"], fmt(c.get("iter_ms"), 1), fmt(c.get("samples_per_s"), 1),
+                         fmt(rel, 3), fmt(c.get("peak_gpu_gb"), 2), c.get("note") or c.get("error", "")])
+    out.append(markdown_table(["setup", "optimizer", "iteration ms", "samples/s", "vs AdamW fused",
+                               "peak GPU GB", "note"], rows))
+    meta = next((r for r in results.values() if r.get("model")), None)
+    if meta:
+        out += ["", f"{meta['model']} ({meta['numel'] / 1e6:.1f} M parameters), seq {meta['seq']}, batch {meta['batch']}, "
+                    f"{meta['precision']}, world size 1 ({meta['backend']}); median of {meta['steps']} steps."]
+    return "\n".join(out)
+
+
+def _train_table(cands: list[dict[str, Any]], cpu_share: bool) -> str:
+    rows = []
+    for c in cands:
+        if c.get("error") and c.get("iter_ms") is None:
+            rows.append([c.get("name"), c.get("impl", ""), c.get("batch", ""), "failed", "", "", "", "", c["error"][:300]])
+            continue
+        rows.append([c["name"], c.get("impl", ""), c.get("batch", ""), fmt(c.get("iter_ms"), 1), fmt(c.get("step_ms"), 1),
+                     fmt(c.get("cpu_step_ms"), 1), fmt(100 * c["cpu_share"], 1) + "%" if c.get("cpu_share") is not None else "n/a",
+                     fmt(c.get("samples_per_s"), 1), fmt(c.get("peak_gpu_gb"), 2)])
+    return markdown_table(["optimizer", "impl", "batch", "iteration ms", "engine.step ms", "CPU opt.step ms",
+                           "CPU step share", "samples/s", "peak GPU GB"], rows)
+
+
+def build_report(header: str, sections: list[str]) -> str:
+    return header + "\n" + "\n\n".join(sections) + "\n"
+
+
+# ==================================================================================================
+# Timing helpers
+# ==================================================================================================
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """CUDA events on a GPU, perf_counter on the CPU; milliseconds."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        import torch
+
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ==================================================================================================
+# Part a: the optimizer step
+# ==================================================================================================
+def part_a(args) -> dict[str, Any]:
+    import torch
+
+    from ft_framework.optim import build_optimizer
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    steps, warmup = args.steps or 20, args.warmup or 5
+    sizes = chunk_sizes(args.a_params, args.a_tensors)
+    timer = Timer(cuda)
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(n, device=device, generator=gen).mul_(1e-3) for n in sizes]
+    result: dict[str, Any] = {"numel": sum(sizes), "tensors": len(sizes), "device": str(torch.cuda.get_device_name() if cuda else "cpu"),
+                              "steps": steps, "warmup": warmup, "timer": "CUDA events" if cuda else "perf_counter",
+                              "candidates": []}
+
+    def fresh_params():
+        g = torch.Generator(device=device).manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(n, device=device, generator=g).mul_(0.02)) for n in sizes]
+        for p, gr in zip(ps, grads):
+            p.grad = gr  # shared, read-only for every candidate
+        return ps
+
+    def recadam(ps):
+        anchors = [p.detach() + 1e-3 for p in ps]
+        groups = [{"params": ps, "anchors": anchors, "lr": RECADAM_HPARAMS["lr"], "weight_decay": 0.01}]
+        return build_optimizer("recadam", groups, impl="torch", **RECADAM_HPARAMS)
+
+    def measure(name: str, make: Callable[[], Callable[[], Any]], note: str = "") -> None:
+        entry: dict[str, Any] = {"name": name, "note": note}
+        try:
+            step = make()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            entry["first_call_s"] = round(time.perf_counter() - t0, 2)
+            for _ in range(max(0, warmup - 1)):
+                step()
+            sync()
+            times = [timer.time(step) for _ in range(steps)]
+            entry.update(median_ms=median(times), min_ms=min(times))
+            if entry["first_call_s"] > 5:
+                entry["note"] = (note + f" first call {entry['first_call_s']} s (compilation)").strip()
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            entry["note"] = (note + f" not measured: {type(exc).__name__}: {str(exc)[:200]}").strip()
+            log(f"a: {name} failed: {exc}")
+        result["candidates"].append(entry)
+        log(f"a: {name}: {entry.get('median_ms')}")
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def plain(make_opt):
+        def make():
+            opt = make_opt(fresh_params())
+            return opt.step
+        return make
+
+    measure("RecAdam (ours, impl=torch)", plain(recadam), "multi-tensor torch._foreach_* ops")
+    measure("torch AdamW fused", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, fused=True)))
+    measure("torch AdamW foreach", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, foreach=True)))
+    if not args.no_compile:
+        result["candidates"].append(compiled_opt_step(recadam, fresh_params, timer, steps))
+
+        def compiled_kernel():
+            from ft_framework.optim.torch_step import foreach_step
+
+            opt = recadam(fresh_params())
+            group = opt.param_groups[0]
+            c = opt.coefficients(group, 10, True)
+            ps = group["params"]
+            ms = [torch.zeros_like(p) for p in ps]
+            vs = [torch.zeros_like(p) for p in ps]
+            anchors = [opt.state[p]["anchor"] for p in ps]
+            gs = [p.grad for p in ps]
+
+            def kernel():
+                with torch.no_grad():
+                    foreach_step(ps, gs, ms, vs, anchors, c)
+            return torch.compile(kernel)
+        measure("RecAdam math, torch.compile(foreach_step), fixed coefficients", compiled_kernel,
+                "upper bound of a compiled path: one step's coefficients baked in (training changes them every step)")
+    return result
+
+
+def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> dict[str, Any]:
+    """torch.compile of a function calling our opt.step(), the library untouched. Our step hands
+    each step's coefficients (bias correction, lambda(t)) to the foreach ops as Python floats, so
+    Dynamo may compile a new graph every step; timing that would measure compilation. Three calls
+    tell: when the graph count still grows at the third, report it instead of a time."""
+    import torch
+
+    entry: dict[str, Any] = {"name": "RecAdam, torch.compile(lambda: opt.step())"}
+    try:
+        from torch._dynamo.utils import counters
+
+        opt = make_recadam(fresh_params())
+        fn = torch.compile(lambda: opt.step())
+        graphs, seconds = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            seconds.append(time.perf_counter() - t0)
+            graphs.append(int(counters["stats"].get("unique_graphs", 0)))
+        if graphs[2] > graphs[1]:
+            entry["note"] = (f"not timed: recompiles every step ({graphs} graphs after 1-3 steps; "
+                             f"{seconds[-1]:.1f} s per step): the per-step coefficients are Python floats. "
+                             "A compiled step needs them as 0-d tensors (a library change)")
+        else:
+            times = [timer.time(fn) for _ in range(steps)]
+            entry.update(median_ms=median(times), min_ms=min(times),
+                         note=f"compiled once ({graphs[-1]} graphs), first call {seconds[0]:.1f} s")
+    except Exception as exc:  # noqa: BLE001
+        entry["note"] = f"not measured: {type(exc).__name__}: {str(exc)[:200]}"
+    log(f"a: {entry['name']}: {entry.get('median_ms')} {entry.get('note')}")
+    return entry
+
+
+# ==================================================================================================
+# Parts b and c: workers under a launcher (world size 1)
+# ==================================================================================================
+def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch: int, device: str):
+    """A RunConfig through the public loader (its model/data sections are not used here)."""
+    import inspect
+
+    import yaml
+
+    from ft_framework.config import load_config
+
+    model_dir = tmp / "unused_model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text("{}")
+    cfg = {"model": {"name_or_path": str(model_dir)},
+           "data": {"task": "sst2", "source": "builtin:quickstart"},
+           "schedule": {"name": "constant", "warmup_steps": 0},
+           "training": {"max_steps": 10, "per_device_batch_size": batch, "precision": precision,
+                        "device": device, "max_grad_norm": 1.0},
+           "strategy": strategy,
+           "logging": {"output_dir": str(tmp / "out"), "progress_bar": False}}
+    path = tmp / f"bench_{os.getpid()}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    kwargs = {"check_paths": False} if "check_paths" in inspect.signature(load_config).parameters else {}
+    return load_config(path, [], **kwargs)
+
+
+def build_albert(tiny: bool):
+    import torch
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = AlbertConfig(**(ALBERT_TINY if tiny else ALBERT_XXLARGE), num_labels=2)
+    return AlbertForSequenceClassification(cfg)
+
+
+def make_batch(batch: int, seq: int, vocab: int, device) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(batch * 1000 + seq)
+    return {"input_ids": torch.randint(5, vocab, (batch, seq), generator=g).to(device),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long).to(device),
+            "labels": torch.randint(0, 2, (batch,), generator=g).to(device)}
+
+
+class StepClock:
+    """Wraps an optimizer instance's step to sum the time spent in it (the CPU step under offload)."""
+
+    def __init__(self, opt):
+        self.total = 0.0
+        original = opt.step
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                self.total += time.perf_counter() - t0
+
+        opt.step = timed
+
+    def take(self) -> float:
+        t, self.total = self.total, 0.0
+        return t * 1e3
+
+
+def optimizer_builders(name: str, *, offload: bool, tiny: bool):
+    """(make_optimizer(model), needs_anchors, note) for candidate `name`, through public APIs."""
+    import inspect
+
+    import torch
+
+    from ft_framework.optim import build_optimizer
+    from ft_framework.optim.groups import build_param_groups
+
+    if name == "RecAdam (ours)":
+        new_api = "attach_anchors" in inspect.signature(build_param_groups).parameters
+
+        def make(model, anchors):
+            kw = {"attach_anchors": False} if new_api else {}
+            groups = build_param_groups(model, anchors, lr=RECADAM_HPARAMS["lr"], weight_decay=0.01, **kw)
+            return build_optimizer("recadam", groups, impl="auto", **RECADAM_HPARAMS)
+        return make, True, ""
+    if name == "DeepSpeedCPUAdam":
+        def make(model, anchors):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(model.parameters(), lr=RECADAM_HPARAMS["lr"], weight_decay=0.01, adamw_mode=True)
+        return make, False, ""
+    if name == "torch AdamW fused":
+        def make(model, anchors):
+            return torch.optim.AdamW(model.parameters(), lr=RECADAM_HPARAMS["lr"], weight_decay=0.01, fused=True)
+        return make, False, ""
+    raise ValueError(name)
+
+
+def setup_strategy(cfg, model, optimizer_name: str, offload: bool, tiny: bool):
+    """Our strategy (public factory) around `model` with optimizer `optimizer_name`."""
+    import inspect
+
+    from ft_framework.strategies import build_strategy
+
+    strategy = build_strategy(cfg.strategy, cfg.training)
+    make, needs_anchors, _ = optimizer_builders(optimizer_name, offload=offload, tiny=tiny)
+    anchors = None
+    if needs_anchors:
+        anchors = {n: p.detach().clone().float() for n, p in model.named_parameters() if not n.startswith("classifier")}
+    takes_anchors = "anchors" in inspect.signature(strategy.setup).parameters
+    if takes_anchors:
+        strategy.setup(model, lambda m: make(m, anchors), anchors=anchors)
+    else:  # the library before Strategy.setup(..., anchors=): anchors ride in the param groups
+        strategy.setup(model, lambda m: make(m, anchors))
+    return strategy
+
+
+def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool, steps: int, warmup: int,
+                    strategy=None) -> tuple[dict[str, Any], Any]:
+    """Builds (unless given) and times `steps` iterations (forward, backward, clip_and_step)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    entry: dict[str, Any] = {"name": optimizer_name, "batch": batch}
+    if strategy is None:
+        model = build_albert(args.tiny)
+        entry["numel"] = sum(p.numel() for p in model.parameters())
+        strategy = setup_strategy(cfg, model, optimizer_name, offload, args.tiny)
+        del model
+    entry["impl"] = getattr(strategy.optimizer, "impl", type(strategy.optimizer).__name__)
+    clock = getattr(strategy, "_bench_clock", None) or StepClock(strategy.optimizer)
+    strategy._bench_clock = clock
+    vocab = (ALBERT_TINY if args.tiny else ALBERT_XXLARGE)["vocab_size"]
+    data = make_batch(batch, args.seq, vocab, strategy.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    iters, step_ms, cpu_ms = [], [], []
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        strategy.model.train()
+        loss = strategy.forward(data).loss
+        strategy.backward(loss)
+        sync()
+        t1 = time.perf_counter()
+        clock.take()
+        strategy.clip_and_step(1.0)
+        sync()
+        t2 = time.perf_counter()
+        cpu = clock.take()
+        if i >= warmup:
+            iters.append((t2 - t0) * 1e3)
+            step_ms.append((t2 - t1) * 1e3)
+            cpu_ms.append(cpu)
+    it = median(iters)
+    entry.update(iter_ms=it, step_ms=median(step_ms), cpu_step_ms=median(cpu_ms) if offload else None,
+                 cpu_share=(median(cpu_ms) / it) if offload and it else None,
+                 samples_per_s=batch / it * 1e3 if it else None, loss=float(loss.detach().float()))
+    if cuda:
+        entry["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        entry["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+    return entry, strategy
+
+
+def release(strategy) -> None:
+    import torch
+
+    engine = getattr(strategy, "engine", None)
+    if engine is not None and hasattr(engine, "destroy"):
+        try:
+            engine.destroy()
+        except Exception:  # noqa: BLE001
+            pass
+    for attr in ("engine", "model", "optimizer", "state_map", "_bench_clock"):
+        if hasattr(strategy, attr):
+            try:
+                setattr(strategy, attr, None)
+            except Exception:  # noqa: BLE001
+                pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def worker(args) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = "cuda" if cuda else "cpu"
+    steps, warmup = args.steps or (3 if args.tiny else 8), args.warmup or (1 if args.tiny else 3)
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
+    offload = args.worker in ("b", "b_cap")
+    precision = "bf16"
+    if args.worker.startswith("c_fsdp"):
+        strategy = {"name": "fsdp", "fsdp": {"cpu_offload": False, "mixed_precision": True}}
+    else:
+        strategy = {"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": offload}}
+    cfg = write_min_config(tmp, strategy, precision, args.batch, device)
+    out: dict[str, Any] = {"model": "ALBERT-xxlarge" if not args.tiny else "ALBERT (tiny)", "seq": args.seq,
+                           "batch": args.batch, "steps": steps, "warmup": warmup, "precision": precision,
+                           "candidates": []}
+    names = (["RecAdam (ours)", "DeepSpeedCPUAdam"] if offload else ["RecAdam (ours)", "torch AdamW fused"])
+    if args.worker == "b_cap":
+        names = ["RecAdam (ours)", "DeepSpeedCPUAdam"]
+        out["cap_gb"] = args.cap_gb
+        if cuda:
+            total = torch.cuda.get_device_properties(0).total_memory
+            fraction = min(1.0, args.cap_gb * 1e9 / total)
+            torch.cuda.set_per_process_memory_fraction(fraction)
+            out["note"] = f"memory fraction {fraction:.3f} of {total / 1e9:.1f} GB"
+        else:
+            out["note"] = ("CPU smoke run: no GPU memory to cap; the batch search runs against a simulated "
+                           f"limit (batch > {args.max_batch // 4} 'runs out of memory')")
+    for name in names:
+        try:
+            entry, strat = train_candidate(cfg, name, args, batch=args.batch, offload=offload, steps=steps, warmup=warmup)
+            out["numel"] = entry.get("numel", out.get("numel"))
+            out["backend"] = dist.get_backend() if dist.is_initialized() else None
+            out["world_size"] = dist.get_world_size() if dist.is_initialized() else 1
+            release(strat)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            import traceback
+
+            traceback.print_exc()
+            entry = {"name": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}", "iter_ms": None}
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        out["candidates"].append(entry)
+        log(f"{args.worker}: {name}: {entry.get('iter_ms')} ms/iter")
+    if args.worker == "b_cap":
+        out.update(batch_search(cfg, args, steps=2, cuda=cuda))
+    return out
+
+
+def batch_search(cfg, args, steps: int, cuda: bool) -> dict[str, Any]:
+    """Largest RecAdam batch under the cap; a fresh engine after every OOM (its buffers may be
+    half-built). On the CPU (smoke run) OOM is simulated above max_batch // 4."""
+    import torch
+
+    state: dict[str, Any] = {"strategy": None}
+    simulated_limit = None if cuda else max(1, args.max_batch // 4)
+
+    def fits(batch: int) -> bool:
+        try:
+            if simulated_limit is not None and batch > simulated_limit:
+                raise torch.cuda.OutOfMemoryError(f"simulated: batch {batch} > {simulated_limit}")
+            entry, state["strategy"] = train_candidate(cfg, "RecAdam (ours)", args, batch=batch, offload=True,
+                                                       steps=steps, warmup=1, strategy=state["strategy"])
+            log(f"b_cap: batch {batch} fits ({entry['iter_ms']:.0f} ms/iter)")
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                raise
+            log(f"b_cap: batch {batch}: out of memory")
+            if state["strategy"] is not None:
+                release(state["strategy"])
+                state["strategy"] = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return False
+
+    result: dict[str, Any] = {"max_batch": args.max_batch}
+    try:
+        largest, probes = largest_fitting_batch(fits, args.batch, args.max_batch)
+        result.update(largest_batch=largest, probes=probes)
+        if largest is not None:
+            entry, strat = train_candidate(cfg, "RecAdam (ours)", args, batch=largest, offload=True,
+                                           steps=args.steps or (3 if args.tiny else 5), warmup=1,
+                                           strategy=state["strategy"])
+            entry["name"] = "RecAdam (ours), largest batch"
+            result["largest_batch_run"] = entry
+            release(strat)
+    except Exception as exc:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        result["error"] = f"batch search: {type(exc).__name__}: {str(exc)[:400]}"
+    return result
+
+
+def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
+    """Runs this file as a --worker under `launcher` (deepspeed / torchrun), world size 1."""
+    out_json = Path(tempfile.mkdtemp(prefix="gpu_suite_w_")) / f"{kind}.json"
+    script = str(Path(__file__).resolve())
+    port = str(free_port())
+    if launcher == "deepspeed":
+        exe = Path(sys.executable).parent / "deepspeed"
+        prefix = [str(exe)] if exe.is_file() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+        cmd = [*prefix, "--num_gpus", "1", "--master_port", port, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", port, script]
+    cmd += ["--worker", kind, "--worker-out", str(out_json), "--batch", str(args.batch), "--seq", str(args.seq),
+            "--cap-gb", str(args.cap_gb), "--max-batch", str(args.max_batch)]
+    for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.tiny:
+        cmd.append("--tiny")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if args.tiny:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    log(f"launching {kind}: {shlex.join(cmd)}")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        rc = proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        tail, rc = f"timeout after {args.timeout}s: {str(exc.stderr)[-2000:]}", -1
+    log(f"{kind}: exit {rc} after {time.perf_counter() - t0:.0f} s")
+    if out_json.is_file():
+        data = json.loads(out_json.read_text())
+        if rc != 0:
+            data.setdefault("error", f"worker exit code {rc}: {tail[-600:]}")
+        return data
+    return {"error": f"worker exit code {rc}, no result; log tail: {tail[-1500:]}", "candidates": []}
+
+
+# ==================================================================================================
+# The tests part
+# ==================================================================================================
+def part_tests(args) -> dict[str, Any]:
+    import re
+
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-ra", "-q", "-p", "no:cacheprovider"]
+    env = dict(os.environ)
+    if args.tiny:
+        env.update(FT_GPU_TESTS_DEVICE="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text, rc = f"TIMEOUT after {args.timeout}s\n{exc.stdout or ''}", -1
+    result = {"command": ("FT_GPU_TESTS_DEVICE=cpu " if args.tiny else "") + shlex.join(cmd[2:]).replace("pytest", "python -m pytest", 1),
+              "returncode": rc, "seconds": time.perf_counter() - t0, "log": text}
+    for key in ("passed", "failed", "skipped", "errors", "error"):
+        m = re.search(rf"(\d+) {key}\b", text.splitlines()[-1] if text.strip() else "")
+        if m:
+            result["errors" if key == "error" else key] = int(m.group(1))
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "short test summary info" in line), None)
+    result["summary"] = "\n".join(lines[start:] if start is not None else lines[-5:])[-4000:]
+    return result
+
+
+# ==================================================================================================
+# Main
+# ==================================================================================================
+def main(argv: list[str] | None = None) -> int:
+    args = resolve_defaults(build_parser().parse_args(argv))
+    if args.tiny:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.worker:
+        result = worker(args)
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            args.worker_out.write_text(json.dumps(result, indent=1, default=str))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 0
+
+    command = "python " + shlex.join([os.path.relpath(__file__, REPO)] + list(sys.argv[1:] if argv is None else argv))
+    started = time.perf_counter()
+    v = versions()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    sections: list[str] = []
+    raw: dict[str, Any] = {"versions": v, "command": command}
+
+    def write() -> str:
+        footer = f"\n_Total wall time: {time.perf_counter() - started:.0f} s._\n"
+        text = build_report(report_header(v, command, args.tiny), sections) + footer
+        out_path.write_text(text)
+        out_path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
+        return text
+
+    if "tests" in args.only:
+        log("tests: pytest tests/gpu")
+        r = part_tests(args)
+        out_path.with_name(out_path.stem + "_tests.log").write_text(r.pop("log"))
+        raw["tests"] = r
+        sections.append(format_tests(r))
+        write()
+    if "a" in args.only:
+        log("a: optimizer step")
+        try:
+            r = part_a(args)
+        except Exception as exc:  # noqa: BLE001
+            r = {"error": f"{type(exc).__name__}: {exc}"}
+        raw["a"] = r
+        sections.append(format_a(r))
+        write()
+    if "b" in args.only:
+        b = launch_worker("b", args, "deepspeed")
+        b_cap = launch_worker("b_cap", args, "deepspeed")
+        raw["b"], raw["b_cap"] = b, b_cap
+        sections.append(format_b(b, b_cap))
+        write()
+    if "c" in args.only:
+        c = {"DeepSpeed ZeRO-2": launch_worker("c_zero2", args, "deepspeed"),
+             "FSDP2 (bf16 mixed precision)": launch_worker("c_fsdp", args, "torchrun")}
+        raw["c"] = c
+        sections.append(format_c(c))
+        write()
+    text = write()
+    print(text)
+    log(f"wrote {out_path} (and {out_path.with_suffix('.json')})")
+    failed_tests = raw.get("tests", {}).get("returncode", 0) not in (0, None)
+    return 1 if failed_tests else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

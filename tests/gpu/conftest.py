@@ -1,0 +1,106 @@
+"""Fixtures of the GPU suite: the tiny model, the fp32 CPU reference run, and one launch per
+launcher (python / deepspeed / torchrun, world size 1) whose per-case results every test reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import (CASES, HERE, REPO, free_port, reference_case, run_config,  # noqa: E402
+                        run_device, skip_reason, write_config)
+
+LAUNCH_TIMEOUT_S = int(os.environ.get("FT_GPU_TESTS_TIMEOUT", "480"))
+
+
+def launcher_command(launcher: str, script: Path) -> list[str]:
+    port = str(free_port())
+    if launcher == "python":
+        return [sys.executable, str(script)]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                "--master_port", port, str(script)]
+    if launcher == "deepspeed":
+        exe = Path(sys.executable).parent / "deepspeed"
+        prefix = [str(exe)] if exe.is_file() else ([shutil.which("deepspeed")] if shutil.which("deepspeed")
+                                                    else [sys.executable, "-m", "deepspeed.launcher.runner"])
+        return [*prefix, "--num_gpus", "1", "--master_port", port, str(script)]
+    raise ValueError(launcher)
+
+
+def worker_env() -> dict[str, str]:
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1",
+           "FT_GPU_TESTS_DEVICE": run_device()}
+    env.setdefault("OMP_NUM_THREADS", "1" if run_device() == "cpu" else "4")
+    if run_device() == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class Launches:
+    """Launches each launcher's cases once (the first test that needs one of them), then serves
+    every case's results to every test."""
+
+    def __init__(self, root: Path, model_dir: Path):
+        self.root, self.model_dir = root, model_dir
+        self.logs: dict[str, str] = {}
+
+    def _launch(self, launcher: str) -> None:
+        names = [n for n, c in CASES.items() if c.launcher == launcher and skip_reason(n) is None]
+        out = self.root / launcher
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = launcher_command(launcher, HERE / "gpu_worker.py") + [str(out), str(self.model_dir), *names]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=self.root, env=worker_env(),
+                                  timeout=LAUNCH_TIMEOUT_S)
+            log = f"$ {' '.join(cmd)}\nrc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        except subprocess.TimeoutExpired as exc:
+            log = f"$ {' '.join(cmd)}\nTIMEOUT after {LAUNCH_TIMEOUT_S}s\n{exc.stdout}\n{exc.stderr}"
+        (out / "launch.log").write_text(log)
+        self.logs[launcher] = log
+
+    def result(self, case_name: str) -> dict:
+        launcher = CASES[case_name].launcher
+        if launcher not in self.logs:
+            self._launch(launcher)
+        path = self.root / launcher / f"{case_name}.json"
+        if not path.is_file():
+            pytest.fail(f"the {launcher} launch wrote no result for {case_name}; its log ends:\n"
+                        f"{self.logs[launcher][-5000:]}")
+        record = json.loads(path.read_text())
+        if record.get("error"):
+            pytest.fail(f"{case_name} failed in the worker:\n{record['error']}")
+        return record
+
+
+@pytest.fixture(scope="session")
+def gpu_model_dir(tmp_path_factory):
+    from gpu_common import build_tiny_bert_dir
+
+    return build_tiny_bert_dir(tmp_path_factory.mktemp("gpu_tiny_bert"))
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory, gpu_model_dir):
+    return Launches(tmp_path_factory.mktemp("gpu_runs"), gpu_model_dir)
+
+
+@pytest.fixture(scope="session")
+def cpu_reference(tmp_path_factory, gpu_model_dir):
+    """The same run in fp32 on the CPU, one process (in-process: tiny and fast)."""
+    from ft_framework.config import load_config
+    from ft_framework.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("cpu_reference")
+    cfg = run_config(gpu_model_dir, root / "out", reference_case(), "cpu")
+    cfg["checkpoint"] = {"every_steps": None}
+    results = Trainer(load_config(write_config(root / "run.yaml", cfg), [])).fit()
+    return {"out_dir": root / "out", "results": results}

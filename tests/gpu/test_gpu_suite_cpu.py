@@ -1,0 +1,133 @@
+"""CPU checks of the GPU suite's own code (NOT marked gpu: they run on CI): benchmarks/gpu_suite.py
+imports, parses its arguments, formats its tables and searches batch sizes; the GPU tests' skip
+reasons and run config are sound; the GPU worker runs one case end to end on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_common import CASES, HERE, REPO, case_params, run_config, skip_reason, write_config
+
+
+def load_suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arguments_parse_and_resolve():
+    suite = load_suite()
+    args = suite.resolve_defaults(suite.build_parser().parse_args(["--only", "c,tests", "--tiny", "--out", "x.md"]))
+    assert args.only == ["tests", "c"] and args.tiny and args.out == "x.md"
+    assert (args.a_params, args.a_tensors, args.batch, args.seq) == (2e6, 10, 4, 16)
+    full = suite.resolve_defaults(suite.build_parser().parse_args([]))
+    assert full.only == ["tests", "a", "b", "c"] and full.a_params == 200e6 and full.a_tensors == 100
+    assert (full.batch, full.seq, full.cap_gb) == (32, 128, 16.0)
+    with pytest.raises(SystemExit):
+        suite.build_parser().parse_args(["--only", "a,z"])
+
+
+def test_chunk_sizes_and_batch_search():
+    suite = load_suite()
+    sizes = suite.chunk_sizes(200e6 + 7, 100)
+    assert len(sizes) == 100 and sum(sizes) == int(200e6 + 7) and max(sizes) - min(sizes) <= 1
+    for limit in (1, 2, 31, 32, 33, 37, 100):
+        largest, probes = suite.largest_fitting_batch(lambda b: b <= limit, 32, 1024)
+        assert largest == limit, (limit, probes)
+        assert len(probes) <= 2 * 11
+    assert suite.largest_fitting_batch(lambda b: False, 32, 1024)[0] is None
+    assert suite.largest_fitting_batch(lambda b: True, 32, 100)[0] == 100
+
+
+def test_tables_and_report_format():
+    suite = load_suite()
+    table = suite.markdown_table(["a", "b"], [[1, "x|y"], [None, 2.5]])
+    lines = table.splitlines()
+    assert lines[0].startswith("| a") and set(lines[1]) <= {"|", "-"} and "x\\|y" in lines[2]
+    a = {"numel": 200_000_000, "tensors": 100, "device": "NVIDIA H100", "steps": 20, "warmup": 5,
+         "timer": "CUDA events", "candidates": [
+             {"name": "RecAdam (ours, impl=torch)", "median_ms": 12.0, "min_ms": 11.0, "note": ""},
+             {"name": "torch AdamW fused", "median_ms": 10.0, "min_ms": 9.5},
+             {"name": "RecAdam, torch.compile(lambda: opt.step())", "note": "not timed: recompiles"}]}
+    text = suite.format_a(a)
+    assert "1.20x" in text and "meets the 1.5x target" in text and "not timed" in text
+    b = {"model": "ALBERT-xxlarge", "numel": 222.6e6, "seq": 128, "batch": 32, "world_size": 1, "backend": "nccl",
+         "steps": 8, "warmup": 3, "candidates": [
+             {"name": "RecAdam (ours)", "impl": "cpu", "batch": 32, "iter_ms": 900.0, "step_ms": 500.0,
+              "cpu_step_ms": 400.0, "cpu_share": 0.44, "samples_per_s": 35.5, "peak_gpu_gb": 9.1},
+             {"name": "DeepSpeedCPUAdam", "error": "RuntimeError: no nvcc", "iter_ms": None}]}
+    cap = {"cap_gb": 16, "seq": 128, "max_batch": 1024, "candidates": b["candidates"], "largest_batch": 96,
+           "probes": [(32, True), (64, True), (128, False), (96, True)]}
+    text = suite.format_b(b, cap)
+    assert "44.0%" in text and "no nvcc" in text and "**96**" in text and "128 OOM" in text
+    c = {"DeepSpeed ZeRO-2": {"model": "ALBERT-xxlarge", "numel": 222.6e6, "seq": 128, "batch": 32,
+                              "precision": "bf16", "backend": "nccl", "steps": 8, "candidates": [
+                                  {"name": "RecAdam (ours)", "iter_ms": 300.0, "samples_per_s": 106.7},
+                                  {"name": "torch AdamW fused", "iter_ms": 290.0, "samples_per_s": 110.3}]},
+         "FSDP2": {"error": "worker exit code 1", "candidates": []}}
+    text = suite.format_c(c)
+    assert "0.967" in text and "failed" in text
+    tests = {"command": "python -m pytest tests/gpu", "returncode": 0, "seconds": 100.0, "passed": 50, "skipped": 0}
+    report = suite.build_report(suite.report_header({"gpu": "NVIDIA H100", "torch": "2.13"}, "python benchmarks/gpu_suite.py", False),
+                                [suite.format_tests(tests), text])
+    assert report.startswith("# GPU suite results") and "NVIDIA H100" in report and "| 50" in report
+
+
+def test_every_gpu_case_is_marked_and_has_one_skip_reason_without_cuda(monkeypatch):
+    monkeypatch.setenv("FT_GPU_TESTS_DEVICE", "cuda")
+    params = case_params()
+    assert [p.id for p in params] == list(CASES)
+    for p in params:
+        assert any(m.name == "gpu" for m in p.marks)
+        try:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        except ImportError:
+            cuda = False
+        if not cuda:
+            skips = [m for m in p.marks if m.name == "skip"]
+            assert len(skips) == 1 and "CUDA" in skips[0].kwargs["reason"]
+            assert skip_reason(p.id) == skips[0].kwargs["reason"]
+
+
+def test_run_configs_of_every_case_load(tmp_path):
+    from ft_framework.config import load_config
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    for name, case in CASES.items():
+        cfg = run_config(tmp_path / "model", tmp_path / name, case, "cpu", export_dir=tmp_path / "export",
+                         resume_from=tmp_path / "ck")
+        loaded = load_config(write_config(tmp_path / f"{name}.yaml", cfg), [])
+        assert loaded.strategy.name == case.strategy["name"] and loaded.training.precision == case.precision
+
+
+@pytest.mark.slow
+def test_gpu_worker_runs_a_case_on_the_cpu(tmp_path):
+    """The worker end to end on the CPU (one single-process case), so a library change that breaks
+    it shows here and not only on the GPU machine."""
+    pytest.importorskip("tokenizers")
+    from gpu_common import build_tiny_bert_dir
+
+    model_dir = build_tiny_bert_dir(tmp_path / "model")
+    env = {**os.environ, "FT_GPU_TESTS_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(HERE / "gpu_worker.py"), str(tmp_path / "res"), str(model_dir),
+                          "single_fp32"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    rec = json.loads((tmp_path / "res" / "single_fp32.json").read_text())
+    assert rec["error"] is None
+    for phase in ("full", "resumed"):
+        a = rec[phase]["anchors"]
+        assert a["count"] == a["expected"] > 0 and not a["mismatched"] and not a["missing"]
+        assert rec[phase]["impl"] == "cpu" and rec[phase]["steps"] == 5
+    assert Path(rec["full_export"], "config.json").is_file()
