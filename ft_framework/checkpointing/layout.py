@@ -438,14 +438,15 @@ def save_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         if extra is not None:
             state[EXTRA_PREFIX + strategy.name] = extra
         directory.mkdir(parents=True, exist_ok=True)
+        # Before the DCP save, whose last step (the coordinator writing .metadata) every rank
+        # waits for: when save_sharded returns on any rank, the whole checkpoint is there.
+        info = {"strategy": strategy.name, "world_size": strategy.world_size, "torch": torch.__version__}
+        info.update(saved_by or {})
+        write_manifest(directory, list(params.values()), info, model, tokenizer)
     save_planner, _ = _planners()
     with _quiet_dcp():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
                  planner=save_planner(ranges), no_dist=_no_dist(strategy))
-    if is_main:
-        info = {"strategy": strategy.name, "world_size": strategy.world_size, "torch": torch.__version__}
-        info.update(saved_by or {})
-        write_manifest(directory, list(params.values()), info, model, tokenizer)
 
 
 # ---- load ---------------------------------------------------------------------------------------
