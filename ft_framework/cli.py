@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -140,6 +141,13 @@ def report_main(argv: list[str] | None = None) -> int:
     written = report.write(args.out or args.directory, plots=not args.no_plots)
     print(f"\nwrote {len(written)} files to {args.out or args.directory}: "
           + ", ".join(sorted({p.name if p.parent.name != 'plots' else 'plots/' for p in written})))
+    from .tracking import TRACKERS_FILE, log_artifacts_to_run
+
+    if (Path(args.directory) / TRACKERS_FILE).is_file():  # one run's report: its plots go to its tracker runs
+        try:
+            log_artifacts_to_run(args.directory, [p for p in written if p.suffix == ".png"])
+        except Exception as exc:  # noqa: BLE001 - the report is written; a tracker being down is not fatal
+            print(f"ft-report: could not attach the plots to the run's trackers: {exc}", file=sys.stderr)
     return 0
 
 
