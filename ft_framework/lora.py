@@ -188,10 +188,3 @@ def save_model(model: nn.Module, directory: Path, tokenizer: Any = None) -> None
         model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-
-
-def merge_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The merged plain-model state dict of a LoRA model's state dict `state` (a checkpoint's or
-    best/model.pt): `state` is loaded into `model` (a LoRA model of the same config), then merged."""
-    model.load_state_dict(state)
-    return merged_copy(model).state_dict()

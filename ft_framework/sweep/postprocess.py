@@ -19,8 +19,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
-
 if TYPE_CHECKING:
     from .grid import PlannedRun
     from .report import Report
@@ -154,7 +152,3 @@ def write_interpolation_plots(report: "Report", directory: Path) -> list[Path]:
             written.append(plot_interpolation([c for _, c in entries], Path(directory) / f"interpolation_{task}.png",
                                               labels=[m for m, _ in entries]))
     return written
-
-
-def mean_best_alpha(curves: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], float]:
-    return {k: float(np.mean(c["best_alphas"])) for k, c in curves.items()}
