@@ -56,6 +56,14 @@ def full_dtensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor().detach().cpu()
 
 
+def plain_module(trainer):
+    """The model inside the DeepSpeed engine (its parameters carry ZeRO's mappings)."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "unwrapped_model"):
+        return strategy.unwrapped_model()
+    return trainer.model.module
+
+
 def gather_anchors(trainer, strategy_name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """{parameter name: full anchor} for every anchored parameter, and errors met on the way."""
     anchors: dict[str, torch.Tensor] = {}
@@ -64,7 +72,7 @@ def gather_anchors(trainer, strategy_name: str) -> tuple[dict[str, torch.Tensor]
     if strategy_name == "deepspeed":
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        for name, p in trainer.model.module.named_parameters():
+        for name, p in plain_module(trainer).named_parameters():
             try:
                 value = safe_get_full_optimizer_state(p, "anchor")
             except (KeyError, ValueError) as exc:  # no anchor state (the new head)
@@ -113,7 +121,7 @@ def optimizer_placement(opt) -> dict:
 
 def observe(trainer, case, saved) -> dict:
     strategy = case.strategy["name"]
-    module = trainer.model.module if strategy == "deepspeed" else trainer.model
+    module = plain_module(trainer) if strategy == "deepspeed" else trainer.model
     names = [n for n, _ in module.named_parameters()]
     anchors, errors = gather_anchors(trainer, strategy)
     opt = trainer.optimizer
