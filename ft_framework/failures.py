@@ -18,6 +18,7 @@ printed by that rank, and the ranks that then lose their peer print one short li
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from typing import Any, TextIO
@@ -59,6 +60,13 @@ def is_peer_failure(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)
 
 
+def _peer_summary(exc: BaseException) -> str:
+    """`exc`'s first sentence without the backend's source location ("[.../pair.cc:553] ")."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0]
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
 def _rank_and_world() -> tuple[int, int]:
     try:
         return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -91,9 +99,8 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
             print(f"{tag}error: {_one_line(exc)}", file=stream, flush=True)
         return EXIT_USER_ERROR
     if world > 1 and is_peer_failure(exc) and not debug:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        print(f"{tag}stopped: another rank failed or went away (its error is shown by that rank; "
-              f"here: {type(exc).__name__}: {first})", file=stream, flush=True)
+        print(f"{tag}stopped: another rank failed or went away (that rank shows its error); here: "
+              f"{_peer_summary(exc)}", file=stream, flush=True)
         return EXIT_CRASH
     traceback.print_exception(exc, file=stream)
     return EXIT_CRASH

@@ -2,8 +2,8 @@
 
     result = run_sweep(load_sweep("configs/sweeps/quickstart_grid.yaml"))
 
-Re-running a sweep skips finished runs and runs the failed, interrupted and pending ones again
-(an interrupted run with a checkpoint resumes from it).
+Re-running a sweep skips finished and diverged runs and runs the failed, interrupted and pending
+ones again (an interrupted run with a checkpoint resumes from it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from .grid import PlannedRun, expand
 from .runners import LocalRunner, RayRunner, make_runner
 from .spec import SweepSpec
-from .store import STATES, SweepStore
+from .store import DONE_STATES, STATES, SweepStore
 
 __all__ = ["SweepResult", "plan_sweep", "run_sweep", "format_plan"]
 
@@ -33,7 +33,8 @@ class SweepResult:
 
     @property
     def complete(self) -> bool:
-        return self.counts.get("finished", 0) == len(self.runs)
+        """Every run finished or diverged (an outcome of its hyper-parameters, not a failure to run)."""
+        return sum(self.counts.get(s, 0) for s in DONE_STATES) == len(self.runs)
 
 
 def plan_sweep(spec: SweepSpec, overrides: Sequence[str] = (), output_dir: str | Path | None = None
@@ -56,7 +57,9 @@ def format_plan(store: SweepStore, runs: Sequence[PlannedRun]) -> str:
     lines = []
     states = {}
     for run in runs:
-        state = "finished" if store.is_finished(run.run_id) else store.read_status(run.run_id).get("state", "pending")
+        state = store.read_status(run.run_id).get("state", "pending")
+        if state in DONE_STATES and not store.is_done(run.run_id):
+            state = "failed"
         if state == "running":
             state = "running?"  # only true while another sweep holds the store
         states[run.run_id] = state
@@ -65,9 +68,9 @@ def format_plan(store: SweepStore, runs: Sequence[PlannedRun]) -> str:
         axes = "  ".join(f"{k}={_fmt(v)}" for k, v in run.axes.items())
         lines.append(f"{i:4d}  {run.run_id}  {states[run.run_id]:<11} {run.method:<{width}}  {axes}")
     counts = {s: sum(v.rstrip("?") == s for v in states.values()) for s in STATES}
-    todo = len(runs) - counts["finished"]
+    todo = len(runs) - sum(counts[s] for s in DONE_STATES)
     head = (f"{len(runs)} runs in {store.root}: {counts['finished']} finished, {todo} to run"
-            + "".join(f", {counts[s]} {s}" for s in ("failed", "interrupted") if counts[s]))
+            + "".join(f", {counts[s]} {s}" for s in ("diverged", "failed", "interrupted") if counts[s]))
     return "\n".join([head, f"{'#':>4}  {'run id':<12}  {'state':<11} {'method':<{width}}  axes", *lines])
 
 
@@ -88,7 +91,7 @@ def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str
     runner = runner if runner is not None else make_runner(spec.runner)
     with store.lock():
         counts = store.sync(runs, sweep_text=_sweep_text(spec, overrides))
-        todo = [r for r in runs if not store.is_finished(r.run_id)]
+        todo = [r for r in runs if not store.is_done(r.run_id)]
         index_lock = threading.Lock()
 
         def refresh(*_: Any) -> None:
@@ -105,7 +108,7 @@ def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str
         def on_done(run: PlannedRun, state: str) -> None:
             nonlocal failed
             refresh()
-            failed += state != "finished"
+            failed += state not in DONE_STATES
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(last=f"{run.run_id} {state}", failed=failed)

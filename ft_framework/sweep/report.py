@@ -13,10 +13,13 @@ How numbers are made (also stated at the top of report.md):
   seeds) with the best MEAN score on the selection split over seeds is chosen (the paper selects
   t0 and k "on each dev set"); Table 1 gives that setting's median, max, mean and std (ddof=1)
   over seeds, and how many of its runs failed (Mosbach et al.: at or below the majority baseline;
-  results.json's `failed`).
-- Avg >10k / Avg <10k / Avg: mean over tasks of the per-task statistic, the tasks grouped by their
-  nominal GLUE training-set size (TaskSpec.train_size in ft_framework/data/tasks.py; WNLI is left
-  out of the averages as in the paper). An average covers the tasks the method has results for.
+  results.json's `failed`) and, apart from those, how many diverged (results.json's `diverged`: a
+  NaN/inf loss stopped them; they have no score).
+- Avg >10k / Avg <10k / Avg: mean over tasks of the per-task statistic, the tasks grouped by the
+  training-set size the runs actually had (results.json's `train_examples`: a 600-example local
+  SST-2 is < 10k; the nominal GLUE size, TaskSpec.train_size, only for runs that do not record it;
+  WNLI is left out of the averages as in the paper). An average covers the tasks the method has
+  results for.
 - Levene's test (median-centred, Brown-Forsythe) compares, per task, the seeds of the chosen
   setting of each pair of methods.
 - Expected best score of n trials: bootstrap (10,000 draws) of n runs with replacement from ALL
@@ -39,6 +42,7 @@ import numpy as np
 import yaml
 
 from ft_framework.data.tasks import GLUE_TASKS
+from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
 from ft_framework.run_files import INDEX_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
 
 from .stats import expected_max_curve, levene, sample_std
@@ -63,7 +67,23 @@ CURVE_NS = (1, 2, 3, 5, 10, 20, 50, 100)
 LEVENE_MIN_SEEDS = 3
 
 
-def _size_title(task: str) -> str:
+def _size_text(size: int) -> str:
+    """600, 2.5k, 67k."""
+    if size < 1000:
+        return str(size)
+    return f"{size / 1000:.1f}k" if size < LARGE_TASK_SIZE else f"{size // 1000}k"
+
+
+def _size_title(task: str, size: int | None = None) -> str:
+    """A column title with the task's training-set size: the size its runs had, when given and
+    not the nominal GLUE size ("SST-2 600"), else the nominal one ("SST-2 67k")."""
+    spec = GLUE_TASKS.get(task)
+    if size is not None and (spec is None or size != spec.train_size):
+        return f"{spec.title if spec is not None else task} {_size_text(size)}"
+    return _size_title_nominal(task)
+
+
+def _size_title_nominal(task: str) -> str:
     spec = GLUE_TASKS.get(task)
     return spec.size_title if spec is not None else task
 
@@ -87,6 +107,8 @@ class RunRecord:
     score: float | None = None             # reported main metric on the score split, x100
     selection_score: float | None = None   # the same on the selection split, x100
     failed: bool | None = None
+    diverged: dict[str, Any] | None = None   # results.json's {"step", "what"} of a diverged run
+    train_examples: int | None = None       # the training-set size the run had
     main_metric: str | None = None
     score_split: str | None = None
     config: dict[str, Any] | None = None
@@ -142,10 +164,15 @@ def _record_from(entry: dict[str, Any], directory: Path, state: str, seed_keys: 
     setting = tuple((k, _value_text(v)) for k, v in axes.items() if k != "data.task" and k not in seed_keys)
     rec = RunRecord(run_id=entry["id"], method=entry["method"], task=entry.get("task"), seed=entry.get("seed"),
                     axes=axes, setting=setting, state=state, directory=directory)
-    results = _read_json(directory / RESULTS_FILE) if state == "finished" else None
+    results = _read_json(directory / RESULTS_FILE) if state in ("finished", "diverged") else None
     if results is None:
-        if state == "finished":
+        if state in ("finished", "diverged"):
             rec.state = "failed"
+        return rec
+    rec.train_examples = results.get("train_examples")
+    if results.get("diverged"):
+        rec.state, rec.diverged, rec.failed = "diverged", results["diverged"], True
+        rec.task = results.get("task", rec.task)
         return rec
     main, selection = results["main_metric"], results["selection_split"]
     metrics = results[results["reported"]]["metrics"]
@@ -196,6 +223,7 @@ class TaskCell:
     failed: int
     settings_tried: int
     runs: list[RunRecord] = field(default_factory=list)
+    diverged: int = 0   # runs of this setting that diverged (not in `scores`)
 
     @property
     def n(self) -> int:
@@ -213,17 +241,24 @@ class TaskCell:
             return sample_std(s)
         if name == "failed":
             return float(self.failed)
+        if name == "diverged":
+            return float(self.diverged)
         if name == "n":
             return float(self.n)
         raise KeyError(name)
 
 
-STATISTICS = ("median", "max", "mean", "std", "failed", "n")
+STATISTICS = ("median", "max", "mean", "std", "failed", "diverged", "n")
 
 
-def _ordered_tasks(tasks: Iterable[str]) -> list[str]:
+def _ordered_tasks(tasks: Iterable[str], sizes: dict[str, int] | None = None) -> list[str]:
+    """Largest training set first (the sizes the runs had, else the nominal GLUE ones)."""
     tasks = set(tasks)
-    return [t for t in TASK_ORDER if t in tasks] + sorted(t for t in tasks if t not in TASK_ORDER)
+    nominal = [t for t in TASK_ORDER if t in tasks] + sorted(t for t in tasks if t not in TASK_ORDER)
+    if not sizes:
+        return nominal
+    size = {t: sizes.get(t, GLUE_TASKS[t].train_size if t in GLUE_TASKS else 0) for t in nominal}
+    return sorted(nominal, key=lambda t: -size[t])
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -252,17 +287,33 @@ class Report:
     levene_rows: list[dict[str, Any]]
     expected_rows: list[dict[str, Any]]
     bootstrap_samples: int = 10_000
+    # Each task's training-set size in these runs (results.json's train_examples; else nominal).
+    task_sizes: dict[str, int] = field(default_factory=dict)
+
+    def _size(self, task: str) -> int | None:
+        spec = GLUE_TASKS.get(task)
+        return self.task_sizes.get(task, spec.train_size if spec is not None else None)
+
+    @property
+    def large_tasks(self) -> tuple[str, ...]:
+        """The averaged tasks with more than 10k training examples in these runs."""
+        return tuple(t for t in self.tasks if t not in NOT_AVERAGED and (self._size(t) or 0) > LARGE_TASK_SIZE)
+
+    @property
+    def small_tasks(self) -> tuple[str, ...]:
+        return tuple(t for t in self.tasks if t not in NOT_AVERAGED and t not in self.large_tasks)
 
     # ---- Table 1 ------------------------------------------------------------------------
     def table1_value(self, method: str, stat: str, column: str) -> float:
         """A cell of Table 1: a task's statistic, or an average column."""
         if column in AVG_COLUMNS:
-            group = {"avg_gt10k": LARGE_TASKS, "avg_lt10k": SMALL_TASKS, "avg": LARGE_TASKS + SMALL_TASKS}[column]
+            large, small = self.large_tasks, self.small_tasks
+            group = {"avg_gt10k": large, "avg_lt10k": small, "avg": large + small}[column]
             values = [self.cells[(method, t)].stat(stat) for t in self.tasks
                       if t in group and (method, t) in self.cells]
             if not values:
                 return math.nan
-            if stat in ("failed", "n"):
+            if stat in ("failed", "diverged", "n"):
                 return float(sum(values))
             return float(np.mean(values))
         cell = self.cells.get((method, column))
@@ -282,7 +333,8 @@ class Report:
 
     def _table1_markdown(self) -> str:
         columns = [*self.tasks, *AVG_COLUMNS]
-        header = ["Method", *[_size_title(t) for t in self.tasks], *[AVG_TITLES[c] for c in AVG_COLUMNS]]
+        header = ["Method", *[_size_title(t, self.task_sizes.get(t)) for t in self.tasks],
+                  *[AVG_TITLES[c] for c in AVG_COLUMNS]]
         rows = []
         for stat, title in (("median", "Median"), ("max", "Max"), ("mean", "Mean"), ("std", "Std")):
             for method in self.methods:
@@ -293,6 +345,13 @@ class Report:
                 failed, n = self.table1_value(method, "failed", c), self.table1_value(method, "n", c)
                 cells.append("–" if math.isnan(n) else f"{int(failed)}/{int(n)}")
             rows.append([f"{method} failed runs", *cells])
+        if any(r.state == "diverged" for r in self.records):
+            for method in self.methods:
+                cells = []
+                for c in columns:
+                    diverged, n = self.table1_value(method, "diverged", c), self.table1_value(method, "n", c)
+                    cells.append("–" if math.isnan(n) else f"{int(diverged)}/{int(n + diverged)}")
+                rows.append([f"{method} diverged runs", *cells])
         return _md_table(header, rows)
 
     # ---- Markdown -------------------------------------------------------------------------
@@ -311,9 +370,11 @@ class Report:
         out += ["## Table 1: median and max over seeds (Chen et al. 2020 layout)", "",
                 "Per method and task, the setting with the best mean selection-split score; its median, max, "
                 "mean and std (ddof=1) over seeds, and its failed runs (at or below the majority baseline, "
-                "Mosbach et al.). Avg >10k / <10k / Avg: mean over the tasks present, grouped by GLUE "
-                f"training-set size ({_titles(LARGE_TASKS)} > 10k; {_titles(SMALL_TASKS)} < 10k; "
-                f"{_titles(NOT_AVERAGED)} not averaged); failed runs are summed.", "", self._table1_markdown(), ""]
+                "Mosbach et al.; diverged runs, stopped by a NaN/inf loss, are counted apart and have no score). "
+                "Avg >10k / <10k / Avg: mean over the tasks present, grouped by the training-set size of "
+                f"these runs ({_titles(self.large_tasks) or 'none'} > 10k; {_titles(self.small_tasks) or 'none'} "
+                f"< 10k; {_titles(NOT_AVERAGED)} not averaged); failed runs are summed.", "",
+                self._table1_markdown(), ""]
         missing = [(m, t) for m in self.methods for t in self.tasks if (m, t) not in self.cells]
         if missing:
             out += ["Missing (no finished run): " + ", ".join(f"{m}/{t}" for m, t in missing)
@@ -369,12 +430,13 @@ class Report:
         table1 = ["method", "statistic", *self.tasks, *AVG_COLUMNS]
         runs = [{"run_id": r.run_id, "method": r.method, "task": r.task, "seed": r.seed, "setting": r.setting_label,
                  "state": r.state if not r.finished else "finished", "score": r.score,
-                 "selection_score": r.selection_score, "failed": r.failed, "main_metric": r.main_metric,
+                 "selection_score": r.selection_score, "failed": r.failed, "train_examples": r.train_examples,
+                 "diverged_at_step": (r.diverged or {}).get("step"), "main_metric": r.main_metric,
                  "score_split": r.score_split} for r in self.records]
         return {
             "report.csv": (table1, self.table1_rows()),
             "settings.csv": (["method", "task", "setting", "best", "n", "selection_mean", "mean", "std", "median",
-                              "max", "failed"], self.settings),
+                              "max", "failed", "diverged"], self.settings),
             "levene.csv": (["task", "method_a", "method_b", "n_a", "n_b", "std_a", "std_b", "statistic", "pvalue"],
                            self.levene_rows),
             "expected_max.csv": (["method", "task", "trials", "n", "mean", "std", "exact_mean", "exact_std"],
@@ -414,9 +476,12 @@ class Report:
 
 def _best_cells(records: Sequence[RunRecord]) -> tuple[dict[tuple[str, str], TaskCell], list[dict[str, Any]]]:
     by_setting: dict[tuple[str, str], dict[tuple, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
+    diverged: dict[tuple[str, str], dict[tuple, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         if r.finished:
             by_setting[(r.method, r.task)][r.setting].append(r)
+        elif r.state == "diverged":
+            diverged[(r.method, r.task)][r.setting].append(r)
     cells, settings = {}, []
     for key, groups in by_setting.items():
         means = {s: float(np.mean([r.selection_score for r in runs])) for s, runs in groups.items()}
@@ -426,11 +491,12 @@ def _best_cells(records: Sequence[RunRecord]) -> tuple[dict[tuple[str, str], Tas
             settings.append({"method": key[0], "task": key[1], "setting": setting_label(s), "best": s == best,
                              "n": len(runs), "selection_mean": means[s], "mean": float(np.mean(scores)),
                              "std": sample_std(scores), "median": float(np.median(scores)),
-                             "max": float(np.max(scores)), "failed": sum(bool(r.failed) for r in runs)})
+                             "max": float(np.max(scores)), "failed": sum(bool(r.failed) for r in runs),
+                             "diverged": len(diverged[key][s])})
         runs = sorted(groups[best], key=lambda r: (str(r.seed), r.run_id))
         cells[key] = TaskCell(method=key[0], task=key[1], setting=best, scores=[r.score for r in runs],
                               selection_mean=means[best], failed=sum(bool(r.failed) for r in runs),
-                              settings_tried=len(groups), runs=runs)
+                              settings_tried=len(groups), runs=runs, diverged=len(diverged[key][best]))
     return cells, settings
 
 
@@ -441,7 +507,8 @@ def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000) -> R
     for r in records:
         if r.method not in methods:
             methods.append(r.method)
-    tasks = _ordered_tasks(r.task for r in records if r.task)
+    task_sizes = _task_sizes(records)
+    tasks = _ordered_tasks((r.task for r in records if r.task), task_sizes)
     cells, settings = _best_cells(records)
     settings.sort(key=lambda s: (methods.index(s["method"]), tasks.index(s["task"]), not s["best"]))
 
@@ -473,4 +540,13 @@ def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000) -> R
                 expected_rows.append({"method": method, "task": task, "trials": trials, **row})
     return Report(source=Path(directory), records=records, methods=methods, tasks=tasks, cells=cells,
                   settings=settings, levene_rows=levene_rows, expected_rows=expected_rows,
-                  bootstrap_samples=bootstrap_samples)
+                  bootstrap_samples=bootstrap_samples, task_sizes=task_sizes)
+
+
+def _task_sizes(records: Sequence[RunRecord]) -> dict[str, int]:
+    """Per task, the largest training set its runs recorded (results.json's train_examples)."""
+    sizes: dict[str, int] = {}
+    for r in records:
+        if r.task and r.train_examples:
+            sizes[r.task] = max(sizes.get(r.task, 0), int(r.train_examples))
+    return sizes

@@ -10,7 +10,9 @@
 
 Every file is replaced atomically (written next to it, then renamed), so a killed sweep leaves
 each file either old or new. A run counts as finished only when status.json says so AND its
-results.json exists. Run states: pending, running, finished, failed, interrupted.
+results.json exists. Run states: pending, running, finished, failed, interrupted, and diverged: the
+run stopped on a NaN/inf loss or gradient norm and wrote results.json saying so (an outcome of its
+hyper-parameters, like finished: a re-run of the sweep does not run it again).
 """
 
 from __future__ import annotations
@@ -32,13 +34,21 @@ from ft_framework.run_files import (INDEX_FILE, LOCK_FILE, RESULTS_FILE, RUN_CON
 
 from .grid import PlannedRun
 
-__all__ = ["STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso"]
+__all__ = ["DONE_STATES", "STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso"]
 
-STATES = ("pending", "running", "finished", "failed", "interrupted")
+STATES = ("pending", "running", "finished", "failed", "interrupted", "diverged")
+# States a run ends in for good: a re-run of the sweep skips them.
+DONE_STATES = ("finished", "diverged")
 
 
 class SweepLockedError(RuntimeError):
     """Another sweep process is working on this store."""
+
+
+def diverged_error(results: dict[str, Any]) -> str:
+    """status.json's error of a diverged run, from its results.json."""
+    d = results.get("diverged") or {}
+    return f"diverged at step {d.get('step')}: {d.get('what')}"
 
 
 def now_iso() -> str:
@@ -110,6 +120,11 @@ class SweepStore:
         return (self.read_status(run_id).get("state") == "finished"
                 and (self.run_dir(run_id) / RESULTS_FILE).is_file())
 
+    def is_done(self, run_id: str) -> bool:
+        """Finished or diverged (with its results.json): nothing left to run."""
+        return (self.read_status(run_id).get("state") in DONE_STATES
+                and (self.run_dir(run_id) / RESULTS_FILE).is_file())
+
     # ---- the sweep's lock ------------------------------------------------------------------
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -145,7 +160,7 @@ class SweepStore:
             info = run.describe()
             if _read_json(directory / RUN_INFO_FILE) != info:
                 atomic_write_text(directory / RUN_INFO_FILE, json.dumps(info, indent=2))
-            if not self.is_finished(run.run_id):
+            if not self.is_done(run.run_id):
                 text = yaml.safe_dump(run.config.to_dict(), sort_keys=False)
                 config_path = directory / RUN_CONFIG_FILE
                 if not config_path.is_file() or config_path.read_text() != text:
@@ -171,7 +186,11 @@ class SweepStore:
             except (ProcessLookupError, PermissionError):
                 pass
         results = self.read_results(run_id)
-        if results is not None and "final" in results:
+        if results is not None and results.get("diverged"):
+            self.write_status(run_id, state="diverged", ended=status.get("ended") or now_iso(),
+                              error=diverged_error(results),
+                              note="recovered: results.json written before the sweep died")
+        elif results is not None and "final" in results:
             # The trainer wrote results.json (its last act) but the sweep died before recording it.
             self.write_status(run_id, state="finished", ended=status.get("ended") or now_iso(),
                               error=None, note="recovered: results.json written before the sweep died")
@@ -196,7 +215,7 @@ class SweepStore:
         for run in runs:
             status = self.read_status(run.run_id)
             state = status.get("state", "pending")
-            if state == "finished" and not (self.run_dir(run.run_id) / RESULTS_FILE).is_file():
+            if state in DONE_STATES and not (self.run_dir(run.run_id) / RESULTS_FILE).is_file():
                 state = "failed"
             entries.append({**run.describe(), "state": state, "attempts": status.get("attempts", 0),
                             "dir": f"{RUNS_SUBDIR}/{run.run_id}"})

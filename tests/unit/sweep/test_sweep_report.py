@@ -13,6 +13,7 @@ import scipy.stats
 
 from ft_framework.cli import report_main
 from ft_framework.sweep import build_report
+from ft_framework.sweep.report import STATISTICS
 from ft_framework.sweep.stats import expected_max_exact
 from sweep_helpers import write_results
 
@@ -155,7 +156,7 @@ def test_without_an_index_the_run_directories_are_read(store):
     without = build_report(root, bootstrap_samples=100)
     assert sorted(without.methods) == sorted(with_index.methods) and len(without.records) == len(runs) + 1
     assert without.table1_rows() == sorted(with_index.table1_rows(), key=lambda r: (
-        ["median", "max", "mean", "std", "failed", "n"].index(r["statistic"]), without.methods.index(r["method"])))
+        list(STATISTICS).index(r["statistic"]), without.methods.index(r["method"])))
 
 
 def test_report_of_a_single_run_directory(tmp_path):
