@@ -66,6 +66,16 @@ def _check_paths(cfg: RunConfig) -> None:
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
         raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")
+    from ft_framework.hub import looks_like_path  # a local path, not a hub id: it must exist
+
+    for key, name in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
+        if name and looks_like_path(name) and not Path(name).expanduser().is_dir():
+            raise ConfigError(f"{key}: directory {name!r} not found (a local model directory must hold "
+                              "config.json and the weights; a hub id looks like org/name)")
+    resume = cfg.checkpoint.resume_from
+    if resume and resume not in ("latest", "auto") and not Path(resume).expanduser().is_dir():
+        raise ConfigError(f"checkpoint.resume_from: directory {resume!r} not found; use 'latest' (the newest "
+                          "checkpoint in logging.output_dir), 'auto', or a checkpoint directory")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> RunConfig:
