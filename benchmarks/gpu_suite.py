@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -485,8 +484,6 @@ def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> d
 # ==================================================================================================
 def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch: int, device: str):
     """A RunConfig through the public loader (its model/data sections are not used here)."""
-    import inspect
-
     import yaml
 
     from ft_framework.config import load_config
@@ -503,8 +500,7 @@ def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch:
            "logging": {"output_dir": str(tmp / "out"), "progress_bar": False}}
     path = tmp / f"bench_{os.getpid()}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    kwargs = {"check_paths": False} if "check_paths" in inspect.signature(load_config).parameters else {}
-    return load_config(path, [], **kwargs)
+    return load_config(path, [], check_paths=False)
 
 
 def build_albert(tiny: bool):
@@ -548,19 +544,16 @@ class StepClock:
 
 def optimizer_builders(name: str, *, offload: bool, tiny: bool):
     """(make_optimizer(model), needs_anchors, note) for candidate `name`, through public APIs."""
-    import inspect
-
     import torch
 
     from ft_framework.optim import build_optimizer
     from ft_framework.optim.groups import build_param_groups
 
     if name == "RecAdam (ours)":
-        new_api = "attach_anchors" in inspect.signature(build_param_groups).parameters
-
         def make(model, anchors):
-            kw = {"attach_anchors": False} if new_api else {}
-            groups = build_param_groups(model, anchors, lr=RECADAM_HPARAMS["lr"], weight_decay=0.01, **kw)
+            # The strategy places theta* after wrapping (setup(..., anchors=)); the groups carry none.
+            groups = build_param_groups(model, anchors, lr=RECADAM_HPARAMS["lr"], weight_decay=0.01,
+                                        attach_anchors=False)
             return build_optimizer("recadam", groups, impl="auto", **RECADAM_HPARAMS)
         return make, True, ""
     if name == "DeepSpeedCPUAdam":
@@ -578,8 +571,6 @@ def optimizer_builders(name: str, *, offload: bool, tiny: bool):
 
 def setup_strategy(cfg, model, optimizer_name: str, offload: bool, tiny: bool):
     """Our strategy (public factory) around `model` with optimizer `optimizer_name`."""
-    import inspect
-
     from ft_framework.strategies import build_strategy
 
     strategy = build_strategy(cfg.strategy, cfg.training)
@@ -587,11 +578,7 @@ def setup_strategy(cfg, model, optimizer_name: str, offload: bool, tiny: bool):
     anchors = None
     if needs_anchors:
         anchors = {n: p.detach().clone().float() for n, p in model.named_parameters() if not n.startswith("classifier")}
-    takes_anchors = "anchors" in inspect.signature(strategy.setup).parameters
-    if takes_anchors:
-        strategy.setup(model, lambda m: make(m, anchors), anchors=anchors)
-    else:  # the library before Strategy.setup(..., anchors=): anchors ride in the param groups
-        strategy.setup(model, lambda m: make(m, anchors))
+    strategy.setup(model, lambda m: make(m, anchors), anchors=anchors)
     return strategy
 
 
