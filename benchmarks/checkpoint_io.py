@@ -40,7 +40,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 ENGINES = ("zero2_offload", "fsdp")
 
 
@@ -109,11 +108,6 @@ def build_strategy(engine: str, hidden: int, layers: int):
 
     strategy.setup(model, make_optimizer, anchors=anchors)
     del anchors
-    if not hasattr(strategy, "checkpoint_fragments"):  # before the strategies implement the protocol
-        sys.path.insert(0, str(REPO / "tests" / "distributed"))
-        import ckpt_strategy_shim
-
-        ckpt_strategy_shim.install(strategy)
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(strategy.rank))
     out = strategy.forward({"input_ids": ids, "labels": torch.zeros(1, dtype=torch.long)})
     strategy.backward(out.loss)

@@ -98,6 +98,8 @@ class Trainer:
         loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
                                           is_regression=self.task.is_regression, seed=cfg.training.seed)
         self.loaded = loaded
+        # Checkpoints carry the tokenizer (and the model's config) so that they export offline.
+        self.strategy.tokenizer = loaded.tokenizer
         self.data = load_glue(cfg.data.task, tokenizer=loaded.tokenizer, max_seq_length=cfg.data.max_seq_length,
                               source=cfg.data.resolved_source(), hub_id=cfg.data.hub_id,
                               split_dev_in_half=cfg.data.split_dev_in_half, split_seed=cfg.data.split_seed,
@@ -345,16 +347,31 @@ class Trainer:
 
 
     def export(self, directory: Path) -> str:
-        """Writes the model as a consolidated Hugging Face model (save_pretrained) with its tokenizer.
-        With evaluation.select_best, the best model's weights are exported."""
-        model = self.strategy.consolidated_model()  # collective under sharding
+        """Writes the model as a Hugging Face model (save_pretrained) with its tokenizer, the way
+        ft-export does: rank 0 reads the sharded checkpoint of this step in one process (the last
+        checkpoint when it is of this step, else one saved for the purpose and removed after).
+        With evaluation.select_best, the best model's weights are exported. A LoRA model is
+        written merged, its adapter under adapter/."""
+        import shutil
+
+        from .checkpointing.export import export_pretrained
+
+        latest = self.checkpoints.latest()
+        source, temporary = latest, None
+        if latest is None or latest.name != self.checkpoints.name_for(self.state.step):
+            source = temporary = self.output_dir / ".export_checkpoint"
+            if self.strategy.is_main_process:
+                shutil.rmtree(temporary, ignore_errors=True)
+                temporary.mkdir(parents=True)
+            self.strategy.barrier()
+            self.strategy.save_checkpoint(temporary)  # collective: every rank writes its fragments
+            self.strategy.barrier()
         if self.strategy.is_main_process:
             best = self.paths.best_model
-            if self.cfg.evaluation.select_best and best.is_file():
-                model.load_state_dict(torch.load(best, map_location="cpu"))
-            directory.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(directory)
-            self.loaded.tokenizer.save_pretrained(directory)
+            export_pretrained(source, directory, tokenizer=self.loaded.tokenizer,
+                              weights=best if self.cfg.evaluation.select_best and best.is_file() else None)
+            if temporary is not None:
+                shutil.rmtree(temporary, ignore_errors=True)
         self.strategy.barrier()
         return str(directory)
 

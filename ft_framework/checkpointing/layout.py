@@ -63,7 +63,7 @@ EXTRA_PREFIX = "extra/"
 
 __all__ = ["ANCHOR", "FORMAT", "Fragment", "MANIFEST_FILE", "MASTER", "MODEL_SUBDIR", "STEP",
            "CheckpointFormatError", "ParamInfo", "ShardedCheckpointable", "buffer_key", "checkpoint_fields",
-           "load_sharded", "param_key", "parse_param_key", "read_manifest", "save_sharded",
+           "load_sharded", "param_key", "parse_param_key", "read_buffers", "read_fields", "read_manifest", "save_sharded",
            "whole_tensor_fragments", "dtensor_fragments", "param_info"]
 
 
@@ -266,9 +266,27 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         base = model.get_base_model()
         adapter = getattr(model, "active_adapter", "default")
         entry["peft"] = {"adapter": adapter, "config": _jsonable(peft_config[adapter].to_dict())}
-    cls = type(base)
-    entry["class"] = f"{cls.__module__}:{cls.__qualname__}"
+    entry["class"] = _importable_class(type(base))
     return entry
+
+
+def _importable_class(cls: type) -> str:
+    """module:qualname of the model's own class. FSDP2 swaps a module's class for a generated
+    subclass (FSDP<Name>) that cannot be imported: the first importable class of the MRO is it."""
+    import importlib
+
+    for candidate in cls.__mro__:
+        if not issubclass(candidate, torch.nn.Module) or candidate.__module__.startswith("torch.distributed"):
+            continue
+        try:
+            obj = importlib.import_module(candidate.__module__)
+            for part in candidate.__qualname__.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError):
+            continue
+        if obj is candidate:
+            return f"{candidate.__module__}:{candidate.__qualname__}"
+    raise TypeError(f"no importable class in the MRO of {cls}")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -537,10 +555,69 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         with _quiet_dcp():
             dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=_no_dist(strategy))
     except Exception as exc:
-        raise RuntimeError(f"checkpoint {directory} cannot be loaded ({exc}); resume from an earlier "
+        raise RuntimeError(f"checkpoint {directory} cannot be read ({exc}); resume from an earlier "
                            "checkpoint") from exc
     if hasattr(strategy, "after_checkpoint_load"):
         strategy.after_checkpoint_load()
     if wants_extra and state[extra_key] is not None:
         strategy.load_checkpoint_extra_state(state[extra_key])
     return manifest
+
+
+def read_fields(directory: Path, fields: Iterable[str] | None = None,
+                names: Iterable[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """{parameter name: {field: full tensor in the parameter's shape}} of a checkpoint, read in
+    this process with no training world (for tools and tests: it holds everything it returns;
+    ask for the fields and names you need)."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    reader = dcp.FileSystemReader(str(directory))
+    saved = checkpoint_fields(reader.read_metadata())
+    wanted_fields = set(fields) if fields is not None else None
+    wanted_names = set(names) if names is not None else None
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    state: dict[str, torch.Tensor] = {}
+    targets: dict[str, tuple[str, int]] = {}
+    for name, by_field in saved.items():
+        if wanted_names is not None and name not in wanted_names:
+            continue
+        shape = tuple(manifest["params"].get(name, {}).get("shape", ()))
+        for field, md in by_field.items():
+            if wanted_fields is not None and field not in wanted_fields:
+                continue
+            value = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            key = param_key(name, field)
+            if value.dim() == 0:
+                state[key] = value
+            else:
+                state[fragment_key(key, 0)] = value
+                targets[fragment_key(key, 0)] = (key, 0)
+                if math.prod(shape) == value.numel():
+                    value = value.view(shape)
+            out.setdefault(name, {})[field] = value
+    _, load_planner = _planners()
+    with _quiet_dcp():
+        dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=True)
+    # 0-d values were replaced by the loaded ones.
+    for name, by_field in out.items():
+        for field, value in by_field.items():
+            if value.dim() == 0:
+                by_field[field] = state[param_key(name, field)]
+    return out
+
+
+def read_buffers(directory: Path) -> dict[str, torch.Tensor]:
+    """The persistent buffers a checkpoint holds (model state besides the parameters), by name."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(directory))
+    available = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for key, md in available.items() if key.startswith(BUFFER_PREFIX)}
+    if state:
+        _, load_planner = _planners()
+        with _quiet_dcp():
+            dcp.load(state, storage_reader=reader, planner=load_planner({}), no_dist=True)
+    return {key[len(BUFFER_PREFIX):]: value for key, value in state.items()}

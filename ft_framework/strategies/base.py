@@ -123,13 +123,74 @@ class Strategy(ABC):
         return self.optimizer.current_lambdas() if hasattr(self.optimizer, "current_lambdas") else None
 
     # ---- checkpoints (atomic directory writes are the trainer's job) --------------------------
-    @abstractmethod
-    def save_checkpoint(self, directory: Path) -> None:
-        """Writes model and optimizer state into `directory` (which exists)."""
+    # One layout for every strategy (ft_framework/checkpointing): per parameter name, the fp32
+    # master, every optimizer-state tensor (moments, anchor) and the step, each rank writing the
+    # fragments it holds with their offsets. A strategy only says which fragments it holds; the
+    # defaults below are those of replicated whole tensors (single device, DDP).
 
-    @abstractmethod
+    # Saved with the model's config in every checkpoint so that it exports offline (ft-export);
+    # the trainer sets it.
+    tokenizer: Any = None
+
+    def checkpoint_params(self) -> list:
+        """ParamInfo (name, full shape, dtype) of every model parameter, the same on every rank."""
+        from ..checkpointing import param_info
+
+        return [param_info(n, p) for n, p in self.unwrapped_model().named_parameters()]
+
+    def checkpoint_fragments(self) -> list:
+        """This rank's Fragments: 1-D views into the live master weights and optimizer state with
+        their offsets in the flattened parameter. Saving writes those marked `write`; loading
+        copies into all of them. Here: whole tensors, written by rank 0."""
+        from ..checkpointing import whole_tensor_fragments
+
+        return whole_tensor_fragments(self.unwrapped_model().named_parameters(), self.optimizer,
+                                      self.is_main_process)
+
+    def anchored_parameter_names(self) -> set[str]:
+        """Names of the parameters this run anchors; the same on every rank (a load checks the
+        checkpoint's anchors against it before any rank reads anything)."""
+        state = self.optimizer.state
+        return {n for n, p in self.unwrapped_model().named_parameters() if "anchor" in state.get(p, {})}
+
+    def prepare_checkpoint_load(self) -> None:
+        """Creates the lazy optimizer state (step, moments) so every load target exists."""
+        if not hasattr(self.optimizer, "init_state"):
+            raise TypeError(f"{type(self.optimizer).__name__} has no init_state: checkpoints need an "
+                            "ft_framework optimizer (ft_framework.optim)")
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.optimizer.init_state(p)
+
+    def after_checkpoint_load(self) -> None:
+        """Refreshes what derives from the loaded masters (nothing for whole tensors)."""
+
+    def checkpoint_extra_state(self) -> Any:
+        """Small picklable engine state that is not per parameter (a loss scaler), or None. It
+        is restored only under the same strategy."""
+        return None
+
+    def load_checkpoint_extra_state(self, state: Any) -> None:
+        pass
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        """What the manifest records about the saving run (informative: loading never needs it)."""
+        return {"precision": self.precision}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Writes model and optimizer state into `directory`: every rank its own fragments, in
+        parallel (collective)."""
+        from ..checkpointing import save_sharded
+
+        save_sharded(directory, self, tokenizer=self.tokenizer, saved_by=self.checkpoint_info())
+
     def load_checkpoint(self, directory: Path) -> None:
-        """Restores model and optimizer state written by save_checkpoint."""
+        """Restores model and optimizer state from a checkpoint saved under any strategy and number
+        of ranks, each rank reading only the saved fragments that overlap its own (collective)."""
+        from ..checkpointing import load_sharded
+
+        load_sharded(directory, self)
 
     def consolidated_model(self) -> nn.Module:
         """The full model on this process, for save_pretrained export (rank 0 writes it)."""

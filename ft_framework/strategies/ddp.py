@@ -27,7 +27,3 @@ class DDPStrategy(ProcessGroupMixin, SingleDeviceStrategy):
 
     def unwrapped_model(self) -> nn.Module:
         return self.model.module
-
-    def load_checkpoint(self, directory):
-        super().load_checkpoint(directory)
-        self.barrier()

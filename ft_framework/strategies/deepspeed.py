@@ -11,11 +11,12 @@ Gradient accumulation is counted by the trainer alone: it divides each micro-bat
 says which backward ends the accumulation; DeepSpeed is told that boundary
 (set_gradient_accumulation_boundary) instead of counting micro-steps itself, and steps once.
 
-Checkpoints: DeepSpeed's own checkpoint (parallel, each rank its shard; the wrapped optimizer's
-state dict carries the anchors) for a same-size resume, plus one consolidated file keyed by
-parameter name (fp32 master weights, moments, anchors, step) that resumes on any number of ranks.
-DeepSpeed's universal-checkpoint converter keeps only the optimizer-state keys Adam has, so it
-would drop the anchors: hence the file of our own.
+Checkpoints: the layout every strategy shares (ft_framework/checkpointing): every rank writes the
+fragments of its partitions (fp32 masters, moments, anchors, steps) by parameter name through
+torch.distributed.checkpoint, and the checkpoint loads under any strategy and number of ranks.
+DeepSpeed's own checkpoint is not written (nothing measured favours it), nor is any file one rank
+fills by gathering; its universal-checkpoint converter would drop the anchors (it keeps only the
+optimizer-state keys Adam has).
 
 Every DeepSpeed internal this needs lives in deepspeed_adapter.py.
 """
@@ -31,15 +32,8 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..optim.base import check_loaded_anchors
 from .base import Strategy
 from .process_group import ProcessGroupMixin
-
-NATIVE_TAG = "deepspeed"
-CONSOLIDATED_FILE = "consolidated_optimizer.pt"
-META_FILE = "deepspeed_meta.json"
-CONSOLIDATED_FORMAT = "ft_framework.consolidated_optimizer/1"
-OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
@@ -205,78 +199,34 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         return sum(s["anchor"].numel() for s in self.optimizer.state.values() if "anchor" in s)
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def save_checkpoint(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag=NATIVE_TAG, save_latest=False)
-        consolidated = self._consolidate()
-        if self.is_main_process:
-            torch.save(consolidated, directory / CONSOLIDATED_FILE)
-            (directory / META_FILE).write_text(json.dumps(
-                {"world_size": self.world_size, "zero_stage": self.zero_stage, "precision": self.precision}))
-        self.barrier()
+    # The base class's save/load (ft_framework/checkpointing) with ZeRO's layout: each rank's
+    # fragments of its flat partitions (stages 1/2), its parameter partitions (stage 3) or whole
+    # tensors from rank 0 (stage 0 in fp32), from deepspeed_adapter. DeepSpeed's own checkpoint is
+    # not written: the sharded layout saves faster and with less memory (docs/benchmarks.md) and
+    # loads under any strategy and world size, anchors included.
+    def checkpoint_fragments(self) -> list:
+        return self.state_map.fragments(self._named_model_params(), self.is_main_process)
 
-    def _consolidate(self) -> dict[str, Any]:
-        params: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in self._named_model_params():
-            entry = {self._adapter.MASTER: self.state_map.get_full(p, self._adapter.MASTER)}
-            for key in OPTIMIZER_KEYS + ("anchor",):
-                if self._partition_has(p, key):
-                    entry[key] = self.state_map.get_full(p, key)
-            params[name] = entry
-        steps = [int(s["step"]) for s in self.optimizer.state.values() if "step" in s]
-        return {"format": CONSOLIDATED_FORMAT, "step": max(steps, default=0), "params": params}
+    def anchored_parameter_names(self) -> set[str]:
+        return {self.names[id(p)] for params, flat in self.state_map.partitions()
+                if "anchor" in self.optimizer.state.get(flat, {}) for p in params}
 
-    def load_checkpoint(self, directory: Path) -> None:
-        meta_path = directory / META_FILE
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{directory} is not a DeepSpeed checkpoint of ft_framework (no {META_FILE})")
-        meta = json.loads(meta_path.read_text())
-        if meta["world_size"] == self.world_size and meta["zero_stage"] == self.zero_stage:
-            try:
-                path, _ = self.engine.load_checkpoint(str(directory), tag=NATIVE_TAG,
-                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
-            except Exception as exc:
-                raise RuntimeError(f"checkpoint {directory} cannot be read ({exc}); "
-                                   "resume from an earlier checkpoint") from exc
-            if path is None:
-                raise RuntimeError(f"DeepSpeed found no checkpoint in {directory}")
-            # The anchors were checked on the way in: ZeRO hands each rank's partition state to our
-            # optimizer's load_state_dict (check_loaded_anchors).
-        else:
-            self.load_consolidated(directory / CONSOLIDATED_FILE)
-        self.barrier()
+    def prepare_checkpoint_load(self) -> None:
+        for _params, flat in self.state_map.partitions():
+            self.optimizer.init_state(flat)
 
-    @torch.no_grad()
-    def load_consolidated(self, path: Path) -> None:
-        """Loads master weights, moments, anchors and step counts by parameter name (any world size)."""
-        try:
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise RuntimeError(f"checkpoint file {path} cannot be read ({exc}); resume from an earlier checkpoint") from exc
-        if saved.get("format") != CONSOLIDATED_FORMAT:
-            raise ValueError(f"{path} is not an ft_framework consolidated optimizer checkpoint")
-        named = self._named_model_params()
-        missing = [n for n, _ in named if n not in saved["params"]]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks parameters {missing[:5]}: it belongs to another model")
-        anchored_now = {n for params, flat in self.state_map.partitions()
-                        if "anchor" in self.optimizer.state.get(flat, {})
-                        for n in (self.names.get(id(p)) for p in params) if n}
-        check_loaded_anchors(f"checkpoint {path}", (
-            (name, tuple(saved["params"][name]["anchor"].shape) if "anchor" in saved["params"][name] else None,
-             self._adapter.full_shape(p), name in anchored_now) for name, p in named))
-        for name, p in named:
-            shape = self._adapter.full_shape(p)
-            for key, value in saved["params"][name].items():
-                if tuple(value.shape) != shape:
-                    raise ValueError(f"checkpoint {path}: {key} of parameter {name!r} has shape {tuple(value.shape)}, "
-                                     f"the parameter has {shape}: wrong or corrupted checkpoint")
-        step = torch.tensor(float(saved["step"]))
-        for params, flat in self.state_map.partitions():
-            self.optimizer.init_state(flat)["step"] = step.clone()
-        for name, p in named:
-            for key, value in saved["params"][name].items():
-                self.state_map.set_full(p, key, value)
-        self.state_map.after_master_update()
+    def after_checkpoint_load(self) -> None:
+        self.state_map.after_load()
+
+    def checkpoint_extra_state(self):
+        return self._adapter.engine_extra_state(self.engine)
+
+    def load_checkpoint_extra_state(self, state) -> None:
+        self._adapter.load_engine_extra_state(self.engine, state)
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        return {**super().checkpoint_info(), "zero_stage": self.zero_stage,
+                "offload_optimizer": "offload_optimizer" in self.ds_config["zero_optimization"]}
 
     # ---- export ----------------------------------------------------------------------------------
     def consolidated_model(self) -> nn.Module:

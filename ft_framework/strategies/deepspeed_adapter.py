@@ -32,6 +32,8 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
 from .. import collectives
+from ..checkpointing.layout import MASTER as CKPT_MASTER
+from ..checkpointing.layout import STEP, Fragment, whole_tensor_fragments
 
 MASTER = "fp32"
 # Lower bound: the ZeRO-3 partition accessor takes release_swap_buffers since DeepSpeed's NVMe
@@ -73,6 +75,7 @@ class Zero12StateMap:
             groups, flats = zero_optimizer.bit16_groups, zero_optimizer.single_partition_of_fp32_groups
         else:  # BF16_Optimizer
             groups, flats = zero_optimizer.bf16_groups, zero_optimizer.fp32_groups_flat_partition
+        self.zero = zero_optimizer
         self.groups = [list(g) for g in groups]
         self.flats = list(flats)
         self._flat_of = {id(p): flat for g, flat in zip(self.groups, self.flats) for p in g}
@@ -113,6 +116,36 @@ class Zero12StateMap:
                 if p._hp_mapping is not None:
                     hp = p._hp_mapping.hp_fragment_address
                     yield flat, hp.start, hp.numel
+
+    def fragments(self, named_params, is_main: bool) -> list[Fragment]:
+        """Checkpoint fragments: each parameter's range of this rank's flat partition (its fragment
+        address: where in the flat partition, and where in the flattened parameter), for the master
+        and every state tensor of the partition; the partition's step from the rank holding the
+        parameter's first element. Parameters outside the optimizer (frozen) are whole on every
+        rank and written by rank 0."""
+        names = {id(p): n for n, p in named_params}
+        out: list[Fragment] = []
+        for params, flat in self.partitions():
+            state = self.base.state.get(flat, {})
+            for p in params:
+                mapping = p._hp_mapping
+                if mapping is None:  # no element of p on this rank
+                    continue
+                hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+                out.append(Fragment(names[id(p)], CKPT_MASTER, flat.narrow(0, hp.start, hp.numel), lp.start))
+                for field, value in state.items():
+                    if field == STEP:
+                        out.append(Fragment(names[id(p)], STEP, value, 0, lp.start == 0))
+                    elif value.dim() == 1 and value.numel() == flat.numel():
+                        out.append(Fragment(names[id(p)], field, value.narrow(0, hp.start, hp.numel), lp.start))
+        held = {id(p) for params in self.groups for p in params}
+        out.extend(whole_tensor_fragments([(n, p) for n, p in named_params if id(p) not in held], None, is_main))
+        return out
+
+    def after_load(self) -> None:
+        """The 16/32-bit model parameters every rank holds at stages 1/2 are copies of the fp32
+        masters: copy each rank's partition and all-gather them (DeepSpeed's own routine)."""
+        self.zero.update_lp_params()
 
     def after_master_update(self) -> None:
         pass
@@ -155,6 +188,43 @@ class Zero3StateMap:
                 if real:
                     yield flat, offset, real
 
+    def fragments(self, named_params, is_main: bool) -> list[Fragment]:
+        """Checkpoint fragments: each parameter's partition (partition_numel * rank onwards in the
+        flattened parameter, padding left out), for the master and every state tensor of the
+        sub-group; the step from the rank holding the first partition. A parameter outside the
+        optimizer (frozen) contributes its own partition of the model weights (ds_tensor)."""
+        names = {id(p): n for n, p in named_params}
+        out: list[Fragment] = []
+        held = set()
+        for params, flat in self.partitions():
+            state = self.base.state.get(flat, {})
+            for p in params:
+                held.add(id(p))
+                _group, start, numel = self.zero.grad_position[self.zero.get_param_id(p)]
+                rank = self.zero._get_param_partition_rank(p)
+                real = max(0, min(numel, p.ds_numel - numel * rank))
+                if not real:
+                    continue
+                offset = numel * rank
+                out.append(Fragment(names[id(p)], CKPT_MASTER, flat.narrow(0, start, real), offset))
+                for field, value in state.items():
+                    if field == STEP:
+                        out.append(Fragment(names[id(p)], STEP, value, 0, offset == 0))
+                    elif value.dim() == 1 and value.numel() == flat.numel():
+                        out.append(Fragment(names[id(p)], field, value.narrow(0, start, real), offset))
+        for name, p in named_params:
+            if id(p) in held:
+                continue
+            numel = p.ds_tensor.numel()
+            rank = self.zero._get_param_partition_rank(p)
+            real = max(0, min(numel, p.ds_numel - numel * rank))
+            if real:
+                out.append(Fragment(name, CKPT_MASTER, p.ds_tensor.view(-1).narrow(0, 0, real), numel * rank))
+        return out
+
+    def after_load(self) -> None:
+        self.after_master_update()
+
     def after_master_update(self) -> None:
         # The 16/32-bit partitions the forward pass gathers are copies of the fp32 masters.
         for sub_group in range(len(self.flats)):
@@ -182,8 +252,39 @@ class NoZeroStateMap:
         for p in self.params:
             yield p, 0, p.numel()
 
+    def fragments(self, named_params, is_main: bool) -> list[Fragment]:
+        """Whole tensors, the same on every rank: rank 0 writes them, every rank loads them."""
+        return whole_tensor_fragments(named_params, self.base, is_main)
+
+    def after_load(self) -> None:
+        pass
+
     def after_master_update(self) -> None:
         pass
+
+
+_LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+_ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+def engine_extra_state(engine) -> dict:
+    """The engine's step counters and (fp16) loss-scaler state, for a checkpoint."""
+    state = {k: getattr(engine, k) for k in _ENGINE_COUNTERS if hasattr(engine, k)}
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None:
+        state["loss_scaler"] = {k: getattr(scaler, k) for k in _LOSS_SCALER_FIELDS if hasattr(scaler, k)}
+    return state
+
+
+def load_engine_extra_state(engine, state) -> None:
+    for key in _ENGINE_COUNTERS:
+        if key in (state or {}) and hasattr(engine, key):
+            setattr(engine, key, state[key])
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and state and "loss_scaler" in state:
+        for key, value in state["loss_scaler"].items():
+            if hasattr(scaler, key):
+                setattr(scaler, key, value)
 
 
 def state_map_for(engine, base_optimizer, model_params):

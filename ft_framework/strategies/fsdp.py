@@ -11,29 +11,25 @@ them to bf16/fp16 only for compute and reduces gradients in fp32), so theta* sta
 `cpu_offload` sharded parameters, gradients and optimizer state live on the CPU, where the
 optimizer runs the C++ kernel on the local fp32 shards.
 
-Checkpoints use torch.distributed.checkpoint (DCP): every rank writes its shards into the same
-directory, and a checkpoint can be loaded on a different number of ranks (DCP reshards on load).
-The anchors are saved and loaded like exp_avg; a checkpoint whose anchors are missing or have the
-wrong shape is refused before anything is loaded.
+Checkpoints are the layout every strategy shares (ft_framework/checkpointing): every rank writes
+its DTensor shards of the master weights, moments and anchors through torch.distributed.checkpoint,
+and the checkpoint loads under any strategy and number of ranks; a checkpoint whose anchors are
+missing or mis-shaped is refused before anything is loaded.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import collectives
-from ..optim.base import check_loaded_anchors, local_tensor
+from ..optim.base import local_tensor
 from .base import Strategy
 from .process_group import ProcessGroupMixin
 
-# Written next to the DCP files; only informative (DCP's .metadata is what loading reads).
-INFO_FILE = "fsdp_checkpoint.json"
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -214,75 +210,24 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         return norm
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def _state_dicts(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    # The base class's save/load (ft_framework/checkpointing) with this rank's DTensor shards: the
+    # local piece of a Shard(0) parameter is a contiguous range of the flattened full tensor, so
+    # each rank writes its pieces of the master, moments and anchor at their offsets.
+    def checkpoint_fragments(self) -> list:
+        from ..checkpointing import dtensor_fragments
 
-        return get_state_dict(self.model, self.optimizer)
+        return dtensor_fragments(self.model.named_parameters(), self.optimizer, self.is_main_process)
 
-    def save_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
+    def checkpoint_extra_state(self):
+        return {"scaler": self.scaler.state_dict()} if self.scaler else None
 
-        directory = Path(directory)
-        model_sd, optim_sd = self._state_dicts()
-        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        if self.scaler:
-            state["scaler"] = self.scaler.state_dict()
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory)))
-        if self.is_main_process:
-            (directory / INFO_FILE).write_text(json.dumps(
-                {"format": "torch.distributed.checkpoint", "world_size": self.world_size,
-                 "cpu_offload": self.cpu_offload, "mixed_precision": self.mixed_precision}))
-
-    def _check_anchors(self, directory: Path, saved: dict[str, Any], optim_sd: dict[str, Any]) -> None:
-        """Refuses a checkpoint whose anchors (theta*) are missing or mis-shaped, before loading."""
-        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-
-        def saved_shape(fqn: str):
-            key = f"optimizer.state.{fqn}.anchor"
-            return tuple(getattr(saved[key], "size", ()) or ()) if key in saved else None
-
-        check_loaded_anchors(f"checkpoint {directory}", (
-            (fqn, saved_shape(fqn), shapes.get(fqn, tuple(entry["anchor"].shape)), True)
-            for fqn, entry in optim_sd["state"].items() if "anchor" in entry))
-
-    def load_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        directory = Path(directory)
-        reader = dcp.FileSystemReader(str(directory))
-        try:
-            saved = reader.read_metadata().state_dict_metadata
-        except Exception as exc:  # missing or unreadable .metadata
-            raise RuntimeError(f"checkpoint {directory} is not a readable FSDP (torch.distributed.checkpoint) "
-                               f"checkpoint ({exc}); resume from an earlier checkpoint") from exc
-        _, optim_sd = self._state_dicts()
-        self._check_anchors(directory, saved, optim_sd)
-        # DCP loads into a template: every state key must exist first, so create exp_avg, exp_avg_sq
-        # and step for parameters that have not stepped yet (only anchors exist after construction).
-        if hasattr(self.optimizer, "init_state"):
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self.optimizer.init_state(p)
-        model_sd, optim_sd = self._state_dicts()
-        # Load what the checkpoint has: a parameter that never had a gradient has no moments there.
-        for fqn, entry in optim_sd["state"].items():
-            for k in [k for k in entry if f"optimizer.state.{fqn}.{k}" not in saved]:
-                del entry[k]
-        state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        if self.scaler and any(k.startswith("scaler.") for k in saved):
-            state["scaler"] = self.scaler.state_dict()
-        try:
-            dcp.load(state, storage_reader=reader)
-        except Exception as exc:
-            raise RuntimeError(f"checkpoint {directory} cannot be loaded into this model/optimizer ({exc})") from exc
-        # Ends in AnchoredOptimizer.load_state_dict (checks anchors again, keeps their dtype).
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        if "scaler" in state:
+    def load_checkpoint_extra_state(self, state) -> None:
+        if self.scaler and state and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
-        self.barrier()
+
+    def checkpoint_info(self) -> dict[str, Any]:
+        return {**super().checkpoint_info(), "cpu_offload": self.cpu_offload,
+                "mixed_precision": self.mixed_precision}
 
     # ---- export ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from .base import Strategy
-
-MODEL_FILE = "model.pt"
-OPTIMIZER_FILE = "optimizer.pt"
 
 
 class SingleDeviceStrategy(Strategy):
@@ -48,26 +43,10 @@ class SingleDeviceStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def save_checkpoint(self, directory: Path) -> None:
-        if not self.is_main_process:
-            return
-        torch.save(self.unwrapped_model().state_dict(), directory / MODEL_FILE)
-        state = {"optimizer": self.optimizer.state_dict()}
-        if self.scaler:
-            state["scaler"] = self.scaler.state_dict()
-        torch.save(state, directory / OPTIMIZER_FILE)
+    # Checkpoints: the base class's (whole tensors, written by rank 0), plus the loss scaler.
+    def checkpoint_extra_state(self):
+        return {"scaler": self.scaler.state_dict()} if self.scaler else None
 
-    def load_checkpoint(self, directory: Path) -> None:
-        missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (directory / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {missing}")
-        try:
-            model_state = torch.load(directory / MODEL_FILE, map_location=self.device)
-            state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu")
-        except Exception as exc:  # truncated or corrupted file
-            raise RuntimeError(f"checkpoint {directory} cannot be read ({exc}); "
-                               "resume from an earlier checkpoint") from exc
-        self.unwrapped_model().load_state_dict(model_state)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler and "scaler" in state:
+    def load_checkpoint_extra_state(self, state) -> None:
+        if self.scaler and state and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])

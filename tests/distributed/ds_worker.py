@@ -6,7 +6,10 @@ PHASE: "main" (2 ranks: every stage, resume, save for resharding), "reshard_load
 load the 2-rank checkpoint, save a 1-rank one), "reshard_load" (2 ranks: load the 1-rank one).
 """
 
+import dataclasses
 import os
+import pickle
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -120,21 +123,22 @@ def main_phase(out: Path) -> None:
         second.load_checkpoint(ckpt)
         train(second, range(3, 5))
         save(second, out / f"{case}_resumed.pt", snapshot(second))
-    # Corrupted checkpoints: anchors removed / mis-shaped in the consolidated file, garbage native file.
+    # Corrupted checkpoints: ckpt_zero2 with the anchor of one parameter left out of / mis-sized in
+    # DCP's .metadata; every rank refuses it before reading anything.
     strategy, _ = make_strategy("zero2")
-    ckpt = out / "ckpt_zero2"
     errors = {}
-    saved = torch.load(ckpt / "consolidated_optimizer.pt", weights_only=True)
-    name = next(n for n, e in saved["params"].items() if "anchor" in e)
-    for label, edit in (("missing", lambda e: e.pop("anchor")),
-                        ("misshaped", lambda e: e.__setitem__("anchor", torch.zeros(3, 3)))):
-        broken = {**saved, "params": {**saved["params"], name: dict(saved["params"][name])}}
-        edit(broken["params"][name])
-        path = out / f"broken_{label}.pt"
-        save(strategy, path, broken)
+    key = "param/albert.embeddings.word_embeddings.weight/anchor"
+    for label, edit in (("missing", lambda md: md.pop(key)),
+                        ("misshaped", lambda md: md.__setitem__(key, dataclasses.replace(md[key], size=torch.Size([9]))))):
+        path = out / f"broken_{label}"
+        if strategy.is_main_process:
+            shutil.copytree(out / "ckpt_zero2", path)
+            metadata = pickle.loads((path / ".metadata").read_bytes())
+            edit(metadata.state_dict_metadata)
+            (path / ".metadata").write_bytes(pickle.dumps(metadata))
         strategy.barrier()
         try:
-            strategy.load_consolidated(path)
+            strategy.load_checkpoint(path)
             errors[label] = "no error"
         except (ValueError, RuntimeError) as exc:
             errors[label] = str(exc)

@@ -140,20 +140,28 @@ def resume_from(ck: Path, offload=False):
 
 
 def bad_checkpoints(s, out: Path, res: Results, tag: str):
-    """Checkpoints without anchors / with a mis-shaped anchor are refused with a clear error."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """Checkpoints without anchors / with a mis-shaped anchor are refused with a clear error: one
+    parameter's anchor left out of / mis-sized in a saved checkpoint's DCP .metadata."""
+    import dataclasses
+    import pickle
+    import shutil
 
-    msd, osd = get_state_dict(s.model, s.optimizer)
-    no_anchor = {"state": {k: {kk: vv for kk, vv in v.items() if kk != "anchor"} for k, v in osd["state"].items()},
-                 "param_groups": osd["param_groups"]}
-    victim = "albert.encoder.embedding_hidden_mapping_in.weight"
-    bad_shape = {"state": {k: dict(v) for k, v in osd["state"].items()}, "param_groups": osd["param_groups"]}
-    bad_shape["state"][victim]["anchor"] = torch.zeros(3, 5)
-    for name, optim_sd in (("no_anchor", no_anchor), ("bad_shape", bad_shape)):
+    victim = "param/albert.encoder.embedding_hidden_mapping_in.weight/anchor"
+    base = out / f"ck_base_{tag}"
+    if s.rank == 0:
+        base.mkdir(exist_ok=True)
+    s.barrier()
+    s.save_checkpoint(base)
+    edits = {"no_anchor": lambda md: md.pop(victim),
+             "bad_shape": lambda md: md.__setitem__(victim, dataclasses.replace(md[victim], size=torch.Size([15])))}
+    for name, edit in edits.items():
         ck = out / f"ck_{name}_{tag}"
-        ck.mkdir(exist_ok=True)
-        dcp.save({"model": msd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(str(ck)))
+        if s.rank == 0:
+            shutil.copytree(base, ck, dirs_exist_ok=True)
+            metadata = pickle.loads((ck / ".metadata").read_bytes())
+            edit(metadata.state_dict_metadata)
+            (ck / ".metadata").write_bytes(pickle.dumps(metadata))
+        s.barrier()
         fresh = fsdp_strategy(s.cpu_offload)
         set_up(fresh)
         before = full_opt_state(fresh)

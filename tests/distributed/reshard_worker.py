@@ -31,8 +31,6 @@ sys.path.insert(0, str(HERE))
 
 from reshard_common import HPARAMS, STEPS, RESUME_AT, batch_for_rank, make_model_and_anchors  # noqa: E402
 
-import ckpt_strategy_shim  # noqa: E402  (TEMPORARY until the strategies implement the protocol)
-
 
 def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
     """kind: single, fsdp, zero1, zero2, zero3, zero3_offload; mode: PI or RI."""
@@ -66,7 +64,7 @@ def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
         return build_optimizer("recadam", groups, impl="torch", **HPARAMS)
 
     strategy.setup(model, build, anchors=anchors)
-    return ckpt_strategy_shim.install(strategy)
+    return strategy
 
 
 def train(strategy, steps):

@@ -48,7 +48,6 @@ def launch(nproc: int, out: Path, phase: str) -> None:
 
 def save_without_anchors(directory: Path) -> None:
     """A one-process checkpoint of the same model whose optimizer anchors nothing."""
-    import ckpt_strategy_shim
     from ft_framework.optim import build_optimizer
     from ft_framework.optim.groups import build_param_groups
     from ft_framework.strategies import SingleDeviceStrategy
@@ -57,7 +56,6 @@ def save_without_anchors(directory: Path) -> None:
     model, _ = make_model_and_anchors("RI")
     strategy.setup(model, lambda m: build_optimizer("recadam", build_param_groups(m, None, lr=1e-3), impl="torch",
                                                   **HPARAMS))
-    ckpt_strategy_shim.install(strategy)
     directory.mkdir(parents=True)
     strategy.save_checkpoint(directory)
 

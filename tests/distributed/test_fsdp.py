@@ -190,7 +190,7 @@ def test_checkpoint_without_or_with_misshaped_anchors_is_refused(runs, tag):
     assert "silently drop the pull toward the pretrained weights" in missing
     bad = runs.two[f"error_bad_shape_{tag}"]
     assert bad is not None and bad.startswith("ValueError")
-    assert ("anchor (theta*) for parameter 'albert.encoder.embedding_hidden_mapping_in.weight' has shape (3, 5), "
+    assert ("anchor (theta*) for parameter 'albert.encoder.embedding_hidden_mapping_in.weight' has shape (15,), "
             "the parameter has (32, 16): wrong or corrupted checkpoint") in bad
     # Refused before anything was loaded.
     assert runs.two[f"error_no_anchor_{tag}_state_untouched"] and runs.two[f"error_bad_shape_{tag}_state_untouched"]

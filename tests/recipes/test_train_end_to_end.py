@@ -101,7 +101,7 @@ def test_corrupted_checkpoint_is_a_clear_error(tiny_bert_dir, tmp_path):
     cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out",
                            checkpoint={"every_steps": 2}, training={"max_steps": 4})
     run(cfg, stop_after_step=2)
-    (tmp_path / "out" / "checkpoints" / "step_00000002" / "optimizer.pt").write_bytes(b"garbage")
+    (tmp_path / "out" / "checkpoints" / "step_00000002" / "__0_0.distcp").write_bytes(b"garbage")
     # A UserError (one line, names the checkpoint) once the trainer's run-outcome errors land; a
     # RuntimeError before.
     with pytest.raises((RuntimeError, UserError), match="cannot be read"):
