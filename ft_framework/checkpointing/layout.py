@@ -400,6 +400,18 @@ def _no_dist(strategy) -> bool:
     return strategy.world_size == 1 or not (dist.is_available() and dist.is_initialized())
 
 
+def _failure(exc: BaseException) -> str:
+    """One line per failed rank of DCP's CheckpointException (whose own text holds tracebacks)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(exc).__name__}: {exc}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(inner).__name__}: {inner}".rstrip(": "))
+    return "; ".join(parts)
+
+
 @contextlib.contextmanager
 def _quiet_dcp():
     """DCP warns on every one-process save/load that it assumes one process: that is the intent."""
@@ -462,9 +474,13 @@ def save_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         info.update(saved_by or {})
         write_manifest(directory, list(params.values()), info, model, tokenizer)
     save_planner, _ = _planners()
-    with _quiet_dcp():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1),
-                 planner=save_planner(ranges), no_dist=_no_dist(strategy))
+    try:
+        with _quiet_dcp():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True,
+                                                                thread_count=1),
+                     planner=save_planner(ranges), no_dist=_no_dist(strategy))
+    except dcp.api.CheckpointException as exc:  # a BaseException: make it an ordinary error
+        raise RuntimeError(f"saving the checkpoint into {directory} failed ({_failure(exc)})") from exc
 
 
 # ---- load ---------------------------------------------------------------------------------------
@@ -554,8 +570,8 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
     try:
         with _quiet_dcp():
             dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=_no_dist(strategy))
-    except Exception as exc:
-        raise RuntimeError(f"checkpoint {directory} cannot be read ({exc}); resume from an earlier "
+    except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
+        raise RuntimeError(f"checkpoint {directory} cannot be read ({_failure(exc)}); resume from an earlier "
                            "checkpoint") from exc
     if hasattr(strategy, "after_checkpoint_load"):
         strategy.after_checkpoint_load()

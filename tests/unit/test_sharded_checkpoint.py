@@ -304,3 +304,25 @@ def test_export_without_model_files_says_what_to_do(tmp_path):
     for name, p in model.named_parameters():
         assert torch.equal(got[name], p), name
     assert MASTER == "master"
+
+
+def test_corrupted_data_file_is_one_clear_line(tmp_path):
+    model, opt = build()
+    save_sharded(tmp_path / "ck", Provider(model, opt))
+    (tmp_path / "ck" / "__0_0.distcp").write_bytes(b"garbage")
+    with pytest.raises(RuntimeError) as err:
+        load_sharded(tmp_path / "ck", Provider(*build()))
+    message = str(err.value)
+    assert message.startswith(f"checkpoint {tmp_path / 'ck'} cannot be read (rank 0: ")
+    assert "resume from an earlier checkpoint" in message and "Traceback" not in message
+
+
+def test_fsdp_generated_class_is_recorded_as_the_model_class():
+    from ft_framework.checkpointing.layout import describe_model
+
+    model = tiny()
+    fsdp_like = type("FSDPAlbertForSequenceClassification", (type("FSDPModule", (), {}), type(model)), {})
+    fsdp_like.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_init"
+    model.__class__ = fsdp_like
+    assert describe_model(model)["class"] == \
+        "transformers.models.albert.modeling_albert:AlbertForSequenceClassification"
