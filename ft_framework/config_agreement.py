@@ -57,6 +57,10 @@ def describe_disagreement(configs: list[Mapping[str, Any]]) -> str | None:
         groups.setdefault(h, []).append(rank)
     reference = _flatten(configs[0])
     missing = object()
+
+    def show(value: Any) -> str:
+        return "unset" if value is missing else json.dumps(value, default=str)
+
     diffs: dict[str, list[str]] = {}
     for h, ranks in groups.items():
         if h == hashes[0]:
@@ -65,10 +69,9 @@ def describe_disagreement(configs: list[Mapping[str, Any]]) -> str | None:
         for key in sorted(set(reference) | set(other)):
             a, b = reference.get(key, missing), other.get(key, missing)
             if a != b:
-                show = lambda v: "unset" if v is missing else json.dumps(v, default=str)
                 diffs.setdefault(key, []).append(f"{show(b)} on {_ranks(ranks)}")
-    listed = [f"{key} is {json.dumps(reference.get(key), default=str)} on rank 0 but " + ", ".join(where)
-              for key, where in list(diffs.items())[:_MAX_KEYS_SHOWN]]
+    listed = [f"{key} is {show(reference.get(key, missing))} on rank 0 but " + ", ".join(where)
+              for key, where in sorted(diffs.items())[:_MAX_KEYS_SHOWN]]
     more = f" (and {len(diffs) - _MAX_KEYS_SHOWN} more keys)" if len(diffs) > _MAX_KEYS_SHOWN else ""
     hashes_text = "; ".join(f"{_ranks(r)}: {h}" for h, r in groups.items())
     return (f"the ranks disagree about the config (hash of the resolved config: {hashes_text}): "

@@ -16,6 +16,8 @@ one-line form of *its* failures is ``python -m ft_framework.torchrun`` (ft_frame
 from __future__ import annotations
 
 import os
+import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -50,27 +52,49 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".strip().rstrip(":")
 
 
+def _wait_until_reachable(addr: str, port: int, deadline: float) -> None:
+    """Returns once a TCP connection to addr:port succeeds; TimeoutError at `deadline`."""
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no connection to ({addr}, {port})" + (f": {last.strerror or last}" if last else ""))
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, left)):
+                return
+        except OSError as exc:
+            last = exc
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
 def _use_agent_store() -> bool:
     # As torch.distributed.rendezvous: torchrun's agent hosts the store, every worker is a client.
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
-def join_process_group(backend: str, timeout_s: float | None = None) -> None:
+def join_process_group(backend: str, timeout_s: float | None = None, **init_kwargs) -> None:
     """init_process_group(backend) from the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT), failing within `timeout_s` (default: FT_RENDEZVOUS_TIMEOUT_S, 300 s) with
-    :class:`RendezvousFailed` when the ranks cannot meet."""
+    :class:`RendezvousFailed` when the ranks cannot meet. `init_kwargs` go to init_process_group
+    (device_id under nccl)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
-        dist.init_process_group(backend=backend)  # another init method (the launcher's business)
+        dist.init_process_group(backend=backend, **init_kwargs)  # another init method (the launcher's)
         return
     timeout_s = timeout_s if timeout_s is not None else rendezvous_timeout_s()
     where = f"{addr}:{port}"
     agent = _use_agent_store()
     hosting = rank == 0 and not agent
+    deadline = time.monotonic() + timeout_s
     try:
-        store = dist.TCPStore(addr, int(port), world, is_master=hosting, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=hosting, multi_tenant=not agent)
+        if not hosting:
+            # Probed from Python first: c10d logs every failed attempt with a C++ stack trace.
+            _wait_until_reachable(addr, int(port), deadline)
+        remaining = max(1.0, deadline - time.monotonic())
+        # As env:// creates it; every rank counts itself in (wait_for_workers), the host waits for all.
+        store = dist.TCPStore(addr, int(port), world, is_master=hosting, timeout=timedelta(seconds=remaining),
+                              wait_for_workers=True, multi_tenant=not agent)
     except (RuntimeError, TimeoutError, OSError) as exc:
         if hosting:
             problem = (f"rank 0 of {world} hosted the rendezvous at {where} but not all {world} ranks joined "
@@ -86,7 +110,7 @@ def join_process_group(backend: str, timeout_s: float | None = None) -> None:
     # A prefix, as env:// adds one: the store is shared with the launcher's own keys.
     prefixed = dist.PrefixStore("default_pg", store)
     try:
-        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world)
+        dist.init_process_group(backend=backend, store=prefixed, rank=rank, world_size=world, **init_kwargs)
     except (RuntimeError, TimeoutError, OSError) as exc:
         raise RendezvousFailed(
             f"rank {rank} of {world} met the others at {where} but could not connect to them "

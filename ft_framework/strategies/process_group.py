@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..rendezvous import join_process_group
 
 
 class ProcessGroupMixin:
@@ -27,14 +28,17 @@ class ProcessGroupMixin:
             self.device = torch.device("cuda", local_rank)
         if not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            (init or self._init_process_group)(backend)
+            self._init_process_group(backend)
+            if init is not None:
+                init(backend)  # a library's own set-up (deepspeed.init_distributed) adopts the group
         # Cached: the trainer still asks for them after close() has destroyed the process group.
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
     def _init_process_group(self, backend: str) -> None:
-        # device_id binds the nccl communicator to this rank's GPU right away (eager init).
+        # device_id binds the nccl communicator to this rank's GPU right away (eager init). The
+        # rendezvous is bounded (FT_RENDEZVOUS_TIMEOUT_S) and fails in one line (rendezvous.py).
         kwargs = {"device_id": self.device} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, **kwargs)
+        join_process_group(backend, **kwargs)
 
     @property
     def rank(self) -> int:

@@ -175,7 +175,8 @@ def comparable_results(output_dir) -> dict:
 
 
 def fsdp_config(path: Path, model_dir: Path, output_dir: Path, **sections) -> Path:
-    merged = {k: dict(v) for k, v in RUN.items()}
+    """The reference run's config (FSDP2 unless `strategy` says otherwise); `sections` update it."""
+    merged = {k: dict(v) for k, v in {**RUN, "strategy": {"name": "fsdp"}}.items()}
     for section, values in sections.items():
         merged.setdefault(section, {}).update(values)
-    return write_run_config(path, model_dir, output_dir, strategy={"name": "fsdp"}, **merged)
+    return write_run_config(path, model_dir, output_dir, **merged)
