@@ -3,10 +3,12 @@ weights and optimizer state out over the ranks' flat partitions.
 
 ZeRO flattens each param group into one fp32 tensor and gives every rank a partition of it; the
 wrapped optimizer's state (exp_avg, ..., our ``anchor``) is keyed by that partition. The state maps
-below read and write the *full* value of one parameter's state under any key ("fp32" = the master
-weights), with a collective across the data-parallel group, so a checkpoint can be written by
-parameter name and loaded on any number of ranks, and theta* can be placed so that each rank holds
-only its own part (total/world_size elements).
+below name, for checkpoints, this rank's *fragments* of every parameter (``fragments``: the ranges
+of the flat partitions a parameter occupies, with their offsets in the flattened parameter; no
+communication), refresh what derives from the fp32 masters after a load (``after_load``), read and
+write the *full* value of one parameter's state under any key ("fp32" = the master weights) with a
+collective across the data-parallel group (telemetry, tests), and place theta* so that each rank
+holds only its own part (total/world_size elements).
 
 DeepSpeed's public helpers (deepspeed.utils.safe_get/set_full_*) are used where they work:
 - the fp32 master weights, at stages 1/2 (get and set) and 3 (get);
@@ -18,7 +20,11 @@ greps the package for the private names):
   before any step, so the fragment addresses of ``_hp_mapping`` are used directly;
 - stage 3, set: ``set_full_hp_param`` asserts the unpadded size and then slices at
   partition_numel * rank, past the end of a padded last partition (37 elements on 2 ranks are
-  stored as 2 x 19), so the value is padded and copied into the partition view here.
+  stored as 2 x 19), so the value is padded and copied into the partition view here;
+- checkpoint fragments: the fragment addresses of ``_hp_mapping`` (stages 1/2), stage 3's
+  ``grad_position`` and partition rank, a frozen parameter's own partition ``ds_tensor``, and
+  DeepSpeed's routines that copy loaded masters into the 16-bit weights (``update_lp_params``,
+  ``_reassign_or_swap_out_partitioned_parameters``); the engine's step counters and loss scaler.
 
 Importing this module checks the DeepSpeed version against SUPPORTED_DEEPSPEED.
 """
