@@ -38,9 +38,9 @@ def test_fsdp2_on_two_torchrun_nodes_equals_two_processes_on_one(tiny_bert_dir, 
 def test_zero2_offload_on_two_deepspeed_nodes_without_ssh_equals_two_processes_on_one(tiny_bert_dir, launches,
                                                                                        tmp_path):
     pytest.importorskip("deepspeed")
-    common = dict(training={"max_steps": 6, "per_device_batch_size": 4, "seed": 1, "data_seed": 2,
+    common = dict(training={"max_steps": 4, "per_device_batch_size": 4, "seed": 1, "data_seed": 2,
                             "device": "cpu"},
-                  evaluation={"num_evals": 2, "batch_size": 16},
+                  evaluation={"num_evals": 1, "batch_size": 16},
                   strategy={"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
     two_nodes = write_run_config(tmp_path / "two_nodes.yaml", tiny_bert_dir, tmp_path / "two_nodes", **common)
     one_node = write_run_config(tmp_path / "one_node.yaml", tiny_bert_dir, tmp_path / "one_node", **common)
