@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import UserError
 from .run_files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, COMPLETE_MARKER, LATEST_FILE,
                         TRAINER_STATE_FILE, checkpoint_name)
 
@@ -25,8 +26,9 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be found or is incomplete; the message says what to do."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be found or is incomplete; the message says what to do (a user error:
+    one line, exit code 2; still a RuntimeError for callers that catch one)."""
 
 
 class CheckpointManager:
@@ -102,6 +104,10 @@ class CheckpointManager:
                                       "start without resume_from, or point it at a checkpoint directory")
         else:
             directory = Path(where)
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint.resume_from: {directory} is not a complete checkpoint: it does not "
+                                  "exist; use 'latest' (the newest checkpoint in logging.output_dir) or a checkpoint "
+                                  "directory")
         if not (directory / COMPLETE_MARKER).is_file():
             raise CheckpointError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: "
                                   "the save was interrupted, or this is not a checkpoint directory)")

@@ -72,10 +72,6 @@ def _check_paths(cfg: RunConfig) -> None:
         if name and looks_like_path(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}: directory {name!r} not found (a local model directory must hold "
                               "config.json and the weights; a hub id looks like org/name)")
-    resume = cfg.checkpoint.resume_from
-    if resume and resume not in ("latest", "auto") and not Path(resume).expanduser().is_dir():
-        raise ConfigError(f"checkpoint.resume_from: directory {resume!r} not found; use 'latest' (the newest "
-                          "checkpoint in logging.output_dir), 'auto', or a checkpoint directory")
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> RunConfig:
