@@ -36,6 +36,13 @@ def validate_config(data: dict[str, Any], *, pinned: Sequence[str] = (), where: 
     base = {k: v for k, v in data.items() if k != "task_overrides"}
     merged = resolve_task_overrides({**base, "task_overrides": overrides}, pinned)
     cfg = _validate_model(merged, where)
+    if cfg.checkpoint.allow_config_change:  # names keys of the resolved config
+        from ft_framework.fingerprint import check_allow_list
+
+        try:
+            check_allow_list(cfg.checkpoint.allow_config_change, cfg.to_dict())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     # Command-line overrides apply to every variant, except the one that picks the task.
     variant_pins = [p for p in pinned if parse_override(p)[0] != ["data", "task"]]
     for task in overrides:
