@@ -290,6 +290,12 @@ ROWS = [
                                    "checkpoint.allow_config_change=[optimizer.hparams.lr]"),
         prepare=_previous_run, code=EXIT_OK,
         check=_check_changes("optimizer.hparams.lr", by="checkpoint.allow_config_change")),
+    Row("resume_same_global_batch_split_otherwise", (RESUME, LONGER, "training.per_device_batch_size=4",
+                                                     "training.gradient_accumulation_steps=2"),
+        prepare=_previous_run, code=EXIT_OK,
+        check=_check_changes("training.per_device_batch_size", "training.gradient_accumulation_steps")),
+    Row("resume_changed_global_batch", (RESUME, LONGER, "training.per_device_batch_size=16"), prepare=_previous_run,
+        says=("training.global_batch_size: 8 -> 16",)),
     # ---- the output directory -------------------------------------------------------------------
     Row("output_dir_in_use", (LONGER,), prepare=_previous_run,
         says=("holds a previous run", "checkpoint.resume_from=latest", "logging.output_dir", "logging.overwrite=true")),
