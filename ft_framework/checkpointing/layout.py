@@ -421,6 +421,29 @@ def _quiet_dcp():
 
 
 # ---- save ---------------------------------------------------------------------------------------
+_NUMPY_STAND_IN = {torch.bfloat16: torch.int16}  # dtypes numpy lacks, viewed as one of its size
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor whose storage is exactly its bytes.
+
+    DCP's file writer clones a tensor that views a larger storage (a fragment of a flat ZeRO
+    partition, a padded FSDP shard) so as not to write the whole storage, and keeps every written
+    tensor until the rank's file is closed: without this, a rank would hold its whole state twice
+    during a save. A CPU view re-wrapped through numpy owns exactly its range, so nothing is
+    cloned. (Device tensors are copied to the host by DCP in any case: at most the rank's shard.)"""
+    if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or \
+            t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    stand_in = _NUMPY_STAND_IN.get(t.dtype)
+    try:
+        array = (t.view(stand_in) if stand_in is not None else t).numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy cannot hold: DCP clones it
+        return t
+    out = torch.from_numpy(array)
+    return out.view(t.dtype) if stand_in is not None else out
+
+
 def _buffers(model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
     """Persistent buffers (those in the state dict), by name."""
     if model is None:
@@ -457,7 +480,7 @@ def save_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         skey = fragment_key(key, frag.offset)
         if skey in state:
             raise RuntimeError(f"two fragments of {key} at offset {frag.offset} on rank {strategy.rank}")
-        state[skey] = frag.tensor.detach()
+        state[skey] = _own_storage(frag.tensor.detach())
         ranges[skey] = (key, int(frag.offset), params[frag.name].numel)
     if model is None and hasattr(strategy, "unwrapped_model"):
         model = strategy.unwrapped_model()

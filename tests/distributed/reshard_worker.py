@@ -8,7 +8,7 @@ PHASE "save" (2 ranks): ZeRO-2 (RI), FSDP2 (PI), ZeRO-2 bf16 (RI) train 3 steps,
 PHASE "one" (1 rank): ZeRO-2 on 2 -> FSDP2 on 1; DeepSpeed (ZeRO-2) -> single; ZeRO-2 bf16 ->
   single (theta* exact); ZeRO-1 on 1 trains 3 steps and saves.
 PHASE "two" (2 ranks): FSDP2 on 2 -> ZeRO-3 on 2; ZeRO-1 on 1 -> ZeRO-3 + offload on 2; ZeRO-2 on 2
-  -> ZeRO-2 on 2 (same size).
+  -> ZeRO-2 on 2 (same size); FSDP2 on 2 -> DDP on 2.
 
 Each load is followed by a save ("<case>_loaded": must equal the source checkpoint bit for bit),
 two more steps and a save ("<case>_final": compared with the one-process reference). Errors go to
@@ -33,12 +33,16 @@ from reshard_common import HPARAMS, STEPS, RESUME_AT, batch_for_rank, make_model
 
 
 def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
-    """kind: single, fsdp, zero1, zero2, zero3, zero3_offload; mode: PI or RI."""
+    """kind: single, ddp, fsdp, zero1, zero2, zero3, zero3_offload; mode: PI or RI."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if kind == "single":
         from ft_framework.strategies import SingleDeviceStrategy
 
         strategy = SingleDeviceStrategy(precision, "cpu")
+    elif kind == "ddp":
+        from ft_framework.strategies.ddp import DDPStrategy
+
+        strategy = DDPStrategy(precision, "cpu")
     elif kind == "fsdp":
         from ft_framework.config import FSDPConfig
         from ft_framework.strategies.fsdp import FSDPStrategy
@@ -139,6 +143,7 @@ def phase_two(out, errors):
     resume(out, "fsdp_2", "fsdp_2_to_zero3_2", "zero3", "PI")
     resume(out, "zero1_1", "zero1_1_to_zero3off_2", "zero3_offload", "RI")
     resume(out, "zero2_2", "zero2_2_to_zero2_2", "zero2", "RI")
+    resume(out, "fsdp_2", "fsdp_2_to_ddp_2", "ddp", "PI")
 
 
 if __name__ == "__main__":

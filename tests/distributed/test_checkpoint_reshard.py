@@ -131,6 +131,7 @@ RESUMES = [  # (case, source checkpoint, init mode)
     ("zero1_1_to_zero3off_2", "zero1_1", "RI"),      # ZeRO-1 on 1 -> ZeRO-3 + offload on 2
     ("zero2_2_to_single", "zero2_2", "RI"),          # DeepSpeed -> single
     ("zero2_2_to_zero2_2", "zero2_2", "RI"),         # same engine, same size
+    ("fsdp_2_to_ddp_2", "fsdp_2", "PI"),             # FSDP2 -> DDP (whole tensors, rank 0 writes)
 ]
 
 

@@ -326,3 +326,16 @@ def test_fsdp_generated_class_is_recorded_as_the_model_class():
     model.__class__ = fsdp_like
     assert describe_model(model)["class"] == \
         "transformers.models.albert.modeling_albert:AlbertForSequenceClassification"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_saved_fragment_owns_exactly_its_bytes_without_a_copy(dtype):
+    """DCP's writer clones views of larger storages and keeps the clones until the file is closed
+    (a rank's state twice); fragments are handed over as tensors owning exactly their range."""
+    from ft_framework.checkpointing.layout import _own_storage
+
+    flat = torch.arange(100, dtype=torch.float32).to(dtype)
+    view = flat.narrow(0, 10, 30)
+    own = _own_storage(view)
+    assert own.dtype == dtype and torch.equal(own, view)
+    assert own.data_ptr() == view.data_ptr() and own.untyped_storage().nbytes() == own.nbytes
