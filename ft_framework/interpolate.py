@@ -105,7 +105,15 @@ def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
 
 def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """(model state dict, fp32 anchors by parameter name or None) of one checkpoint, any strategy."""
-    if (directory / "model.pt").is_file():  # single / DDP
+    from .checkpointing import MANIFEST_FILE, read_fields
+    from .checkpointing.layout import read_buffers
+
+    if (directory / MANIFEST_FILE).is_file():  # the sharded layout every strategy writes
+        fields = read_fields(directory, fields=("master", "anchor"))
+        anchors = {name: f["anchor"] for name, f in fields.items() if "anchor" in f}  # saved dtype: auto
+        # picks them only when fp32 (exact); bfloat16 anchors fall back to the pretrained model
+        return {**read_buffers(directory), **{name: f["master"] for name, f in fields.items()}}, anchors or None
+    if (directory / "model.pt").is_file():  # single / DDP (before the sharded layout)
         model = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)
         anchors = None
         opt_path = directory / "optimizer.pt"
