@@ -216,7 +216,9 @@ def rank_main(args) -> None:
                 shutil.rmtree(directory, ignore_errors=True)
     gathered = collectives.all_gather_object(rows)
     if strategy.rank == 0:
-        Path(args.result).write_text(json.dumps({"engine": args.engine, "params": numel,
+        with open("/proc/loadavg") as f:
+            load = " ".join(f.read().split()[:3])
+        Path(args.result).write_text(json.dumps({"engine": args.engine, "params": numel, "loadavg": load,
                                                  "rows": [r for rs in gathered for r in rs]}))
     strategy.close()
 
@@ -233,25 +235,40 @@ def mib(n: float) -> str:
 
 
 def summarize(result: dict) -> list[list[object]]:
+    """One row per (format, operation): median seconds (rank 0, between barriers: the slowest
+    rank), and per rank the median steady RSS and the largest rise above it in any repeat."""
     rows = [r for r in result["rows"] if r["op"] != "disk"]
     disk = {r["format"]: r["bytes"] for r in result["rows"] if r["op"] == "disk"}
-    table = []
-    keys = []
+    keys: list[tuple[str, str]] = []
     for r in rows:
         if (r["format"], r["op"]) not in keys:
             keys.append((r["format"], r["op"]))
+    table = []
     for fmt, op in keys:
         mine = [r for r in rows if (r["format"], r["op"]) == (fmt, op)]
-        seconds = statistics.median(r["seconds"] for r in mine if r["rank"] == 0)
+        seconds = [r["seconds"] for r in mine if r["rank"] == 0]
         per_rank = []
         for rank in sorted({r["rank"] for r in mine}):
             rr = [r for r in mine if r["rank"] == rank]
             steady = statistics.median(r["steady"] for r in rr)
-            peak = max(r["peak"] for r in rr)
-            per_rank.append(f"{mib(steady)} → {mib(peak)} (×{peak / steady:.2f})")
-        table.append([result["engine"], fmt, op, f"{seconds:.2f}", *per_rank,
-                      mib(disk[fmt]) if op == "save" else ""])
+            rise = max(r["peak"] - r["steady"] for r in rr)
+            ratio = max(r["peak"] / r["steady"] for r in rr)
+            per_rank.append(f"{mib(steady)} +{mib(rise)} (×{ratio:.2f})")
+        table.append([result["engine"], fmt, op, f"{statistics.median(seconds):.2f} ({min(seconds):.2f}–{max(seconds):.2f})",
+                      *per_rank, mib(disk[fmt]) if op == "save" else ""])
     return table
+
+
+def print_tables(results: list[dict], repeats: int) -> None:
+    from harness import machine_line, markdown_table
+
+    print(machine_line())
+    for result in results:
+        print(f"\n{result['engine']}: {result['params'] / 1e6:.1f} M parameters, 2 ranks, {repeats} repeats; "
+              f"load average at the end: {result.get('loadavg', 'n/a')}\n")
+        print(markdown_table(["engine", "format", "operation", "seconds, median (min–max)",
+                              "rank 0 RSS: steady +largest rise (max peak/steady)", "rank 1 RSS: same", "on disk"],
+                             summarize(result)))
 
 
 def main() -> int:
@@ -262,6 +279,7 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--json", help="also write the measurements here")
+    parser.add_argument("--from-json", help="print the tables of an earlier run's --json file; run nothing")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -272,7 +290,10 @@ def main() -> int:
     import tempfile
 
     sys.path.insert(0, str(HERE))
-    from harness import loadavg, machine_line, markdown_table
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        print_tables(results, repeats=max(r.get("repeat", 0) for res in results for r in res["rows"]) + 1)
+        return 0
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt_io_"))
     results = []
@@ -291,13 +312,9 @@ def main() -> int:
         results.append(json.loads(result_path.read_text()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"{machine_line()}; load average after the runs: {loadavg()}")
-    for result in results:
-        print(f"\n{result['engine']}: {result['params'] / 1e6:.1f} M parameters, 2 ranks, median of "
-              f"{args.repeats} (time), max (peak)\n")
-        print(markdown_table(["engine", "format", "operation", "seconds", "rank 0 RSS steady → peak",
-                              "rank 1 RSS steady → peak", "on disk"], summarize(result)))
-    shutil.rmtree(workdir, ignore_errors=True) if not args.workdir else None
+    print_tables(results, args.repeats)
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
