@@ -213,10 +213,26 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     # The base class's save/load (ft_framework/checkpointing) with this rank's DTensor shards: the
     # local piece of a Shard(0) parameter is a contiguous range of the flattened full tensor, so
     # each rank writes its pieces of the master, moments and anchor at their offsets.
+    def _sharded_named_parameters(self) -> list:
+        """The model's parameters as the sharded DTensors the optimizer holds. After a forward
+        without backward (evaluation) FSDP2 keeps the root module's parameters unsharded, and
+        named_parameters() would return those: reshard first (local, no communication). This also
+        makes the next forward gather the values a load wrote into the shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return list(self.model.named_parameters())
+
     def checkpoint_fragments(self) -> list:
         from ..checkpointing import dtensor_fragments
 
-        return dtensor_fragments(self.model.named_parameters(), self.optimizer, self.is_main_process)
+        return dtensor_fragments(self._sharded_named_parameters(), self.optimizer, self.is_main_process)
+
+    def anchored_parameter_names(self) -> set[str]:
+        state = self.optimizer.state
+        return {n for n, p in self._sharded_named_parameters() if "anchor" in state.get(p, {})}
 
     def checkpoint_extra_state(self):
         return {"scaler": self.scaler.state_dict()} if self.scaler else None

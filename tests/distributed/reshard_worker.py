@@ -95,9 +95,20 @@ def close(strategy) -> None:
         engine.destroy()
 
 
+def evaluate(strategy):
+    """A forward without backward, as the trainer's evaluation: FSDP2 then keeps the root
+    module's parameters unsharded (a checkpoint must still see the shards)."""
+    import torch
+
+    strategy.model.eval()
+    with torch.no_grad():
+        strategy.forward(batch_for_rank(0, strategy.rank, strategy.world_size))
+
+
 def run_and_save(out, name, kind, mode, **kw):
     s = make_strategy(kind, mode, **kw)
     train(s, range(RESUME_AT))
+    evaluate(s)
     save(s, out, name)
     train(s, range(RESUME_AT, STEPS))
     save(s, out, f"{name}_straight")
@@ -106,6 +117,7 @@ def run_and_save(out, name, kind, mode, **kw):
 
 def resume(out, source, name, kind, mode, **kw):
     s = make_strategy(kind, mode, **kw)
+    evaluate(s)  # parameters left unsharded (FSDP2) must not hide what the load writes
     s.load_checkpoint(out / source)
     save(s, out, f"{name}_loaded")
     train(s, range(RESUME_AT, STEPS))
