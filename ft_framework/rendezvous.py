@@ -85,6 +85,14 @@ def join_process_group(backend: str, timeout_s: float | None = None, **init_kwar
     timeout_s = timeout_s if timeout_s is not None else rendezvous_timeout_s()
     where = f"{addr}:{port}"
     agent = _use_agent_store()
+    if agent and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        # The agent's store still holds the failed attempt's addresses: gloo / nccl would read them
+        # and hang or fail connecting (pytorch/pytorch#135712).
+        raise RendezvousFailed(
+            f"torchrun restarted this worker (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}) but shares its "
+            f"rendezvous store at {where} with the workers, which still holds the failed attempt's addresses: "
+            "launch with python -m ft_framework.torchrun (same arguments), or set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node")
     hosting = rank == 0 and not agent
     deadline = time.monotonic() + timeout_s
     try:

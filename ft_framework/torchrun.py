@@ -11,17 +11,26 @@ for a socket that timed out) and its failure table, one line saying what happene
 Both timeouts are torchrun's ``--rdzv-conf join_timeout=S,read_timeout=S``. The exit code is
 torchrun's: 1.
 
+One behaviour differs on purpose: restarts (``--max-restarts``) work. torchrun shares its
+rendezvous store with the workers by default, and a restarted worker group then reads the failed
+attempt's addresses from it and hangs or fails connecting (pytorch/pytorch#135712). This launcher
+sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless it is set), so every round of workers gets a
+fresh store. Use it on every node (or set that variable on every node for plain torchrun).
+
     python -m ft_framework.torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint NODE0:29400 --rdzv-id job1 launch/train.py --config run.yaml
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["main", "describe_failure"]
 
 PROG = "ft_framework.torchrun"
+# Workers of each rendezvous round get their own store (see the module docstring).
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # torchrun's defaults (torch/distributed/elastic/rendezvous/{c10d_rendezvous_backend,dynamic_rendezvous}.py).
 _DEFAULT_CONF = {"join_timeout": "600", "read_timeout": "60"}
 
@@ -81,8 +90,6 @@ def describe_failure(exc: BaseException, args) -> str | None:
 def _quiet_cpp_logs_here():
     """Keeps c10d's C++ logs (a stack trace per failed connection attempt) out of this process's
     output, unless the user set their level: the one line says it. The workers do not inherit it."""
-    import os
-
     if "TORCH_CPP_LOG_LEVEL" in os.environ:
         return
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
 
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault(FRESH_STORE_ENV, "1")  # read when the rendezvous handler is made, in run()
     try:
         torchrun.run(args)
     except Exception as exc:  # noqa: BLE001 - told in one line when we know it, re-raised otherwise

@@ -4,6 +4,7 @@ multi-node runs of the same failures are tests/multinode/test_multinode_failures
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from types import SimpleNamespace
@@ -165,3 +166,24 @@ def test_two_processes_join_through_the_bounded_rendezvous_and_compare_config_ha
     # Both ranks raise, with the same line.
     assert results[0]["disagree"] == results[1]["disagree"]
     assert "training.max_steps is 8 on rank 0 but 7 on rank 1" in results[0]["disagree"]
+
+
+def test_a_restart_on_torchrun_s_shared_store_is_refused_in_one_line(monkeypatch):
+    # The failed attempt's addresses are still in the agent's store (pytorch/pytorch#135712).
+    for key, value in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                           TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="1").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RendezvousFailed, match="torchrun restarted this worker .restart 1. but shares its rendezvous "
+                                               "store .* launch with python -m ft_framework.torchrun"):
+        join_process_group("gloo", timeout_s=1.0)
+
+
+def test_the_torchrun_wrapper_gives_each_round_of_workers_a_fresh_store(monkeypatch):
+    import ft_framework.torchrun as wrapper
+    from torch.distributed import run as torchrun
+
+    seen = {}
+    monkeypatch.delenv(wrapper.FRESH_STORE_ENV, raising=False)
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.setdefault("env", os.environ.get(wrapper.FRESH_STORE_ENV)))
+    assert wrapper.main(["--standalone", "--nproc-per-node", "1", "script.py"]) == 0
+    assert seen["env"] == "1"
