@@ -19,15 +19,22 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointError, CheckpointManager
+from .config_agreement import check_config_agreement
 from .config import RunConfig
 from .data import load_glue, make_collator
 from .data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
+from .divergence import DivergenceGuard
+from .errors import UserError
+from .failures import same_on_every_rank
+from .fingerprint import check_allow_list, check_resume, config_record
 from .memory_plan import format_memory_plan, plan_memory
 from .metrics import compute_metrics, is_failed, majority_baseline
 from .models import load_model_and_tokenizer
 from .optim import build_optimizer
 from .optim.groups import build_param_groups
+from .output_dir import OutputDirInUse, guard_output_dir
+from .preflight import check_data_not_empty, check_max_seq_length
 from .run_files import RESULTS_FILE, TRAINER_STATE_FILE, RunPaths
 from .run_logging import MetricsLogger
 from .strategies import Strategy, build_strategy
@@ -48,6 +55,8 @@ class TrainState:
     window_loss: float = 0.0       # running sums for the next log line
     window_micro_batches: int = 0
     train_seconds: float = 0.0
+    # Config changes accepted on resume (fingerprint.py): {"step", "key", "old", "new", "allowed_by"}.
+    config_changes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def seed_everything(seed: int) -> None:
@@ -93,6 +102,10 @@ class Trainer:
         from .data.glue import get_task
 
         self.task = get_task(cfg.data.task)
+        # The first collective: every rank (every node) must train the same resolved config.
+        check_config_agreement(cfg.to_dict())
+        # Before anything is loaded: a resume must match its checkpoint, a fresh run must not mix with an old one.
+        self._resume_point = self._check_start()
         # The init seed drives everything random in the model (head, RI, re-init); the data seed
         # drives data order and dropout, so the two can be varied separately (Dodge et al.).
         loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
@@ -100,11 +113,13 @@ class Trainer:
         self.loaded = loaded
         # Checkpoints carry the tokenizer (and the model's config) so that they export offline.
         self.strategy.tokenizer = loaded.tokenizer
+        check_max_seq_length(cfg.data.max_seq_length, loaded.model, cfg.model.name_or_path)
         self.data = load_glue(cfg.data.task, tokenizer=loaded.tokenizer, max_seq_length=cfg.data.max_seq_length,
                               source=cfg.data.resolved_source(), hub_id=cfg.data.hub_id,
                               split_dev_in_half=cfg.data.split_dev_in_half, split_seed=cfg.data.split_seed,
                               max_train_examples=cfg.data.max_train_examples,
                               max_eval_examples=cfg.data.max_eval_examples)
+        check_data_not_empty(self.data, task=cfg.data.task, source=cfg.data.source)
         self.collate = make_collator(loaded.tokenizer)
         seed_everything(self.data_seed)
 
@@ -147,29 +162,130 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                              is_main_process=self.strategy.is_main_process,
                                              barrier=self.strategy.barrier)
-        self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
-                                 tensorboard=cfg.logging.tensorboard)
-        if cfg.checkpoint.resume_from:
-            self._resume(cfg.checkpoint.resume_from)
+        from .tracking import open_trackers
 
-    def _resume(self, where: str) -> None:
-        directory = self.checkpoints.resolve(where)
-        self.strategy.load_checkpoint(directory)
-        saved = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+        self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
+                                 tensorboard=cfg.logging.tensorboard,
+                                 trackers=open_trackers(cfg, enabled=self.strategy.is_main_process,
+                                                        resuming=self._resume_point is not None))
+        if self._resume_point is not None:
+            self._resume(*self._resume_point)
+
+    def _check_start(self) -> tuple[Path, dict[str, Any]] | None:
+        """A resume: the checkpoint's directory and trainer state, after checking that it exists, can
+        be read, and was trained with this config (fingerprint.py). A fresh run (None): after the
+        output-directory guard (output_dir.py)."""
+        cfg = self.cfg
+        where = cfg.checkpoint.resume_from
+        if where == "auto":
+            where = self._auto_resume_point()
+            if where is None:
+                # What a restarted job wants: a fresh start, the earlier attempt's files moved aside.
+                self._guard_output_dir(overwrite=True)
+                return None
+        if not where:
+            self._guard_output_dir()
+            return None
+        try:
+            directory = CheckpointManager(self.paths.checkpoints).resolve(where)
+        except CheckpointError as exc:  # no checkpoint there, or an incomplete one
+            raise same_on_every_rank(UserError(str(exc))) from exc
+        try:
+            saved = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+            step = int(saved["train_state"]["step"])
+        except Exception as exc:  # truncated, corrupted, or not ours
+            raise same_on_every_rank(UserError(
+                f"checkpoint {directory} cannot be read ({TRAINER_STATE_FILE}: {exc}); resume from an earlier "
+                "checkpoint (checkpoint.resume_from=<its directory>) or start fresh")) from exc
+        record = saved.get("config_record")
+        if record is None:
+            logger.warning("checkpoint %s records no config (written before config fingerprints): its config "
+                           "cannot be compared with this one", directory)
+            self._config_changes = []
+        else:
+            allowed = list(cfg.checkpoint.allow_config_change or [])
+            check_allow_list(allowed, cfg.to_dict())
+            try:
+                self._config_changes = check_resume(record, self._config_record(), step=step,
+                                                    allowed_by_user=allowed, where=str(directory))
+            except UserError as exc:
+                raise same_on_every_rank(exc)
+        return directory, saved
+
+    def _config_record(self) -> dict[str, Any]:
+        return config_record(self.cfg.to_dict(), self.strategy.world_size)
+
+    def _auto_resume_point(self) -> str | None:
+        """checkpoint.resume_from 'auto': the latest complete checkpoint, or None (a fresh start).
+        Every rank must see the same one: the output directory is on a file system all nodes share."""
+        found = CheckpointManager(self.paths.checkpoints).latest_complete()
+        seen = self.strategy.gather_objects(None if found is None else found.name)
+        if len(set(seen)) > 1:
+            listed = ", ".join(f"rank {r}: {name or 'none'}" for r, name in enumerate(seen))
+            raise UserError(f"checkpoint.resume_from=auto: the ranks see different checkpoints in "
+                            f"{self.paths.checkpoints} ({listed}); logging.output_dir must be on a file system "
+                            "every node shares")
+        if found is None:
+            logger.info("checkpoint.resume_from=auto: no complete checkpoint in %s, starting fresh",
+                        self.paths.checkpoints)
+            return None
+        logger.info("checkpoint.resume_from=auto: resuming from %s", found)
+        return str(found)
+
+    def _guard_output_dir(self, overwrite: bool | None = None) -> None:
+        """Rank 0 checks (and with logging.overwrite moves aside) a previous run's files; every rank
+        gets its verdict."""
+        refused = None
+        if self.strategy.is_main_process:
+            try:
+                moved = guard_output_dir(self.output_dir,
+                                         overwrite=self.cfg.logging.overwrite if overwrite is None else overwrite)
+            except OutputDirInUse as exc:
+                refused = str(exc)
+            else:
+                if moved is not None:
+                    logger.warning("logging.overwrite: moved the previous run's files into %s", moved)
+        refused = self.strategy.gather_objects(refused)[0]  # rank 0's verdict
+        if refused is not None:
+            raise same_on_every_rank(OutputDirInUse(refused))
+
+    def _resume(self, directory: Path, saved: dict[str, Any]) -> None:
+        try:
+            self.strategy.load_checkpoint(directory)
+        except Exception as exc:
+            from .failures import is_peer_failure
+
+            if self.strategy.world_size > 1 and is_peer_failure(exc):
+                raise
+            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "cannot be read" in said:  # the strategy's own message names the checkpoint already
+                raise UserError(said) from exc
+            raise UserError(f"checkpoint {directory} cannot be read ({said}); resume from an earlier checkpoint "
+                            "(checkpoint.resume_from=<its directory>) or start fresh") from exc
         self.state = TrainState(**saved["train_state"])
+        for change in self._config_changes:
+            logger.warning("resuming with %s changed from %r to %r at step %d (%s)", change["key"], change["old"],
+                           change["new"], change["step"], change["allowed_by"])
+        self.state.config_changes = self.state.config_changes + self._config_changes
         here = self.cfg.training.per_device_batch_size * self.strategy.world_size
         if self.state.examples_per_round and self.state.examples_per_round != here:
             # Resumed on another number of ranks: keep the position in examples, not in batches.
             self.state.batch_in_epoch = self.state.batch_in_epoch * self.state.examples_per_round // here
             logger.warning("resuming with %d examples per micro-batch round instead of %d: data order "
                            "continues from the same example, batches differ", here, self.state.examples_per_round)
-        torch.set_rng_state(saved["rng"]["torch"])
+        host = saved["rng"]
+        per_rank = host.get("per_rank")
+        if per_rank and len(per_rank) == self.strategy.world_size:
+            # Each rank continues its own stream (dropout masks differ per rank); on another number
+            # of ranks every rank takes rank 0's, as before per-rank states were saved.
+            host = per_rank[self.strategy.rank]
+        torch.set_rng_state(host["torch"])
         cuda_states = saved["rng"].get("cuda")
         if self.strategy.device.type == "cuda" and cuda_states:
             # One state per rank, of that rank's own device (see _save_checkpoint).
             torch.cuda.set_rng_state(cuda_states[self.strategy.rank % len(cuda_states)], self.strategy.device)
-        np.random.set_state(saved["rng"]["numpy"])
-        random.setstate(saved["rng"]["python"])
+        np.random.set_state(host["numpy"])
+        random.setstate(host["python"])
         # Logs past the checkpoint belong to the interrupted attempt: drop them so they are not doubled.
         self.log.truncate_after(self.state.step)
         logger.info("resumed from %s at step %d", directory, self.state.step)
@@ -204,6 +320,7 @@ class Trainer:
         accum = cfg.training.gradient_accumulation_steps
         progress = self._progress_bar()
         batches = self._micro_batches()
+        divergence = DivergenceGuard(self.strategy)
         started = time.perf_counter() - st.train_seconds
         try:
             while st.step < self.total_steps:
@@ -217,6 +334,12 @@ class Trainer:
                 self._set_lr(st.step)
                 grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
                 st.step += 1
+                diverged = divergence.check(st.step, st.window_loss, grad_norm)  # every rank agrees
+                if diverged is not None:
+                    self._log_train(grad_norm, progress)
+                    if self.strategy.is_main_process:
+                        logger.error("diverged at step %d: %s; stopping", diverged["step"], diverged["what"])
+                    return self._finish(diverged=diverged)
                 st.train_seconds = time.perf_counter() - started
                 if progress is not None:
                     progress.update(1)
@@ -229,7 +352,11 @@ class Trainer:
                 if (every and st.step % every == 0) or stopping:
                     self._save_checkpoint()
                 if stopping and st.step < self.total_steps:
+                    self.log.close(ok=False)  # trackers: this attempt ends here, a resume continues it
                     return {"stopped_at_step": st.step}
+        except BaseException:
+            self.log.close(ok=False)
+            raise
         finally:
             if progress is not None:
                 progress.close()
@@ -260,6 +387,10 @@ class Trainer:
         if lambdas is not None:
             record["lambda"] = lambdas
         distance = self.strategy.forgetting_distance()
+        if self.cfg.model.lora is not None:  # the optimizer anchors nothing: the merged weights' distance
+            from .lora import merged_forgetting_distance
+
+            distance = merged_forgetting_distance(self.strategy.unwrapped_model())
         if distance is not None:
             record["forgetting_distance"] = distance
         self.log.write(record)
@@ -310,15 +441,22 @@ class Trainer:
                # rank 0's view, where the other ranks' devices never advanced.
                "cuda": (self.strategy.gather_objects(torch.cuda.get_rng_state(self.strategy.device))
                         if self.strategy.device.type == "cuda" else None)}
+        if self.strategy.world_size > 1:
+            # The ranks' CPU streams differ too (collective): rank 0's alone would give every rank
+            # rank 0's dropout masks after a resume.
+            rng["per_rank"] = self.strategy.gather_objects(
+                {"torch": rng["torch"], "numpy": rng["numpy"], "python": rng["python"]})
         self.state.examples_per_round = self.cfg.training.per_device_batch_size * self.strategy.world_size
-        extra = {"train_state": vars(self.state).copy(), "rng": rng}
+        extra = {"train_state": vars(self.state).copy(), "rng": rng, "config_record": self._config_record()}
         self.checkpoints.save(self.state.step, self.strategy, extra)
 
-    def _finish(self) -> dict[str, Any]:
+    def _finish(self, diverged: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Writes results.json. A diverged run (divergence.py) is not evaluated again: it records
+        where it diverged, its evaluations before that, and failed: true."""
         st = self.state
-        if not st.evals or st.evals[-1]["step"] != st.step:
+        if diverged is None and (not st.evals or st.evals[-1]["step"] != st.step):
             self._evaluate_and_select()
-        final = st.evals[-1]
+        final = st.evals[-1] if st.evals else None
         reported = st.best if self.cfg.evaluation.select_best else final
         main = self.task.main_metric
         results = {
@@ -331,17 +469,22 @@ class Trainer:
             "best": st.best,
             "reported": "best" if self.cfg.evaluation.select_best else "final",
             "majority_baseline": self.baselines,
-            "failed": bool(is_failed(self.cfg.data.task, reported["metrics"][self.selection_split],
-                                     self.baselines[self.selection_split])),
+            "failed": diverged is not None or bool(is_failed(
+                self.cfg.data.task, reported["metrics"][self.selection_split], self.baselines[self.selection_split])),
+            **({"diverged": diverged} if diverged is not None else {}),
+            # The size this run trained on (ft-report groups tasks by it, not by the nominal GLUE size).
+            "train_examples": len(self.data.train),
+            "config_changes": st.config_changes,
             "config": self.cfg.to_dict(),
         }
-        if self.cfg.checkpoint.export_dir:
+        if self.cfg.checkpoint.export_dir and diverged is None:
             results["exported_to"] = self.export(Path(self.cfg.checkpoint.export_dir))
         if self.strategy.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.output_dir / (RESULTS_FILE + ".tmp")
             tmp.write_text(json.dumps(results, indent=2, allow_nan=True))
             tmp.replace(self.output_dir / RESULTS_FILE)
+            self.log.log_artifact(self.output_dir / RESULTS_FILE)
         self.log.close()
         return results
 

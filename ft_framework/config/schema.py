@@ -317,7 +317,7 @@ class StrategyConfig(_Section):
 class MLflowConfig(_Section):
     """MLflow tracking (logging.report_to: [mlflow])."""
 
-    # None: MLFLOW_TRACKING_URI, else the local store ./mlruns (SQLite file mlruns/mlflow.db).
+    # None: MLFLOW_TRACKING_URI, else MLflow's local file store ./mlruns; e.g. sqlite:///mlruns.db.
     tracking_uri: str | None = None
 
 
@@ -341,6 +341,9 @@ class LoggingConfig(_Section):
     # says whether report_to lists tensorboard.
     tensorboard: bool = False
     progress_bar: bool = True
+    # A fresh run into an output_dir holding a previous run's files: false refuses it; true moves
+    # those files aside into output_dir/overwritten-<timestamp>/ (never deletes them). See output_dir.py.
+    overwrite: bool = False
     # Trackers besides metrics.jsonl (ft_framework/tracking.py). None: [tensorboard] when
     # logging.tensorboard is true, else none (as before report_to existed).
     report_to: list[Literal["tensorboard", "mlflow", "wandb"]] | None = None
@@ -376,8 +379,13 @@ class CheckpointConfig(_Section):
     # Save every N optimizer steps; None: no periodic checkpoints.
     every_steps: int | None = Field(None, gt=0)
     keep_last: int = Field(1, gt=0)
-    # None: start fresh; "latest": newest checkpoint in logging.output_dir; or a checkpoint path.
+    # None: start fresh; "latest": newest checkpoint in logging.output_dir; "auto": the newest
+    # complete checkpoint when there is one, else a fresh start (what a restarted job wants, e.g.
+    # under torchrun --max-restarts; the earlier attempt's files are moved aside); or a checkpoint path.
     resume_from: str | None = None
+    # Keys (dotted, or whole sections) whose change a resume accepts besides the ones that may
+    # always change (fingerprint.ALLOWED_ON_RESUME); results.json records each change and its step.
+    allow_config_change: list[str] = Field(default_factory=list)
     # Write the final model (best one with evaluation.select_best) as a consolidated Hugging Face
     # model (save_pretrained, with its tokenizer) into this directory, whatever the strategy.
     export_dir: str | None = None
@@ -421,6 +429,12 @@ class RunConfig(_Section):
                 "partitions the parameters, while the merged weights' forgetting distance and the LoRA export "
                 "read each adapter and base weight whole; use zero_stage 0-2 (LoRA's optimizer state is "
                 "small) or strategy fsdp")
+        if self.model.lora is not None and ds is not None and self.evaluation.select_best:
+            raise ValueError(
+                "model.lora under DeepSpeed cannot keep the best model (evaluation.select_best) yet: DeepSpeed's "
+                "consolidated model is rebuilt from the fp32 master copy of every parameter, and LoRA's frozen "
+                "pretrained weights have none. Drop select_best (the export at the end works), or use strategy "
+                "fsdp or ddp")
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
