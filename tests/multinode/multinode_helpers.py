@@ -18,9 +18,11 @@ from pathlib import Path
 
 from tiny_run import write_run_config
 
-# The run every multi-node case is compared with: FSDP2 on 2 ranks, 8 steps, 2 evaluations.
+# The run every multi-node case is compared with: FSDP2 on 2 ranks, 8 steps, 2 evaluations; with
+# dropout, so each rank's random stream must continue exactly after a restart.
 STEPS = 8
-RUN = dict(training={"max_steps": STEPS, "per_device_batch_size": 4, "seed": 1, "data_seed": 2, "device": "cpu"},
+RUN = dict(model={"dropout": 0.1},
+           training={"max_steps": STEPS, "per_device_batch_size": 4, "seed": 1, "data_seed": 2, "device": "cpu"},
            evaluation={"num_evals": 2, "batch_size": 16})
 
 REPO = Path(__file__).resolve().parents[2]
