@@ -1,9 +1,12 @@
-"""Checkpoints: one sharded layout for every strategy (layout.py), export to a Hugging Face model
-without a training world (export.py), and the converter of the formats before it (legacy.py)."""
+"""Checkpoints: one sharded layout for every strategy (layout.py; what it stores in fragments.py,
+its manifest in manifest.py, its use of torch.distributed.checkpoint in dcp_io.py), export to a
+Hugging Face model without a training world (export.py), and the converter of the formats before
+it (legacy.py)."""
 
-from .layout import (ANCHOR, FORMAT, MANIFEST_FILE, MASTER, MODEL_SUBDIR, STEP, CheckpointFormatError, Fragment,
-                     ParamInfo, ShardedCheckpointable, dtensor_fragments, load_sharded, param_info, read_fields, read_manifest,
-                     save_sharded, whole_tensor_fragments)
+from .fragments import (ANCHOR, MASTER, STEP, Fragment, ParamInfo, ShardedCheckpointable, dtensor_fragments, param_info,
+                        whole_tensor_fragments)
+from .layout import load_sharded, read_fields, save_sharded
+from .manifest import FORMAT, MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
 
 __all__ = ["ANCHOR", "FORMAT", "MANIFEST_FILE", "MASTER", "MODEL_SUBDIR", "STEP", "CheckpointFormatError",
            "Fragment", "ParamInfo", "ShardedCheckpointable", "dtensor_fragments", "load_sharded", "param_info",

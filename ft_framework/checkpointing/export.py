@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layout import (MANIFEST_FILE, MASTER, MODEL_SUBDIR, CheckpointFormatError, _planners, _quiet_dcp, buffer_key,
-                     fragment_key, param_key, read_manifest)
+from .dcp_io import _planners, _quiet_dcp
+from .fragments import MASTER, buffer_key, fragment_key, param_key
+from .manifest import MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .layout import MASTER, STEP, Fragment, ParamInfo, save_sharded
+from .fragments import MASTER, STEP, Fragment, ParamInfo
+from .layout import save_sharded
 
 DEEPSPEED_META = "deepspeed_meta.json"
 DEEPSPEED_CONSOLIDATED = "consolidated_optimizer.pt"

@@ -38,8 +38,8 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
 from .. import collectives
-from ..checkpointing.layout import MASTER as CKPT_MASTER
-from ..checkpointing.layout import STEP, Fragment, whole_tensor_fragments
+from ..checkpointing.fragments import MASTER as CKPT_MASTER
+from ..checkpointing.fragments import STEP, Fragment, whole_tensor_fragments
 
 MASTER = "fp32"
 # Lower bound: the ZeRO-3 partition accessor takes release_swap_buffers since DeepSpeed's NVMe

@@ -81,7 +81,7 @@ def read(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from ft_framework.checkpointing.layout import parse_param_key
+    from ft_framework.checkpointing.fragments import parse_param_key
 
     flat: dict = {}
     _load_state_dict(flat, storage_reader=dcp.FileSystemReader(str(directory)),

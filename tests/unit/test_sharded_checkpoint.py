@@ -12,7 +12,7 @@ import torch
 from ft_framework.checkpointing import (MASTER, CheckpointFormatError, Fragment, load_sharded, param_info,
                                         save_sharded, whole_tensor_fragments)
 from ft_framework.checkpointing.export import export_pretrained, main as export_main
-from ft_framework.checkpointing.layout import parse_param_key, param_key
+from ft_framework.checkpointing.fragments import fragment_key, parse_param_key, param_key
 
 HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
 
@@ -169,10 +169,10 @@ class WrongAnchorProvider(Provider):
 
 
 def test_misshaped_anchor_is_refused(tmp_path, monkeypatch):
-    from ft_framework.checkpointing import layout
+    from ft_framework.checkpointing import dcp_io, layout
 
-    key = layout.fragment_key(param_key(WrongAnchorProvider.NAME, "anchor"), 0)
-    save_planner, load_planner = layout._planners()
+    key = fragment_key(param_key(WrongAnchorProvider.NAME, "anchor"), 0)
+    save_planner, load_planner = dcp_io._planners()
 
     class ShrunkAnchor(save_planner):  # the anchor's full size in the checkpoint: 3 short
         def __init__(self, ranges):
@@ -180,6 +180,7 @@ def test_misshaped_anchor_is_refused(tmp_path, monkeypatch):
             super().__init__({**ranges, key: (fqn, offset, total - 3)})
 
     with monkeypatch.context() as patch:
+        # save_sharded looks the planners up in layout, which imports them from dcp_io.
         patch.setattr(layout, "_planners", lambda: (ShrunkAnchor, load_planner))
         save_sharded(tmp_path / "ck", WrongAnchorProvider(*build()))
     model2, opt2 = build()
@@ -318,7 +319,7 @@ def test_corrupted_data_file_is_one_clear_line(tmp_path):
 
 
 def test_fsdp_generated_class_is_recorded_as_the_model_class():
-    from ft_framework.checkpointing.layout import describe_model
+    from ft_framework.checkpointing.manifest import describe_model
 
     model = tiny()
     fsdp_like = type("FSDPAlbertForSequenceClassification", (type("FSDPModule", (), {}), type(model)), {})
@@ -332,7 +333,7 @@ def test_fsdp_generated_class_is_recorded_as_the_model_class():
 def test_a_saved_fragment_owns_exactly_its_bytes_without_a_copy(dtype):
     """DCP's writer clones views of larger storages and keeps the clones until the file is closed
     (a rank's state twice); fragments are handed over as tensors owning exactly their range."""
-    from ft_framework.checkpointing.layout import _own_storage
+    from ft_framework.checkpointing.dcp_io import _own_storage
 
     flat = torch.arange(100, dtype=torch.float32).to(dtype)
     view = flat.narrow(0, 10, 30)

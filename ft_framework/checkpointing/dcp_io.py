@@ -1,0 +1,133 @@
+"""What the checkpoint layout needs of torch.distributed.checkpoint (DCP): the planners that write
+and read fragments as chunks of one 1-D tensor per key, tensors handed to DCP's writer without a
+copy, DCP's one-process warnings silenced, and its failures as one line per rank."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+
+# ---- DCP planners -----------------------------------------------------------------------------
+def _planners():
+    """The save and load planners (imported lazily: torch.distributed.checkpoint is heavy)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import (LoadPlan, SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
+                                                              create_read_items_for_chunk_list)
+
+    class FragmentSavePlanner(DefaultSavePlanner):
+        """Writes each fragment as the chunk [offset, offset + n) of the 1-D tensor `fqn` of the
+        parameter's full size; everything else (0-d steps, buffers, bytes) as DCP does.
+
+        `ranges` maps the state-dict key of a fragment (fragment_key) to (fqn, offset, full numel);
+        a rank may hold several fragments of one fqn."""
+
+        def __init__(self, ranges: dict[str, tuple[str, int, int]]):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.ranges = ranges
+            self.by_chunk: dict[tuple[str, int], torch.Tensor] = {}
+
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            for key, value in self.state_dict.items():
+                if key in self.ranges:
+                    fqn, offset, total = self.ranges[key]
+                    self.by_chunk[(fqn, offset)] = value
+                    items.append(WriteItem(
+                        index=MetadataIndex(fqn, torch.Size([offset])), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=value.size()),
+                            properties=TensorProperties.create_from_tensor(value), size=torch.Size([total]))))
+                else:
+                    items.extend(_create_write_items(key, value))
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def lookup_object(self, index):
+            if index.fqn in self.state_dict:
+                return self.state_dict[index.fqn]
+            return self.by_chunk[(index.fqn, index.offset[0])]
+
+    class FragmentLoadPlanner(DefaultLoadPlanner):
+        """Reads into each fragment target the range [offset, offset + n) of its fqn: only the
+        saved chunks that overlap it, whoever wrote them. `targets` maps the state-dict key of a
+        fragment to (fqn, offset); other keys load as DCP does."""
+
+        def __init__(self, targets: dict[str, tuple[str, int]]):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.targets = targets
+            self.by_chunk: dict[tuple[str, int], torch.Tensor] = {}
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, target in self.state_dict.items():
+                if key in self.targets:
+                    fqn, offset = self.targets[key]
+                    self.by_chunk[(fqn, offset)] = target
+                    chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=target.size())
+                    items.extend(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
+                else:
+                    items.extend(_create_read_items(key, self.metadata.state_dict_metadata[key], target))
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index):
+            if index.fqn in self.state_dict:
+                return self.state_dict[index.fqn]
+            return self.by_chunk[(index.fqn, index.offset[0])]
+
+    return FragmentSavePlanner, FragmentLoadPlanner
+
+
+def _no_dist(strategy) -> bool:
+    import torch.distributed as dist
+
+    return strategy.world_size == 1 or not (dist.is_available() and dist.is_initialized())
+
+
+def _failure(exc: BaseException) -> str:
+    """One line per failed rank of DCP's CheckpointException (whose own text holds tracebacks)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return f"{type(exc).__name__}: {exc}"
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(inner).__name__}: {inner}".rstrip(": "))
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns on every one-process save/load that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+_NUMPY_STAND_IN = {torch.bfloat16: torch.int16}  # dtypes numpy lacks, viewed as one of its size
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a tensor whose storage is exactly its bytes.
+
+    DCP's file writer clones a tensor that views a larger storage (a fragment of a flat ZeRO
+    partition, a padded FSDP shard) so as not to write the whole storage, and keeps every written
+    tensor until the rank's file is closed: without this, a rank would hold its whole state twice
+    during a save. A CPU view re-wrapped through numpy owns exactly its range, so nothing is
+    cloned. (Device tensors are copied to the host by DCP in any case: at most the rank's shard.)"""
+    if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or \
+            t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    stand_in = _NUMPY_STAND_IN.get(t.dtype)
+    try:
+        array = (t.view(stand_in) if stand_in is not None else t).numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy cannot hold: DCP clones it
+        return t
+    out = torch.from_numpy(array)
+    return out.view(t.dtype) if stand_in is not None else out
+

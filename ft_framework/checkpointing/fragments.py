@@ -1,0 +1,179 @@
+"""What a checkpoint stores, named independently of how the state was partitioned: the fragments a
+rank contributes (contiguous ranges of a parameter's flattened value, each with its offset), the
+keys they are stored under, the protocol a strategy implements to list them, and the builders of
+fragments for whole tensors (single device, DDP, ZeRO stage 0) and DTensors (FSDP2).
+See layout.py for the layout as a whole."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol
+
+import torch
+
+MASTER = "master"
+STEP = "step"
+ANCHOR = "anchor"
+PARAM_PREFIX = "param/"
+BUFFER_PREFIX = "buffer/"
+EXTRA_PREFIX = "extra/"
+
+__all__ = ["ANCHOR", "BUFFER_PREFIX", "EXTRA_PREFIX", "MASTER", "PARAM_PREFIX", "STEP", "Fragment", "ParamInfo",
+           "ShardedCheckpointable", "buffer_key", "checkpoint_fields", "dtensor_fragments", "fragment_key",
+           "param_info", "param_key", "parse_param_key", "whole_tensor_fragments"]
+
+
+@dataclass
+class Fragment:
+    """A contiguous range of one parameter's flattened full value (or its 0-d step) on this rank.
+
+    `tensor` is a 1-D view into the live state (0-d for ``step``): saving writes it, loading
+    copies into it. `write` is False for replicated copies that another rank writes (DDP, ZeRO
+    stage 0, a step shared by a flat partition), which still load here."""
+
+    name: str
+    field: str
+    tensor: torch.Tensor
+    offset: int = 0
+    write: bool = True
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class ShardedCheckpointable(Protocol):
+    """What save_sharded / load_sharded need from a strategy (Strategy implements it)."""
+
+    name: str
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def checkpoint_params(self) -> list[ParamInfo]: ...
+
+    def checkpoint_fragments(self) -> list[Fragment]: ...
+
+    def anchored_parameter_names(self) -> set[str]: ...
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+def param_key(name: str, field: str) -> str:
+    return f"{PARAM_PREFIX}{name}/{field}"
+
+
+def parse_param_key(key: str) -> tuple[str, str] | None:
+    """(parameter name, field) of a param/ key, None for other keys."""
+    if not key.startswith(PARAM_PREFIX):
+        return None
+    name, _, field = key[len(PARAM_PREFIX):].rpartition("/")
+    return name, field
+
+
+def fragment_key(key: str, offset: int) -> str:
+    """The state-dict key of one fragment of `key` (a rank may hold several); DCP stores it under
+    `key`, as the chunk at `offset`."""
+    return f"{key}@{offset}"
+
+
+def buffer_key(name: str) -> str:
+    return f"{BUFFER_PREFIX}{name}"
+
+
+def checkpoint_fields(metadata) -> dict[str, dict[str, Any]]:
+    """{parameter name: {field: storage metadata}} of a DCP checkpoint's metadata."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        parsed = parse_param_key(key)
+        if parsed:
+            out.setdefault(parsed[0], {})[parsed[1]] = md
+    return out
+
+
+# ---- helpers strategies use to describe their tensors ----------------------------------------
+def param_info(name: str, p: torch.Tensor) -> ParamInfo:
+    """Full shape of a parameter: a DTensor's global shape, a ZeRO-3 parameter's ds_shape."""
+    shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+    return ParamInfo(name, tuple(int(s) for s in shape), p.dtype)
+
+
+def _flat_view(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A 1-D view sharing t's memory (loading writes through it)."""
+    t = t.detach()
+    if t.dim() == 0:
+        return t
+    if not t.is_contiguous():
+        raise RuntimeError(f"{what} is not contiguous: a checkpoint cannot be loaded into it in place")
+    return t.view(-1)
+
+
+def _state_fields(state: Mapping[str, Any], numel: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """The optimizer-state entries that are per-element (same numel) or the 0-d step."""
+    for field, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if field == STEP or (value.dim() > 0 and value.numel() == numel):
+            yield field, value
+
+
+def whole_tensor_fragments(named_params: Iterable[tuple[str, torch.Tensor]], optimizer, write: bool) -> list[Fragment]:
+    """Fragments of replicated, whole tensors (single device, DDP, ZeRO stage 0 in fp32): each
+    parameter and its optimizer state, at offset 0; `write` on the one rank that writes them."""
+    out = []
+    for name, p in named_params:
+        out.append(Fragment(name, MASTER, _flat_view(p, f"parameter {name}"), 0, write))
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for field, value in _state_fields(state, p.numel()):
+            out.append(Fragment(name, field, _flat_view(value, f"{field} of {name}"), 0, write))
+    return out
+
+
+def _dtensor_range(t) -> tuple[torch.Tensor, int, bool]:
+    """(1-D local view, offset into the flattened full tensor, whether this rank writes it) of a
+    DTensor sharded on dim 0 (FSDP2) or replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    placements = tuple(t.placements)
+    if all(isinstance(pl, Replicate) for pl in placements):
+        coordinate = t.device_mesh.get_coordinate() or [0]
+        return _flat_view(local, "a replicated DTensor"), 0, all(c == 0 for c in coordinate)
+    if not all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements if not isinstance(pl, Replicate)):
+        raise NotImplementedError(f"checkpoint fragments of DTensor placements {placements}: only Shard(0) "
+                                  "and Replicate are contiguous flattened ranges")
+    _, global_offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    row = math.prod(t.shape[1:]) if t.dim() > 1 else 1
+    replicated_coords = [c for c, pl in zip(t.device_mesh.get_coordinate() or [], placements)
+                         if isinstance(pl, Replicate)]
+    return _flat_view(local, "a DTensor shard"), int(global_offset[0]) * row, all(c == 0 for c in replicated_coords)
+
+
+def dtensor_fragments(named_params: Iterable[tuple[str, torch.Tensor]], optimizer, is_main: bool) -> list[Fragment]:
+    """Fragments of DTensor parameters and their DTensor optimizer state (FSDP2): each rank its
+    local shard; plain (0-d) state like step is written by rank 0 and loaded everywhere."""
+    out = []
+    for name, p in named_params:
+        if not hasattr(p, "to_local"):  # a parameter FSDP left alone: replicated on every rank
+            out.extend(whole_tensor_fragments([(name, p)], optimizer, is_main))
+            continue
+        view, offset, write = _dtensor_range(p)
+        out.append(Fragment(name, MASTER, view, offset, write))
+        for field, value in _state_fields(optimizer.state.get(p, {}), p.numel()):
+            if hasattr(value, "to_local"):
+                v, off, w = _dtensor_range(value)
+                out.append(Fragment(name, field, v, off, w))
+            else:
+                out.append(Fragment(name, field, _flat_view(value, f"{field} of {name}"), 0, is_main))
+    return out
