@@ -137,11 +137,14 @@ def report_main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"ft-report: {exc}", file=sys.stderr)
         return 2
+    from .run_files import REPORT_PLOTS_DIR, TRACKERS_FILE
+
     print(report.markdown())
     written = report.write(args.out or args.directory, plots=not args.no_plots)
     print(f"\nwrote {len(written)} files to {args.out or args.directory}: "
-          + ", ".join(sorted({p.name if p.parent.name != 'plots' else 'plots/' for p in written})))
-    from .tracking import TRACKERS_FILE, log_artifacts_to_run
+          + ", ".join(sorted({p.name if p.parent.name != REPORT_PLOTS_DIR else f"{REPORT_PLOTS_DIR}/"
+                              for p in written})))
+    from .tracking import log_artifacts_to_run
 
     if (Path(args.directory) / TRACKERS_FILE).is_file():  # one run's report: its plots go to its tracker runs
         try:

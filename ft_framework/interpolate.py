@@ -37,14 +37,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from .run_files import COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT, RunPaths
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["INTERPOLATION_FILE", "INTERPOLATION_PLOT", "DEFAULT_ALPHAS", "InterpolationError", "parse_alphas",
+__all__ = ["DEFAULT_ALPHAS", "InterpolationError", "parse_alphas",
            "load_run", "finetuned_state", "anchors_from_checkpoint", "interpolate_state",
            "run_interpolation", "format_table", "plot_interpolation"]
 
-INTERPOLATION_FILE = "interpolation.json"
-INTERPOLATION_PLOT = "interpolation.png"
 DEFAULT_ALPHAS = tuple(round(i / 10, 1) for i in range(11))
 
 
@@ -83,7 +83,7 @@ def load_run(run_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     from .config import validate_config
 
     run_dir = Path(run_dir)
-    path = run_dir / "results.json"
+    path = RunPaths(run_dir).results
     if not path.is_file():
         raise InterpolationError(f"{run_dir} has no results.json: not a finished run's output directory")
     results = json.loads(path.read_text())
@@ -105,23 +105,24 @@ def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
 
 def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """(model state dict, fp32 anchors by parameter name or None) of one checkpoint, any strategy."""
-    from .checkpointing import MANIFEST_FILE, read_fields
+    from .checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
     from .checkpointing.layout import read_buffers
+    from .checkpointing.legacy import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
 
     if (directory / MANIFEST_FILE).is_file():  # the sharded layout every strategy writes
-        fields = read_fields(directory, fields=("master", "anchor"))
-        anchors = {name: f["anchor"] for name, f in fields.items() if "anchor" in f}  # saved dtype: auto
+        fields = read_fields(directory, fields=(MASTER, ANCHOR))
+        anchors = {name: f[ANCHOR] for name, f in fields.items() if ANCHOR in f}  # saved dtype: auto
         # picks them only when fp32 (exact); bfloat16 anchors fall back to the pretrained model
-        return {**read_buffers(directory), **{name: f["master"] for name, f in fields.items()}}, anchors or None
-    if (directory / "model.pt").is_file():  # single / DDP (before the sharded layout)
-        model = torch.load(directory / "model.pt", map_location="cpu", weights_only=True)
+        return {**read_buffers(directory), **{name: f[MASTER] for name, f in fields.items()}}, anchors or None
+    if (directory / SINGLE_MODEL).is_file():  # single / DDP (before the sharded layout)
+        model = torch.load(directory / SINGLE_MODEL, map_location="cpu", weights_only=True)
         anchors = None
-        opt_path = directory / "optimizer.pt"
+        opt_path = directory / SINGLE_OPTIMIZER
         if opt_path.is_file():
             opt = torch.load(opt_path, map_location="cpu", weights_only=False).get("optimizer", {})
             anchors = _anchors_from_optimizer_state(opt)
         return model, anchors
-    consolidated = directory / "consolidated_optimizer.pt"
+    consolidated = directory / DEEPSPEED_CONSOLIDATED
     if consolidated.is_file():  # DeepSpeed
         saved = torch.load(consolidated, map_location="cpu", weights_only=True)
         model = {name: entry["fp32"] for name, entry in saved["params"].items()}
@@ -168,6 +169,7 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
 
     `model` is a plain model of the run's architecture (used to merge a LoRA state dict)."""
     run_dir = Path(run_dir)
+    paths = RunPaths(run_dir)
     reported = results.get("reported", "final")
     exported = results.get("exported_to")
     if exported and Path(exported).is_dir():
@@ -175,16 +177,16 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
 
         loaded = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32)
         return loaded.state_dict(), None, f"export {exported}"
-    best = run_dir / "best" / "model.pt"
+    best = paths.best_model
     if reported == "best":
         if not best.is_file():
             raise InterpolationError(f"{run_dir} reports its best evaluation but best/model.pt is missing")
         state = torch.load(best, map_location="cpu", weights_only=True)
         return _plain_state(state, cfg, model), None, str(best)
-    latest = run_dir / "checkpoints" / "latest"
+    latest = paths.latest_checkpoint
     if latest.is_file():
         directory = latest.parent / latest.read_text().strip()
-        step = int(json.loads((directory / "COMPLETE").read_text()).get("step", -1))
+        step = int(json.loads((directory / COMPLETE_MARKER).read_text()).get("step", -1))
         if step == results.get("steps"):
             state, anchors = _checkpoint_model_state(directory)
             return _plain_state(state, cfg, model), anchors, str(directory)

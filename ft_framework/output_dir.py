@@ -18,11 +18,10 @@ from pathlib import Path
 
 from ft_framework.errors import UserError
 from ft_framework.run_files import (BEST_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
-                                    METRICS_FILE, RESULTS_FILE, TENSORBOARD_DIR)
+                                    METRICS_FILE, MOVED_ASIDE_PREFIX, RESULTS_FILE, TENSORBOARD_DIR)
 
-__all__ = ["MOVED_ASIDE_PREFIX", "OutputDirInUse", "guard_output_dir", "previous_run_files"]
+__all__ = ["OutputDirInUse", "guard_output_dir", "previous_run_files"]
 
-MOVED_ASIDE_PREFIX = "overwritten-"
 # Everything a run writes into its output directory; moved aside together on overwrite.
 _RUN_ENTRIES = (RESULTS_FILE, METRICS_FILE, TENSORBOARD_DIR, CHECKPOINTS_DIR, BEST_DIR)
 

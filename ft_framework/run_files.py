@@ -5,13 +5,17 @@ A run's output directory (``logging.output_dir``)::
 
     results.json            the final results (written last, atomically: its presence means "done")
     metrics.jsonl           one JSON record per log line or evaluation
+    trackers.json           the MLflow / W&B runs it logs to (a resumed run logs into the same ones)
     tensorboard/            TensorBoard events (logging.tensorboard: true)
     best/model.pt           the best evaluation's weights (evaluation.select_best: true)
     checkpoints/latest      the name of the newest complete checkpoint
     checkpoints/step_N/     one checkpoint: the strategy's files, trainer_state.pt and a COMPLETE marker
+    interpolation.json      ft-interpolate's results, and its plot interpolation.png
+    overwritten-<timestamp>/  a previous run's files, moved aside by logging.overwrite=true
 
 A sweep's store adds, at its root, index.json, sweep.yaml and runs/<run id>/ (each a run output
-directory plus config.yaml, run.json, status.json and log.txt).
+directory plus config.yaml, run.json, status.json, log.txt and, for a sweep that interpolates,
+export/). ft-report writes report.md, its CSVs and plots/ into the sweep directory (or --out).
 
     paths = RunPaths(cfg.logging.output_dir)
     paths.results, paths.metrics, paths.latest_checkpoint
@@ -29,6 +33,10 @@ TENSORBOARD_DIR = "tensorboard"
 BEST_DIR = "best"
 BEST_MODEL_FILE = "model.pt"
 CHECKPOINTS_DIR = "checkpoints"
+TRACKERS_FILE = "trackers.json"
+INTERPOLATION_FILE = "interpolation.json"
+INTERPOLATION_PLOT = "interpolation.png"
+MOVED_ASIDE_PREFIX = "overwritten-"  # + a timestamp: the directory logging.overwrite moves a run into
 
 # ---- inside checkpoints/ -------------------------------------------------------------------------
 LATEST_FILE = "latest"
@@ -46,6 +54,11 @@ RUN_CONFIG_FILE = "config.yaml"
 RUN_INFO_FILE = "run.json"
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"
+EXPORT_DIR = "export"  # the final weights, when the sweep interpolates and the config sets no export_dir
+
+# ---- ft-report's output (the sweep directory unless --out) ------------------------------------
+REPORT_FILE = "report.md"
+REPORT_PLOTS_DIR = "plots"  # each plot's file name is spelled where it is drawn (sweep/plots.py)
 
 
 def checkpoint_name(step: int) -> str:

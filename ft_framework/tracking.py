@@ -40,14 +40,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
+from .run_files import TRACKERS_FILE
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRACKERS", "TRACKERS_FILE", "TRACKER_EXTRAS", "Tracker", "MLflowTracker", "WandbTracker",
+__all__ = ["TRACKERS", "TRACKER_EXTRAS", "Tracker", "MLflowTracker", "WandbTracker",
            "missing_tracker_packages", "flatten_config", "open_trackers", "log_artifacts_to_run",
            "default_mlflow_uri"]
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-TRACKERS_FILE = "trackers.json"
 # tracker -> (module to import, pip extra of ft_framework)
 TRACKER_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
                   "wandb": ("wandb", "wandb")}

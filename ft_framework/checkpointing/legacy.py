@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..run_files import COMPLETE_MARKER, TRAINER_STATE_FILE
 from .fragments import MASTER, STEP, Fragment, ParamInfo
 from .layout import save_sharded
 
@@ -35,8 +36,8 @@ FSDP_INFO = "fsdp_checkpoint.json"
 SINGLE_MODEL = "model.pt"
 SINGLE_OPTIMIZER = "optimizer.pt"
 CONVERTER = "python -m ft_framework.checkpointing.legacy"
-# Copied along: the trainer's state and the completeness marker (ft_framework.run_files).
-CARRIED_FILES = ("trainer_state.pt", "COMPLETE")
+# Copied along: the trainer's state and the completeness marker.
+CARRIED_FILES = (TRAINER_STATE_FILE, COMPLETE_MARKER)
 
 
 def legacy_kind(directory: Path) -> str | None:

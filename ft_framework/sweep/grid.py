@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from ft_framework.config import (ConfigError, RunConfig, apply_overrides, parse_override, resolve_task_overrides,
                                  set_path, validate_config)
-from ft_framework.run_files import RUNS_SUBDIR
+from ft_framework.run_files import EXPORT_DIR, RUNS_SUBDIR
 
 from .spec import SweepSpec
 
@@ -178,7 +178,7 @@ def expand(spec: SweepSpec, overrides: Sequence[str] = (), store_root: str | Pat
             update: dict[str, Any] = {"logging": logging_cfg}
             if getattr(spec, "interpolate", None) is not None and not cfg.checkpoint.export_dir:
                 # The interpolation post-step needs the final weights: export them into the run.
-                update["checkpoint"] = cfg.checkpoint.model_copy(update={"export_dir": str(run_dir / "export")})
+                update["checkpoint"] = cfg.checkpoint.model_copy(update={"export_dir": str(run_dir / EXPORT_DIR)})
             cfg = cfg.model_copy(update=update)
             run = PlannedRun(run_id=run_id, method=name, axes=dict(combo), config=cfg, fixed=fixed)
             if run_id in seen:

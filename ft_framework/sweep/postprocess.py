@@ -19,6 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ft_framework.run_files import INTERPOLATION_FILE, RESULTS_FILE
+
 if TYPE_CHECKING:
     from .grid import PlannedRun
     from .report import Report
@@ -27,11 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPORT_SUBDIR", "interpolation_wanted", "run_interpolations", "interpolation_curves",
+__all__ = ["interpolation_wanted", "run_interpolations", "interpolation_curves",
            "interpolation_markdown", "write_interpolation_plots"]
-
-EXPORT_SUBDIR = "export"
-INTERPOLATION_FILE = "interpolation.json"
 
 
 def interpolation_wanted(spec: "SweepSpec") -> bool:
@@ -43,7 +42,7 @@ def _up_to_date(run_dir: Path, alphas: Sequence[float]) -> bool:
         saved = json.loads((run_dir / INTERPOLATION_FILE).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
-    results = run_dir / "results.json"
+    results = run_dir / RESULTS_FILE
     fresh = (run_dir / INTERPOLATION_FILE).stat().st_mtime >= results.stat().st_mtime if results.is_file() else False
     return fresh and [float(a) for a in saved.get("alphas", [])] == sorted({float(a) for a in alphas})
 

@@ -43,7 +43,8 @@ import yaml
 
 from ft_framework.data.tasks import GLUE_TASKS
 from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
-from ft_framework.run_files import INDEX_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
+from ft_framework.run_files import (INDEX_FILE, REPORT_FILE, REPORT_PLOTS_DIR, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE,
+                                    SWEEP_FILE)
 
 from .stats import expected_max_curve, levene, sample_std
 from .store import SweepStore
@@ -459,18 +460,18 @@ class Report:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         written = []
-        (out / "report.md").write_text(self.markdown() + "\n")
-        written.append(out / "report.md")
+        (out / REPORT_FILE).write_text(self.markdown() + "\n")
+        written.append(out / REPORT_FILE)
         for name, (columns, rows) in self.csv_tables().items():
             (out / name).write_text(self.csv_text(columns, rows))
             written.append(out / name)
         if plots:
             from .plots import write_plots
 
-            written += write_plots(self, out / "plots")
+            written += write_plots(self, out / REPORT_PLOTS_DIR)
             from .postprocess import write_interpolation_plots
 
-            written += write_interpolation_plots(self, out / "plots")
+            written += write_interpolation_plots(self, out / REPORT_PLOTS_DIR)
         return written
 
 

@@ -17,6 +17,10 @@ def test_the_names_on_disk():
     assert (run_files.INDEX_FILE, run_files.SWEEP_FILE, run_files.RUNS_SUBDIR) == ("index.json", "sweep.yaml", "runs")
     assert (run_files.RUN_CONFIG_FILE, run_files.RUN_INFO_FILE, run_files.STATUS_FILE, run_files.LOG_FILE) == (
         "config.yaml", "run.json", "status.json", "log.txt")
+    assert (run_files.TRACKERS_FILE, run_files.INTERPOLATION_FILE, run_files.INTERPOLATION_PLOT) == (
+        "trackers.json", "interpolation.json", "interpolation.png")
+    assert (run_files.MOVED_ASIDE_PREFIX, run_files.EXPORT_DIR) == ("overwritten-", "export")
+    assert (run_files.REPORT_FILE, run_files.REPORT_PLOTS_DIR) == ("report.md", "plots")
 
 
 def test_run_paths_and_checkpoint_names():
