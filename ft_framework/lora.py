@@ -166,16 +166,6 @@ def merged_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).merge_and_unload()
 
 
-def export_model(strategy: Any) -> nn.Module:
-    """The full model to export (collective under sharding). A LoRA model under DeepSpeed ZeRO 0-2
-    holds every parameter whole on each rank (ZeRO partitions the optimizer, and LoRA keeps the
-    base frozen), so it is taken as is: DeepSpeed's consolidation rebuilds plain models only."""
-    model = strategy.unwrapped_model()
-    if is_lora_model(model) and getattr(strategy, "name", "") == "deepspeed":
-        return model
-    return strategy.consolidated_model()
-
-
 def save_model(model: nn.Module, directory: Path, tokenizer: Any = None) -> None:
     """save_pretrained of `model` into `directory`; a LoRA model is written merged (loads with plain
     transformers) and its adapter alone into `directory`/adapter (loads with peft)."""
