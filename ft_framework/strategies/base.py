@@ -11,6 +11,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..errors import UserError
+
 
 class Strategy(ABC):
     """Owns device placement, the wrapped model and optimizer, backward/step, and checkpoints."""
@@ -23,8 +25,8 @@ class Strategy(ABC):
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         if precision == "fp16" and self.device.type != "cuda":
-            raise ValueError("training.precision fp16 needs a CUDA device (with a loss scaler); "
-                             "use bf16 or fp32 on CPU")
+            raise UserError("training.precision fp16 needs a CUDA device (with a loss scaler); "
+                            "use bf16 or fp32 on CPU")
 
     # ---- process topology ------------------------------------------------------------------
     @property
@@ -58,7 +60,7 @@ class Strategy(ABC):
         if device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("training.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
+            raise UserError("training.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'")
         return torch.device(device)
 
     @abstractmethod

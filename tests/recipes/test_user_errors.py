@@ -236,6 +236,11 @@ def _kill_during_prune():
     return mock.patch.object(checkpoint.shutil, "rmtree", rmtree)
 
 
+def _no_gpu():
+    """A machine without a CUDA device, also where the tests run on one."""
+    return mock.patch("torch.cuda.is_available", return_value=False)
+
+
 RESUME = "checkpoint.resume_from=latest"
 LONGER = "training.max_steps=3"
 KILL_DURING_PRUNING = ("training.max_steps=3", "checkpoint.every_steps=1", "checkpoint.keep_last=1")
@@ -249,6 +254,11 @@ ROWS = [
     Row("data_dir_missing", ("data.source=/nonexistent/glue",), says=("data.source", "/nonexistent/glue")),
     Row("allow_list_typo", (RESUME, "checkpoint.allow_config_change=[optimizer.hparams.lrr]"),
         prepare=_previous_run, says=("optimizer.hparams.lrr", "did you mean 'optimizer.hparams.lr'")),
+    # ---- the machine ----------------------------------------------------------------------------
+    Row("cuda_device_without_gpu", ("training.device=cuda",), patch=_no_gpu,
+        says=("training.device is 'cuda' but no CUDA device is available", "use 'auto' or 'cpu'")),
+    Row("fp16_on_cpu", ("training.device=cpu", "training.precision=fp16"),
+        says=("training.precision fp16 needs a CUDA device", "use bf16 or fp32 on CPU")),
     # ---- the model ------------------------------------------------------------------------------
     Row("max_seq_length_too_long", ("data.max_seq_length=100000",),
         says=("data.max_seq_length", "100000", "max_position_embeddings: 128")),
