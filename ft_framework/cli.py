@@ -28,7 +28,8 @@ def train_main(argv: list[str] | None = None) -> int:
     from .config import load_config
     from .failures import EXIT_DIVERGED, diverged_line, report_failure
     from .run_files import RunPaths
-    from .trainer import Trainer, format_results_table
+    from .results import format_results_table
+    from .trainer import Trainer
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -19,23 +19,22 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .checkpoint import CheckpointError, CheckpointManager
+from .checkpoint import CheckpointManager
 from .config_agreement import check_config_agreement
 from .config import RunConfig
 from .data import load_glue, make_collator
 from .data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
 from .divergence import DivergenceGuard
 from .errors import UserError
-from .failures import same_on_every_rank
-from .fingerprint import check_allow_list, check_resume, config_record
+from .fingerprint import config_record
 from .memory_plan import format_memory_plan, plan_memory
 from .metrics import compute_metrics, is_failed, majority_baseline
 from .models import load_model_and_tokenizer
 from .optim import build_optimizer
 from .optim.groups import build_param_groups
-from .output_dir import OutputDirInUse, guard_output_dir
 from .preflight import check_data_not_empty, check_max_seq_length
-from .run_files import RESULTS_FILE, TRAINER_STATE_FILE, RunPaths
+from .run_files import RESULTS_FILE, RunPaths
+from .run_start import ResumePoint, capture_rng, check_start, restore_rng
 from .run_logging import MetricsLogger
 from .strategies import Strategy, build_strategy
 
@@ -105,7 +104,7 @@ class Trainer:
         # The first collective: every rank (every node) must train the same resolved config.
         check_config_agreement(cfg.to_dict())
         # Before anything is loaded: a resume must match its checkpoint, a fresh run must not mix with an old one.
-        self._resume_point = self._check_start()
+        self._resume_point = check_start(cfg, self.strategy, self.paths)
         # The init seed drives everything random in the model (head, RI, re-init); the data seed
         # drives data order and dropout, so the two can be varied separately (Dodge et al.).
         loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
@@ -169,87 +168,10 @@ class Trainer:
                                  trackers=open_trackers(cfg, enabled=self.strategy.is_main_process,
                                                         resuming=self._resume_point is not None))
         if self._resume_point is not None:
-            self._resume(*self._resume_point)
+            self._resume(self._resume_point)
 
-    def _check_start(self) -> tuple[Path, dict[str, Any]] | None:
-        """A resume: the checkpoint's directory and trainer state, after checking that it exists, can
-        be read, and was trained with this config (fingerprint.py). A fresh run (None): after the
-        output-directory guard (output_dir.py)."""
-        cfg = self.cfg
-        where = cfg.checkpoint.resume_from
-        if where == "auto":
-            where = self._auto_resume_point()
-            if where is None:
-                # What a restarted job wants: a fresh start, the earlier attempt's files moved aside.
-                self._guard_output_dir(overwrite=True)
-                return None
-        if not where:
-            self._guard_output_dir()
-            return None
-        try:
-            directory = CheckpointManager(self.paths.checkpoints).resolve(where)
-        except CheckpointError as exc:  # no checkpoint there, or an incomplete one
-            raise same_on_every_rank(UserError(str(exc))) from exc
-        try:
-            saved = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
-            step = int(saved["train_state"]["step"])
-        except Exception as exc:  # truncated, corrupted, or not ours
-            raise same_on_every_rank(UserError(
-                f"checkpoint {directory} cannot be read ({TRAINER_STATE_FILE}: {exc}); resume from an earlier "
-                "checkpoint (checkpoint.resume_from=<its directory>) or start fresh")) from exc
-        record = saved.get("config_record")
-        if record is None:
-            logger.warning("checkpoint %s records no config (written before config fingerprints): its config "
-                           "cannot be compared with this one", directory)
-            self._config_changes = []
-        else:
-            allowed = list(cfg.checkpoint.allow_config_change or [])
-            check_allow_list(allowed, cfg.to_dict())
-            try:
-                self._config_changes = check_resume(record, self._config_record(), step=step,
-                                                    allowed_by_user=allowed, where=str(directory))
-            except UserError as exc:
-                raise same_on_every_rank(exc)
-        return directory, saved
-
-    def _config_record(self) -> dict[str, Any]:
-        return config_record(self.cfg.to_dict(), self.strategy.world_size)
-
-    def _auto_resume_point(self) -> str | None:
-        """checkpoint.resume_from 'auto': the latest complete checkpoint, or None (a fresh start).
-        Every rank must see the same one: the output directory is on a file system all nodes share."""
-        found = CheckpointManager(self.paths.checkpoints).latest_complete()
-        seen = self.strategy.gather_objects(None if found is None else found.name)
-        if len(set(seen)) > 1:
-            listed = ", ".join(f"rank {r}: {name or 'none'}" for r, name in enumerate(seen))
-            raise UserError(f"checkpoint.resume_from=auto: the ranks see different checkpoints in "
-                            f"{self.paths.checkpoints} ({listed}); logging.output_dir must be on a file system "
-                            "every node shares")
-        if found is None:
-            logger.info("checkpoint.resume_from=auto: no complete checkpoint in %s, starting fresh",
-                        self.paths.checkpoints)
-            return None
-        logger.info("checkpoint.resume_from=auto: resuming from %s", found)
-        return str(found)
-
-    def _guard_output_dir(self, overwrite: bool | None = None) -> None:
-        """Rank 0 checks (and with logging.overwrite moves aside) a previous run's files; every rank
-        gets its verdict."""
-        refused = None
-        if self.strategy.is_main_process:
-            try:
-                moved = guard_output_dir(self.output_dir,
-                                         overwrite=self.cfg.logging.overwrite if overwrite is None else overwrite)
-            except OutputDirInUse as exc:
-                refused = str(exc)
-            else:
-                if moved is not None:
-                    logger.warning("logging.overwrite: moved the previous run's files into %s", moved)
-        refused = self.strategy.gather_objects(refused)[0]  # rank 0's verdict
-        if refused is not None:
-            raise same_on_every_rank(OutputDirInUse(refused))
-
-    def _resume(self, directory: Path, saved: dict[str, Any]) -> None:
+    def _resume(self, point: ResumePoint) -> None:
+        directory, saved = point.directory, point.saved
         try:
             self.strategy.load_checkpoint(directory)
         except Exception as exc:
@@ -263,29 +185,18 @@ class Trainer:
             raise UserError(f"checkpoint {directory} cannot be read ({said}); resume from an earlier checkpoint "
                             "(checkpoint.resume_from=<its directory>) or start fresh") from exc
         self.state = TrainState(**saved["train_state"])
-        for change in self._config_changes:
+        changes = point.config_changes
+        for change in changes:
             logger.warning("resuming with %s changed from %r to %r at step %d (%s)", change["key"], change["old"],
                            change["new"], change["step"], change["allowed_by"])
-        self.state.config_changes = self.state.config_changes + self._config_changes
+        self.state.config_changes = self.state.config_changes + changes
         here = self.cfg.training.per_device_batch_size * self.strategy.world_size
         if self.state.examples_per_round and self.state.examples_per_round != here:
             # Resumed on another number of ranks: keep the position in examples, not in batches.
             self.state.batch_in_epoch = self.state.batch_in_epoch * self.state.examples_per_round // here
             logger.warning("resuming with %d examples per micro-batch round instead of %d: data order "
                            "continues from the same example, batches differ", here, self.state.examples_per_round)
-        host = saved["rng"]
-        per_rank = host.get("per_rank")
-        if per_rank and len(per_rank) == self.strategy.world_size:
-            # Each rank continues its own stream (dropout masks differ per rank); on another number
-            # of ranks every rank takes rank 0's, as before per-rank states were saved.
-            host = per_rank[self.strategy.rank]
-        torch.set_rng_state(host["torch"])
-        cuda_states = saved["rng"].get("cuda")
-        if self.strategy.device.type == "cuda" and cuda_states:
-            # One state per rank, of that rank's own device (see _save_checkpoint).
-            torch.cuda.set_rng_state(cuda_states[self.strategy.rank % len(cuda_states)], self.strategy.device)
-        np.random.set_state(host["numpy"])
-        random.setstate(host["python"])
+        restore_rng(saved["rng"], self.strategy)
         # Logs past the checkpoint belong to the interrupted attempt: drop them so they are not doubled.
         self.log.truncate_after(self.state.step)
         logger.info("resumed from %s at step %d", directory, self.state.step)
@@ -436,18 +347,9 @@ class Trainer:
 
     # ---- checkpoints and results -------------------------------------------------------------
     def _save_checkpoint(self) -> None:
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-               # Each rank's own device (collective): get_rng_state_all on rank 0 would hand every rank
-               # rank 0's view, where the other ranks' devices never advanced.
-               "cuda": (self.strategy.gather_objects(torch.cuda.get_rng_state(self.strategy.device))
-                        if self.strategy.device.type == "cuda" else None)}
-        if self.strategy.world_size > 1:
-            # The ranks' CPU streams differ too (collective): rank 0's alone would give every rank
-            # rank 0's dropout masks after a resume.
-            rng["per_rank"] = self.strategy.gather_objects(
-                {"torch": rng["torch"], "numpy": rng["numpy"], "python": rng["python"]})
+        rng = capture_rng(self.strategy)  # collective
         self.state.examples_per_round = self.cfg.training.per_device_batch_size * self.strategy.world_size
-        extra = {"train_state": vars(self.state).copy(), "rng": rng, "config_record": self._config_record()}
+        extra = {"train_state": vars(self.state).copy(), "rng": rng, "config_record": config_record(self.cfg.to_dict(), self.strategy.world_size)}
         self.checkpoints.save(self.state.step, self.strategy, extra)
 
     def _finish(self, diverged: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -488,7 +390,6 @@ class Trainer:
         self.log.close()
         return results
 
-
     def export(self, directory: Path) -> str:
         """Writes the model as a Hugging Face model (save_pretrained) with its tokenizer, the way
         ft-export does: rank 0 reads the sharded checkpoint of this step in one process (the last
@@ -517,21 +418,3 @@ class Trainer:
                 shutil.rmtree(temporary, ignore_errors=True)
         self.strategy.barrier()
         return str(directory)
-
-
-def format_results_table(results: dict[str, Any]) -> str:
-    """A plain-text table of the reported metrics against the majority-class baseline."""
-    reported = results[results["reported"]]
-    rows = [("split", "metric", "run", "majority baseline")]
-    for split, metrics in reported["metrics"].items():
-        base = results["majority_baseline"].get(split, {})
-        for name, value in metrics.items():
-            rows.append((split, name, f"{value:.4f}", f"{base.get(name, float('nan')):.4f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    verdict = "FAILED (at or below the majority baseline)" if results["failed"] else "ok (above the majority baseline)"
-    lines.append("")
-    lines.append(f"{results['task']}: {results['reported']} at step {reported['step']} of {results['steps']}, "
-                 f"{results['main_metric']} on {results['selection_split']}: {verdict}")
-    return "\n".join(lines)

@@ -1,4 +1,5 @@
-from ft_framework.trainer import eval_steps, format_results_table, lr_multiplier
+from ft_framework.results import format_results_table
+from ft_framework.trainer import eval_steps, lr_multiplier
 
 
 def test_warmup_then_linear_decay():
