@@ -16,6 +16,7 @@ import json
 from typing import Any, Mapping
 
 from ft_framework import collectives
+from ft_framework.config.overrides import flatten_dotted
 from ft_framework.errors import UserError
 
 __all__ = ["ConfigDisagreement", "check_config_agreement", "config_hash"]
@@ -34,15 +35,6 @@ def config_hash(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, Mapping) and node:
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node} if prefix else {}
-
-
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
 
@@ -55,7 +47,7 @@ def describe_disagreement(configs: list[Mapping[str, Any]]) -> str | None:
     groups: dict[str, list[int]] = {}
     for rank, h in enumerate(hashes):
         groups.setdefault(h, []).append(rank)
-    reference = _flatten(configs[0])
+    reference = flatten_dotted(configs[0])
     missing = object()
 
     def show(value: Any) -> str:
@@ -65,7 +57,7 @@ def describe_disagreement(configs: list[Mapping[str, Any]]) -> str | None:
     for h, ranks in groups.items():
         if h == hashes[0]:
             continue
-        other = _flatten(configs[ranks[0]])
+        other = flatten_dotted(configs[ranks[0]])
         for key in sorted(set(reference) | set(other)):
             a, b = reference.get(key, missing), other.get(key, missing)
             if a != b:

@@ -20,6 +20,7 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping
 
+from ft_framework.config.overrides import flatten_dotted
 from ft_framework.errors import UserError, did_you_mean
 
 __all__ = ["ALLOWED_ON_RESUME", "ResumeRefused", "check_allow_list", "check_resume", "config_record",
@@ -77,19 +78,10 @@ def _global_batch(training: Mapping[str, Any], world_size: int) -> int | None:
 
 def _flat(record: Mapping[str, Any]) -> dict[str, Any]:
     """The compared view of a record: dotted config keys plus the derived keys."""
-    out = _flatten(record.get("config") or {})
+    out = flatten_dotted(record.get("config") or {})
     out["world_size"] = record.get("world_size")
     out["training.global_batch_size"] = record.get("global_batch_size")
     return out
-
-
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, Mapping) and node:
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node} if prefix else {}
 
 
 def _matches(key: str, patterns: Iterable[str]) -> str | None:
@@ -124,7 +116,7 @@ def _longer(old: Any, new: Any) -> bool:
 
 def check_allow_list(keys: Iterable[str], config: Mapping[str, Any]) -> None:
     """Every entry of checkpoint.allow_config_change must name a config key or section."""
-    flat = _flatten(config)
+    flat = flatten_dotted(config)
     sections = {k.rsplit(".", i)[0] for k in flat for i in range(k.count(".") + 1)}
     for key in keys:
         if key not in sections and key not in _DERIVED:

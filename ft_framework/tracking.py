@@ -40,12 +40,13 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
+from .config.overrides import flatten_dotted
 from .run_files import TRACKERS_FILE
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRACKERS", "TRACKER_EXTRAS", "Tracker", "MLflowTracker", "WandbTracker",
-           "missing_tracker_packages", "flatten_config", "open_trackers", "log_artifacts_to_run",
+           "missing_tracker_packages", "open_trackers", "log_artifacts_to_run",
            "default_mlflow_uri"]
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -65,17 +66,6 @@ def missing_tracker_packages(report_to: Iterable[str]) -> list[str]:
         if importlib.util.find_spec(module) is None:
             out.append(f"logging.report_to lists {name!r}, but {module} is not installed: "
                        f"pip install 'ft_framework[{extra}]' (or: pip install {module})")
-    return out
-
-
-def flatten_config(data: Any, prefix: str = "") -> dict[str, Any]:
-    """{"optimizer": {"hparams": {"lr": 1e-4}}} -> {"optimizer.hparams.lr": 1e-4}; lists stay values."""
-    out: dict[str, Any] = {}
-    if isinstance(data, dict) and data:
-        for key, value in data.items():
-            out.update(flatten_config(value, f"{prefix}{key}."))
-        return out
-    out[prefix[:-1]] = data
     return out
 
 
@@ -264,7 +254,7 @@ def open_trackers(cfg: Any, *, enabled: bool = True, resuming: bool = False) -> 
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     saved = _read_state(output_dir) if resuming else {}
-    params = flatten_config(cfg.to_dict())
+    params = flatten_dotted(cfg.to_dict())
     trackers = [_open(name, cfg.logging, output_dir, params, saved.get(name)) for name in names]
     _write_state(output_dir, trackers)
     return trackers

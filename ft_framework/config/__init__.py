@@ -18,7 +18,7 @@ from ft_framework.data.tasks import GLUE_TASK_NAMES
 
 from .errors import ConfigError
 from .loading import load_config, validate_config
-from .overrides import apply_overrides, parse_override, read_yaml, resolve_task_overrides, set_path
+from .overrides import apply_overrides, flatten_dotted, parse_override, read_yaml, resolve_task_overrides, set_path
 from .schema import (
     BUILTIN_DATA_SOURCES,
     CheckpointConfig,
@@ -58,6 +58,7 @@ __all__ = [
     "parse_override",
     "apply_overrides",
     "set_path",
+    "flatten_dotted",
     "read_yaml",
     "resolve_task_overrides",
 ]

@@ -100,6 +100,17 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return out
 
 
+def flatten_dotted(data: Any, prefix: str = "") -> dict[str, Any]:
+    """The inverse of nest_dotted: {"optimizer": {"hparams": {"lr": 1e-4}}} -> {"optimizer.hparams.lr": 1e-4}.
+    Lists and empty mappings stay values; used wherever configs are compared or logged key by key."""
+    if isinstance(data, dict) and data:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flatten_dotted(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: data} if prefix else {}
+
+
 def nest_dotted(flat: dict[str, Any], where: str) -> dict[str, Any]:
     """Expands dotted keys ({"a.b": 1}) into nested dicts ({"a": {"b": 1}}), recursively."""
     out: dict[str, Any] = {}

@@ -14,7 +14,8 @@ import pytest
 
 from ft_framework.config import ConfigError, validate_config
 from ft_framework.run_logging import MetricsLogger
-from ft_framework.tracking import flatten_config, missing_tracker_packages, open_trackers
+from ft_framework.config import flatten_dotted as flatten_config
+from ft_framework.tracking import missing_tracker_packages, open_trackers
 
 BASE = {"model": {"name_or_path": "x"}, "data": {"task": "sst2"}, "schedule": {"warmup_steps": 0},
         "training": {"max_steps": 1}}
