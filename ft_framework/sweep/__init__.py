@@ -6,14 +6,16 @@ per run, and reported as the RecAdam paper's tables and figures.
     print(build_report(result.store.root).markdown())
 
 Modules: spec (the sweep file's schema), grid (expansion, run identity), store (the results
-directory), runners (local subprocesses, Ray), driver (a sweep from start to end), report and
-stats (tables, Levene's test, expected best of n trials), plots (PNG figures).
+directory), runners (a run's subprocess, the local runner), ray_runner (the Ray runner), driver (a
+sweep from start to end), records (the runs of a store as the report reads them), report and stats
+(tables, Levene's test, expected best of n trials), plots (PNG figures).
 """
 
 from .driver import SweepResult, format_plan, plan_sweep, run_sweep
 from .grid import PlannedRun, expand, run_identity
 from .report import Report, build_report
-from .runners import LocalRunner, RayRunner, SweepInterrupted, make_runner
+from .ray_runner import RayRunner
+from .runners import LocalRunner, SweepInterrupted, make_runner
 from .spec import RunnerSpec, SweepSpec, load_sweep, validate_sweep
 from .store import SweepLockedError, SweepStore
 

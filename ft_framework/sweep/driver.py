@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import yaml
 
 from .grid import PlannedRun, expand
-from .runners import LocalRunner, RayRunner, make_runner
+from .ray_runner import RayRunner
+from .runners import LocalRunner, make_runner
 from .spec import SweepSpec
 from .store import DONE_STATES, STATES, SweepStore
 

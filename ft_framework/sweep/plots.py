@@ -26,7 +26,8 @@ from matplotlib.ticker import MaxNLocator, ScalarFormatter
 from ft_framework.run_files import METRICS_FILE
 
 if TYPE_CHECKING:
-    from .report import Report, RunRecord
+    from .records import RunRecord
+    from .report import Report
 
 __all__ = ["K_KEY", "write_plots", "curve_groups"]
 

@@ -53,7 +53,7 @@ def test_a_distributed_run_inside_a_sweep_runs_on_the_cluster(cluster, tmp_path,
                             training={"max_steps": 4, "per_device_batch_size": 4, "device": "cpu"},
                             evaluation={"num_evals": 1, "batch_size": 16})
     spec = ray_sweep(str(base), tmp_path / "store", [1], num_cpus_per_run=2, procs_per_run=2)
-    with caplog.at_level(logging.WARNING, logger="ft_framework.sweep.runners"):
+    with caplog.at_level(logging.WARNING, logger="ft_framework.sweep.ray_runner"):
         result = run_sweep(spec, runner=RayRunner(spec.runner), progress=False)
     [run] = result.runs
     log = (result.store.run_dir(run.run_id) / "log.txt").read_text()
@@ -84,7 +84,7 @@ def test_runs_spread_over_both_nodes_and_a_lost_node_s_run_resumes_elsewhere(clu
         except BaseException as exc:  # reported by the test thread
             outcome["error"] = exc
 
-    with caplog.at_level(logging.WARNING, logger="ft_framework.sweep.runners"):
+    with caplog.at_level(logging.WARNING, logger="ft_framework.sweep.ray_runner"):
         thread = threading.Thread(target=sweep, daemon=True)
         thread.start()
         from ft_framework.sweep import SweepStore, plan_sweep
