@@ -31,6 +31,8 @@ directory is ``<output_dir>/wandb`` unless ``logging.wandb.dir`` says otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import logging
@@ -39,6 +41,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from .config.overrides import flatten_dotted
 from .run_files import TRACKERS_FILE
@@ -116,6 +120,26 @@ def _retry(fn, what: str, attempts: int = 5):
             time.sleep(0.2 * (i + 1))
 
 
+@contextlib.contextmanager
+def _experiment_lock(uri: str):
+    """Serializes the steps of a local file store that check, then create: opening a new store
+    (MLflow creates its Default experiment) and get-or-create of an experiment. A sweep's runs start
+    together: without the lock two of them failed creating the same Default experiment, or each
+    created "its" experiment of the same name and landed in a different one. Database and server
+    stores refuse a duplicate name themselves (the creating run retries and finds the other's)."""
+    if uri.startswith("sqlite:") or ("://" in uri and not uri.startswith("file:")):
+        yield
+        return
+    root = Path(url2pathname(urlparse(uri).path) if uri.startswith("file:") else uri)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".ft_experiment.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class MLflowTracker:
     name = "mlflow"
 
@@ -127,7 +151,8 @@ class MLflowTracker:
         if resume and resume.get("tracking_uri"):
             uri = resume["tracking_uri"]
         self.tracking_uri = uri
-        self.client = MlflowClient(uri)
+        with _experiment_lock(uri):
+            self.client = MlflowClient(uri)
         if resume and resume.get("run_id"):
             self.run_id = resume["run_id"]
             self.experiment_id = resume.get("experiment_id")
@@ -139,10 +164,11 @@ class MLflowTracker:
         self._log_params(params)
 
     def _experiment_id(self, name: str, artifact_location: str | None) -> str:
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        return self.client.create_experiment(name, artifact_location=artifact_location)
+        with _experiment_lock(self.tracking_uri):
+            found = self.client.get_experiment_by_name(name)
+            if found is not None:
+                return found.experiment_id
+            return self.client.create_experiment(name, artifact_location=artifact_location)
 
     def _log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -212,3 +212,36 @@ def test_only_the_main_process_opens_trackers(tmp_path):
     cfg = config(tmp_path, report_to=["mlflow", "wandb"])
     assert open_trackers(cfg, enabled=False) == []
     assert not (tmp_path / "run" / "trackers.json").exists()
+
+
+def _open_mlflow_run_after(barrier, uri):
+    import mlflow.tracking  # noqa: F401 - imported before the barrier, so that it does not stagger the runs
+
+    from ft_framework.tracking import MLflowTracker
+
+    barrier.wait()  # all processes ask for the experiment at the same moment
+    MLflowTracker(tracking_uri=uri, experiment="shared", run_name="r", params={})
+
+
+def test_parallel_runs_share_one_mlflow_experiment_in_a_file_store(tmp_path, monkeypatch):
+    """A sweep's runs start together and name the same experiment in a new file store: opening the
+    store and get-or-create of the experiment each check, then create, so without the lock runs
+    failed on the Default experiment or each made an experiment of its own (about 1 sweep in 4)."""
+    import multiprocessing as mp
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_open_mlflow_run_after, args=(barrier, uri)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 4
+    client = MlflowClient(uri)
+    shared = [e for e in client.search_experiments() if e.name == "shared"]
+    assert len(shared) == 1
+    assert len(client.search_runs([shared[0].experiment_id])) == 4
