@@ -217,19 +217,16 @@ class Report:
         for stat, title in (("median", "Median"), ("max", "Max"), ("mean", "Mean"), ("std", "Std")):
             for method in self.methods:
                 rows.append([f"{method} {title}", *[_fmt(self.table1_value(method, stat, c)) for c in columns]])
-        for method in self.methods:
-            cells = []
-            for c in columns:
-                failed, n = self.table1_value(method, "failed", c), self.table1_value(method, "n", c)
-                cells.append("–" if math.isnan(n) else f"{int(failed)}/{int(n)}")
-            rows.append([f"{method} failed runs", *cells])
-        if any(r.state == "diverged" for r in self.records):
+        # Failed runs are counted among the n evaluated ones; diverged runs come on top of them.
+        counts = [("failed", 0)] + ([("diverged", 1)] if any(r.state == "diverged" for r in self.records) else [])
+        for stat, add_to_total in counts:
             for method in self.methods:
                 cells = []
                 for c in columns:
-                    diverged, n = self.table1_value(method, "diverged", c), self.table1_value(method, "n", c)
-                    cells.append("–" if math.isnan(n) else f"{int(diverged)}/{int(n + diverged)}")
-                rows.append([f"{method} diverged runs", *cells])
+                    count, n = self.table1_value(method, stat, c), self.table1_value(method, "n", c)
+                    total = n + count * add_to_total
+                    cells.append("–" if math.isnan(n) else f"{int(count)}/{int(total)}")
+                rows.append([f"{method} {stat} runs", *cells])
         return _md_table(header, rows)
 
     # ---- Markdown -------------------------------------------------------------------------
