@@ -174,7 +174,7 @@ def old_fsdp_load(strategy, directory: Path) -> None:
 
 
 def rank_main(args) -> None:
-    from ft_framework import collectives
+    from ft_framework.distributed import collectives
     from ft_framework.checkpointing import load_sharded, save_sharded
 
     strategy, numel = build_strategy(args.engine, args.hidden, args.layers)

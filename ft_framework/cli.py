@@ -25,11 +25,11 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .config import load_config
-    from .failures import EXIT_DIVERGED, diverged_line, report_failure
-    from .run_files import RunPaths
-    from .results import format_results_table
-    from .trainer import Trainer
+    from ft_framework.config import load_config
+    from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, report_failure
+    from ft_framework.run.files import RunPaths
+    from ft_framework.run.results import format_results_table
+    from ft_framework.trainer import Trainer
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -75,9 +75,9 @@ def sweep_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .config import ConfigError
-    from .run_files import LOG_FILE
-    from .sweep import SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner, plan_sweep, run_sweep
+    from ft_framework.config import ConfigError
+    from ft_framework.run.files import LOG_FILE
+    from ft_framework.sweep import SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner, plan_sweep, run_sweep
 
     try:
         spec = load_sweep(args.config)
@@ -131,21 +131,21 @@ def report_main(argv: list[str] | None = None) -> int:
                         help="bootstrap draws for the expected best score of n trials")
     args = parser.parse_args(argv)
 
-    from .sweep import build_report
+    from ft_framework.sweep import build_report
 
     try:
         report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples)
     except FileNotFoundError as exc:
         print(f"ft-report: {exc}", file=sys.stderr)
         return 2
-    from .run_files import REPORT_PLOTS_DIR, TRACKERS_FILE
+    from ft_framework.run.files import REPORT_PLOTS_DIR, TRACKERS_FILE
 
     print(report.markdown())
     written = report.write(args.out or args.directory, plots=not args.no_plots)
     print(f"\nwrote {len(written)} files to {args.out or args.directory}: "
           + ", ".join(sorted({p.name if p.parent.name != REPORT_PLOTS_DIR else f"{REPORT_PLOTS_DIR}/"
                               for p in written})))
-    from .tracking import log_artifacts_to_run
+    from ft_framework.run.tracking import log_artifacts_to_run
 
     if (Path(args.directory) / TRACKERS_FILE).is_file():  # one run's report: its plots go to its tracker runs
         try:
@@ -171,7 +171,7 @@ def interpolate_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from .interpolate import format_table, run_interpolation
+    from ft_framework.interpolate import format_table, run_interpolation
 
     try:
         out = run_interpolation(args.run_dir, args.alphas, device=args.device, theta_star=args.theta_star,
@@ -191,6 +191,6 @@ if __name__ == "__main__":
 def export_main(argv: list[str] | None = None) -> int:
     """ft-export CHECKPOINT_DIR OUT_DIR: a Hugging Face model (with its tokenizer) from a checkpoint
     saved under any strategy and number of ranks; one process, offline."""
-    from .checkpointing.export import main
+    from ft_framework.checkpointing.export import main
 
     return main(argv)

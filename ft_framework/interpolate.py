@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .run_files import COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT, RunPaths
+from ft_framework.run.files import COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT, RunPaths
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ DEFAULT_ALPHAS = tuple(round(i / 10, 1) for i in range(11))
 
 def _user_error_base() -> type[Exception]:
     try:
-        from .errors import UserError
+        from ft_framework.errors import UserError
     except ImportError:  # pragma: no cover
         return ValueError
     return UserError
@@ -80,7 +80,7 @@ def parse_alphas(text: str | Sequence[float] | None) -> list[float]:
 
 def load_run(run_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     """The run's validated config (as it ran) and its results.json."""
-    from .config import validate_config
+    from ft_framework.config import validate_config
 
     run_dir = Path(run_dir)
     path = RunPaths(run_dir).results
@@ -105,9 +105,9 @@ def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
 
 def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """(model state dict, fp32 anchors by parameter name or None) of one checkpoint, any strategy."""
-    from .checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
-    from .checkpointing.layout import read_buffers
-    from .checkpointing.legacy import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
+    from ft_framework.checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
+    from ft_framework.checkpointing.layout import read_buffers
+    from ft_framework.checkpointing.legacy import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
 
     if (directory / MANIFEST_FILE).is_file():  # the sharded layout every strategy writes
         fields = read_fields(directory, fields=(MASTER, ANCHOR))
@@ -201,7 +201,7 @@ def _plain_state(state: dict[str, torch.Tensor], cfg: Any, model: nn.Module) -> 
     """A state dict of the plain model: a LoRA state dict is loaded into a LoRA model and merged."""
     if not _is_lora_state(state):
         return state
-    from .lora import apply_lora, merged_copy
+    from ft_framework.models.lora import apply_lora, merged_copy
 
     import copy
 
@@ -253,7 +253,7 @@ class _EvalSet:
 def _evaluate(model: nn.Module, ev: _EvalSet, device: torch.device) -> dict[str, dict[str, float]]:
     from torch.utils.data import DataLoader
 
-    from .metrics import compute_metrics
+    from ft_framework.metrics import compute_metrics
 
     model.eval()
     out = {}
@@ -274,9 +274,9 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
 
     `theta_star`: "auto" (the checkpoint's fp32 anchors when θ comes from a checkpoint that has
     them, else the pretrained model), "anchors" (require them) or "pretrained"."""
-    from .data import load_glue, make_collator
-    from .data.glue import get_task
-    from .models import load_model, load_tokenizer
+    from ft_framework.data import load_glue, make_collator
+    from ft_framework.data.glue import get_task
+    from ft_framework.models.loading import load_model, load_tokenizer
 
     run_dir = Path(run_dir)
     alphas = parse_alphas(alphas)
@@ -333,7 +333,7 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         if plot:
             written.append(plot_interpolation(out, run_dir / INTERPOLATION_PLOT))
         try:
-            from .tracking import log_artifacts_to_run
+            from ft_framework.run.tracking import log_artifacts_to_run
 
             log_artifacts_to_run(run_dir, written)
         except Exception as exc:  # noqa: BLE001 - a tracker being down must not lose the result

@@ -19,24 +19,24 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .checkpoint import CheckpointManager
-from .config_agreement import check_config_agreement
-from .config import RunConfig
-from .data import load_glue, make_collator
-from .data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
-from .divergence import DivergenceGuard
-from .errors import UserError
-from .fingerprint import config_record
-from .memory_plan import format_memory_plan, plan_memory
-from .metrics import compute_metrics, is_failed, majority_baseline
-from .models import load_model_and_tokenizer
-from .optim import build_optimizer
-from .optim.groups import build_param_groups
-from .preflight import check_data_not_empty, check_max_seq_length
-from .run_files import RESULTS_FILE, RunPaths
-from .run_start import ResumePoint, capture_rng, check_start, restore_rng
-from .run_logging import MetricsLogger
-from .strategies import Strategy, build_strategy
+from ft_framework.checkpointing.manager import CheckpointManager
+from ft_framework.distributed.config_agreement import check_config_agreement
+from ft_framework.config import RunConfig
+from ft_framework.data import load_glue, make_collator
+from ft_framework.data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
+from ft_framework.run.divergence import DivergenceGuard
+from ft_framework.errors import UserError
+from ft_framework.run.fingerprint import config_record
+from ft_framework.strategies.memory_plan import format_memory_plan, plan_memory
+from ft_framework.metrics import compute_metrics, is_failed, majority_baseline
+from ft_framework.models.loading import load_model_and_tokenizer
+from ft_framework.optim import build_optimizer
+from ft_framework.optim.groups import build_param_groups
+from ft_framework.run.preflight import check_data_not_empty, check_max_seq_length
+from ft_framework.run.files import RESULTS_FILE, RunPaths
+from ft_framework.run.start import ResumePoint, capture_rng, check_start, restore_rng
+from ft_framework.run.logs import MetricsLogger
+from ft_framework.strategies import Strategy, build_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Trainer:
     # ---- set-up ---------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        from .data.glue import get_task
+        from ft_framework.data.glue import get_task
 
         self.task = get_task(cfg.data.task)
         # The first collective: every rank (every node) must train the same resolved config.
@@ -161,7 +161,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                              is_main_process=self.strategy.is_main_process,
                                              barrier=self.strategy.barrier)
-        from .tracking import open_trackers
+        from ft_framework.run.tracking import open_trackers
 
         self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
                                  tensorboard=cfg.logging.tensorboard,
@@ -175,7 +175,7 @@ class Trainer:
         try:
             self.strategy.load_checkpoint(directory)
         except Exception as exc:
-            from .failures import is_peer_failure
+            from ft_framework.run.failures import is_peer_failure
 
             if self.strategy.world_size > 1 and is_peer_failure(exc):
                 raise
@@ -299,7 +299,7 @@ class Trainer:
             record["lambda"] = lambdas
         distance = self.strategy.forgetting_distance()
         if self.cfg.model.lora is not None:  # the optimizer anchors nothing: the merged weights' distance
-            from .lora import merged_forgetting_distance
+            from ft_framework.models.lora import merged_forgetting_distance
 
             distance = merged_forgetting_distance(self.strategy.unwrapped_model())
         if distance is not None:
@@ -398,7 +398,7 @@ class Trainer:
         written merged, its adapter under adapter/."""
         import shutil
 
-        from .checkpointing.export import export_pretrained
+        from ft_framework.checkpointing.export import export_pretrained
 
         latest = self.checkpoints.latest()
         source, temporary = latest, None

@@ -3,10 +3,10 @@ its manifest in manifest.py, its use of torch.distributed.checkpoint in dcp_io.p
 Hugging Face model without a training world (export.py), and the converter of the formats before
 it (legacy.py)."""
 
-from .fragments import (ANCHOR, MASTER, STEP, Fragment, ParamInfo, ShardedCheckpointable, dtensor_fragments, param_info,
+from ft_framework.checkpointing.fragments import (ANCHOR, MASTER, STEP, Fragment, ParamInfo, ShardedCheckpointable, dtensor_fragments, param_info,
                         whole_tensor_fragments)
-from .layout import load_sharded, read_fields, save_sharded
-from .manifest import FORMAT, MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
+from ft_framework.checkpointing.layout import load_sharded, read_fields, save_sharded
+from ft_framework.checkpointing.manifest import FORMAT, MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
 
 __all__ = ["ANCHOR", "FORMAT", "MANIFEST_FILE", "MASTER", "MODEL_SUBDIR", "STEP", "CheckpointFormatError",
            "Fragment", "ParamInfo", "ShardedCheckpointable", "dtensor_fragments", "load_sharded", "param_info",

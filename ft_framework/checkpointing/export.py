@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dcp_io import _planners, _quiet_dcp
-from .fragments import MASTER, buffer_key, fragment_key, param_key
-from .manifest import MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
+from ft_framework.checkpointing.dcp_io import _planners, _quiet_dcp
+from ft_framework.checkpointing.fragments import MASTER, buffer_key, fragment_key, param_key
+from ft_framework.checkpointing.manifest import MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
                       weights: Path | None = None) -> Path:
     """Writes the checkpoint's model to `out_dir` with save_pretrained, and its tokenizer (the one
     stored in the checkpoint unless `tokenizer` is given). A LoRA model is written merged, its
-    adapter under adapter/ (ft_framework.lora.save_model). `weights`: a full state dict file
+    adapter under adapter/ (ft_framework.models.lora.save_model). `weights`: a full state dict file
     (a run's best/model.pt) to export instead of the checkpoint's masters."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     manifest = read_manifest(checkpoint_dir)
@@ -116,7 +116,7 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir / MODEL_SUBDIR)
-    from ..lora import save_model
+    from ft_framework.models.lora import save_model
 
     save_model(model, out_dir, tokenizer)
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
@@ -126,7 +126,7 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory from a checkpoint, a run's checkpoints/ root or a run's output
     directory (the latter two through their `latest` pointer)."""
-    from ..run_files import CHECKPOINTS_DIR, LATEST_FILE
+    from ft_framework.run.files import CHECKPOINTS_DIR, LATEST_FILE
 
     path = Path(path)
     for root in (path, path / CHECKPOINTS_DIR):

@@ -44,10 +44,10 @@ from typing import Any, Iterable
 
 import torch
 
-from .dcp_io import _failure, _no_dist, _own_storage, _planners, _quiet_dcp
-from .fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo, buffer_key, checkpoint_fields,
+from ft_framework.checkpointing.dcp_io import _failure, _no_dist, _own_storage, _planners, _quiet_dcp
+from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo, buffer_key, checkpoint_fields,
                         fragment_key, param_key)
-from .manifest import CheckpointFormatError, read_manifest, write_manifest
+from ft_framework.checkpointing.manifest import CheckpointFormatError, read_manifest, write_manifest
 
 __all__ = ["check_against_model", "load_sharded", "read_buffers", "read_fields", "save_sharded"]
 
@@ -121,7 +121,7 @@ def check_against_model(directory: Path, manifest: dict[str, Any], metadata, par
     """Everything that can make a checkpoint unfit, checked from global facts (the manifest, DCP's
     metadata, this model's parameters, the names this run anchors) so every rank raises the same
     error before the collective load."""
-    from ..optim.base import check_loaded_anchors
+    from ft_framework.optim.base import check_loaded_anchors
 
     saved = manifest["params"]
     fields = checkpoint_fields(metadata)

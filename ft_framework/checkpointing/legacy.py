@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..run_files import COMPLETE_MARKER, TRAINER_STATE_FILE
-from .fragments import MASTER, STEP, Fragment, ParamInfo
-from .layout import save_sharded
+from ft_framework.run.files import COMPLETE_MARKER, TRAINER_STATE_FILE
+from ft_framework.checkpointing.fragments import MASTER, STEP, Fragment, ParamInfo
+from ft_framework.checkpointing.layout import save_sharded
 
 DEEPSPEED_META = "deepspeed_meta.json"
 DEEPSPEED_CONSOLIDATED = "consolidated_optimizer.pt"

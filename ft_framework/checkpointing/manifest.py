@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UserError
-from .fragments import ParamInfo
+from ft_framework.errors import UserError
+from ft_framework.checkpointing.fragments import ParamInfo
 
 FORMAT = "ft_framework.sharded_checkpoint/1"
 MANIFEST_FILE = "ft_checkpoint.json"
@@ -100,7 +100,7 @@ def _jsonable(obj: Any) -> Any:
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest, or a CheckpointFormatError saying what the directory is instead."""
-    from .legacy import legacy_format_error
+    from ft_framework.checkpointing.legacy import legacy_format_error
 
     directory = Path(directory)
     path = directory / MANIFEST_FILE

@@ -16,10 +16,11 @@ The package's modules:
 
 from ft_framework.data.tasks import GLUE_TASK_NAMES
 
-from .errors import ConfigError
-from .loading import load_config, validate_config
-from .overrides import apply_overrides, flatten_dotted, parse_override, read_yaml, resolve_task_overrides, set_path
-from .schema import (
+from ft_framework.config.errors import ConfigError
+from ft_framework.config.loading import load_config, validate_config
+from ft_framework.dotted import flatten_dotted
+from ft_framework.config.overrides import apply_overrides, parse_override, read_yaml, resolve_task_overrides, set_path
+from ft_framework.config.schema import (
     BUILTIN_DATA_SOURCES,
     CheckpointConfig,
     DataConfig,

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from .errors import ConfigError, check_keys, format_validation_error
-from .overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
+from ft_framework.config.errors import ConfigError, check_keys, format_validation_error
+from ft_framework.config.overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
                         resolve_task_overrides, set_path)
-from .schema import RunConfig
+from ft_framework.config.schema import RunConfig
 
 __all__ = ["validate_config", "load_config"]
 
@@ -37,7 +37,7 @@ def validate_config(data: dict[str, Any], *, pinned: Sequence[str] = (), where: 
     merged = resolve_task_overrides({**base, "task_overrides": overrides}, pinned)
     cfg = _validate_model(merged, where)
     if cfg.checkpoint.allow_config_change:  # names keys of the resolved config
-        from ft_framework.fingerprint import check_allow_list
+        from ft_framework.run.fingerprint import check_allow_list
 
         try:
             check_allow_list(cfg.checkpoint.allow_config_change, cfg.to_dict())
@@ -73,7 +73,7 @@ def _check_paths(cfg: RunConfig) -> None:
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
         raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")
-    from ft_framework.hub import looks_like_path  # a local path, not a hub id: it must exist
+    from ft_framework.models.hub import looks_like_path  # a local path, not a hub id: it must exist
 
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
         if name and looks_like_path(name) and not Path(name).expanduser().is_dir():

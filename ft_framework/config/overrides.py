@@ -18,7 +18,7 @@ import yaml
 from ft_framework.data.tasks import GLUE_TASK_NAMES
 from ft_framework.errors import did_you_mean
 
-from .errors import ConfigError
+from ft_framework.config.errors import ConfigError
 
 __all__ = ["read_yaml", "parse_override", "set_path", "apply_overrides", "nest_dotted", "deep_merge",
            "normalized_task_overrides", "resolve_task_overrides"]
@@ -98,17 +98,6 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         path, value = parse_override(text)
         set_path(out, path, value)
     return out
-
-
-def flatten_dotted(data: Any, prefix: str = "") -> dict[str, Any]:
-    """The inverse of nest_dotted: {"optimizer": {"hparams": {"lr": 1e-4}}} -> {"optimizer.hparams.lr": 1e-4}.
-    Lists and empty mappings stay values; used wherever configs are compared or logged key by key."""
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(flatten_dotted(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: data} if prefix else {}
 
 
 def nest_dotted(flat: dict[str, Any], where: str) -> dict[str, Any]:

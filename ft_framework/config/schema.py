@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ft_framework.data.tasks import GLUE_TASK_NAMES
 
-from .overrides import resolve_task_overrides
+from ft_framework.config.overrides import resolve_task_overrides
 
 __all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "TrainingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
@@ -56,7 +56,7 @@ class LoraConfig(_Section):
     alpha: float = Field(16.0, gt=0.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Names of the Linear modules to adapt; None: the architecture's default (attention query and
-    # value: BERT/RoBERTa/ELECTRA/ALBERT "query", "value"; see ft_framework.lora.DEFAULT_TARGET_MODULES).
+    # value: BERT/RoBERTa/ELECTRA/ALBERT "query", "value"; see ft_framework.models.lora.DEFAULT_TARGET_MODULES).
     target_modules: list[str] | None = None
 
     @field_validator("target_modules")
@@ -91,7 +91,7 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _lora_compatible(self) -> "ModelConfig":
         if self.lora is not None:
-            from ft_framework.lora import lora_incompatibilities
+            from ft_framework.models.lora import lora_incompatibilities
 
             problems = lora_incompatibilities(self)
             if problems:
@@ -365,7 +365,7 @@ class LoggingConfig(_Section):
                 raise ValueError("logging.tensorboard is true but logging.report_to does not list tensorboard; "
                                  "add it to report_to (or drop logging.tensorboard)")
             self.tensorboard = "tensorboard" in self.report_to
-        from ft_framework.tracking import missing_tracker_packages
+        from ft_framework.run.tracking import missing_tracker_packages
 
         problems = missing_tracker_packages(self.report_to)
         if problems:

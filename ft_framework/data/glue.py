@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ft_framework.errors import MissingPath, UserError
 
-from .tasks import TaskSpec, get_task
+from ft_framework.data.tasks import TaskSpec, get_task
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from .base import AnchoredOptimizer
-from .coefficients import StepCoefficients
-from .registry import register_optimizer
+from ft_framework.optim.base import AnchoredOptimizer
+from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.registry import register_optimizer
 
 
 @register_optimizer("adamw")

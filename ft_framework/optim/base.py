@@ -21,10 +21,10 @@ from typing import Any, Iterable
 
 import torch
 
-from . import cpu as cpu_kernel
-from .coefficients import StepCoefficients
-from .torch_step import foreach_step
-from .validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
+from ft_framework.optim import cpu as cpu_kernel
+from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.torch_step import foreach_step
+from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
 
 __all__ = ["ANCHOR_DTYPES", "AnchoredOptimizer", "PullOvershootWarning", "check_loaded_anchors", "local_tensor"]
 
@@ -285,7 +285,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         """
         sq = self.forgetting_sq_sum()
         if all_reduce:
-            from .. import collectives
+            from ft_framework.distributed import collectives
 
             sq = collectives.all_reduce(sq, group=reduce_group)
         return math.sqrt(float(sq))

@@ -14,12 +14,12 @@ import os
 
 import torch
 
-from .coefficients import StepCoefficients
+from ft_framework.optim.coefficients import StepCoefficients
 
 SIMD_ENV_VAR = "FT_FRAMEWORK_SIMD"
 
 try:
-    from .. import _cpu_kernel as _kernel
+    from ft_framework import _cpu_kernel as _kernel
 except ImportError as exc:  # the package was installed without building cpp/
     _kernel = None
     _IMPORT_ERROR = exc

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from .adam import AdamW
-from .coefficients import StepCoefficients
-from .registry import register_optimizer
+from ft_framework.optim.adam import AdamW
+from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.registry import register_optimizer
 
 
 @register_optimizer("prior_wd")

@@ -4,11 +4,11 @@ lr * (anneal_w - lambda(t)) * pretrain_cof toward theta*, then weight decay."""
 
 from __future__ import annotations
 
-from .adam import hf_step_size
-from .anneal import anneal_lambda
-from .base import AnchoredOptimizer
-from .coefficients import StepCoefficients
-from .registry import register_optimizer
+from ft_framework.optim.adam import hf_step_size
+from ft_framework.optim.anneal import anneal_lambda
+from ft_framework.optim.base import AnchoredOptimizer
+from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.registry import register_optimizer
 
 
 @register_optimizer("recadam")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .coefficients import StepCoefficients
+from ft_framework.optim.coefficients import StepCoefficients
 
 
 def _as_dtype(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:

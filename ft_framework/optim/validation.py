@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ft_framework.errors import did_you_mean
 
-from .anneal import ANNEAL_FUNCTIONS, validate_anneal
+from ft_framework.optim.anneal import ANNEAL_FUNCTIONS, validate_anneal
 
 
 class PullOvershootWarning(RuntimeWarning):
@@ -21,7 +21,7 @@ class PullOvershootWarning(RuntimeWarning):
 
 def optimizer_defaults(name: str) -> dict[str, Any]:
     """Every hyper-parameter of registered optimizer `name` with its default."""
-    from .registry import optimizer_hparams
+    from ft_framework.optim.registry import optimizer_hparams
 
     return dict(optimizer_hparams(name))
 
@@ -77,7 +77,7 @@ def pull_overshoot(name: str, hparams: Mapping[str, Any]) -> float:
     lr * (anneal_w - lambda(1)) * pretrain_cof, strongest at t = 1 because lambda only rises, and 0
     for anneal_fun constant; prior_wd: lr * weight_decay). A rule without `max_pull` has no pull.
     """
-    from .registry import optimizer_factory
+    from ft_framework.optim.registry import optimizer_factory
 
     merged = {**optimizer_defaults(name), **{k: v for k, v in hparams.items() if v is not None}}
     if merged.get("lr") is None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Strategy
-from .single import SingleDeviceStrategy
+from ft_framework.strategies.base import Strategy
+from ft_framework.strategies.single import SingleDeviceStrategy
 
 
 
@@ -13,15 +13,15 @@ def build_strategy(strategy_cfg, training_cfg) -> Strategy:
     if name == "single":
         return SingleDeviceStrategy(training_cfg.precision, training_cfg.device)
     if name == "ddp":
-        from .ddp import DDPStrategy
+        from ft_framework.strategies.ddp import DDPStrategy
 
         return DDPStrategy(training_cfg.precision, training_cfg.device)
     if name == "deepspeed":
-        from .deepspeed import DeepSpeedStrategy
+        from ft_framework.strategies.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy(strategy_cfg.deepspeed, training_cfg)
     if name == "fsdp":
-        from .fsdp import FSDPStrategy
+        from ft_framework.strategies.fsdp import FSDPStrategy
 
         return FSDPStrategy(strategy_cfg.fsdp, training_cfg)
     raise ValueError(f"unknown strategy {name!r}; valid: single, ddp, deepspeed, fsdp")

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..errors import UserError
+from ft_framework.errors import UserError
 
 
 class Strategy(ABC):
@@ -136,7 +136,7 @@ class Strategy(ABC):
 
     def checkpoint_params(self) -> list:
         """ParamInfo (name, full shape, dtype) of every model parameter, the same on every rank."""
-        from ..checkpointing import param_info
+        from ft_framework.checkpointing import param_info
 
         return [param_info(n, p) for n, p in self.unwrapped_model().named_parameters()]
 
@@ -144,7 +144,7 @@ class Strategy(ABC):
         """This rank's Fragments: 1-D views into the live master weights and optimizer state with
         their offsets in the flattened parameter. Saving writes those marked `write`; loading
         copies into all of them. Here: whole tensors, written by rank 0."""
-        from ..checkpointing import whole_tensor_fragments
+        from ft_framework.checkpointing import whole_tensor_fragments
 
         return whole_tensor_fragments(self.unwrapped_model().named_parameters(), self.optimizer,
                                       self.is_main_process)
@@ -183,14 +183,14 @@ class Strategy(ABC):
     def save_checkpoint(self, directory: Path) -> None:
         """Writes model and optimizer state into `directory`: every rank its own fragments, in
         parallel (collective)."""
-        from ..checkpointing import save_sharded
+        from ft_framework.checkpointing import save_sharded
 
         save_sharded(directory, self, tokenizer=self.tokenizer, saved_by=self.checkpoint_info())
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restores model and optimizer state from a checkpoint saved under any strategy and number
         of ranks, each rank reading only the saved fragments that overlap its own (collective)."""
-        from ..checkpointing import load_sharded
+        from ft_framework.checkpointing import load_sharded
 
         load_sharded(directory, self)
 

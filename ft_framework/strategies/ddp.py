@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .process_group import ProcessGroupMixin
-from .single import SingleDeviceStrategy
+from ft_framework.distributed.process_group import ProcessGroupMixin
+from ft_framework.strategies.single import SingleDeviceStrategy
 
 
 class DDPStrategy(ProcessGroupMixin, SingleDeviceStrategy):

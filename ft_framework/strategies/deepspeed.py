@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import collectives
-from .base import Strategy
-from .process_group import ProcessGroupMixin
+from ft_framework.distributed import collectives
+from ft_framework.strategies.base import Strategy
+from ft_framework.distributed.process_group import ProcessGroupMixin
 
 
 def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
@@ -88,7 +88,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
         import deepspeed
 
-        from . import deepspeed_adapter  # checks the DeepSpeed version
+        from ft_framework.strategies import deepspeed_adapter  # checks the DeepSpeed version
 
         self._deepspeed = deepspeed
         self._adapter = deepspeed_adapter

@@ -37,9 +37,9 @@ import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
-from .. import collectives
-from ..checkpointing.fragments import MASTER as CKPT_MASTER
-from ..checkpointing.fragments import STEP, Fragment, whole_tensor_fragments
+from ft_framework.distributed import collectives
+from ft_framework.checkpointing.fragments import MASTER as CKPT_MASTER
+from ft_framework.checkpointing.fragments import STEP, Fragment, whole_tensor_fragments
 
 MASTER = "fp32"
 # Lower bound: the ZeRO-3 partition accessor takes release_swap_buffers since DeepSpeed's NVMe

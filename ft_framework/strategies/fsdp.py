@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import collectives
-from ..optim.base import local_tensor
-from .base import Strategy
-from .process_group import ProcessGroupMixin
+from ft_framework.distributed import collectives
+from ft_framework.optim.base import local_tensor
+from ft_framework.strategies.base import Strategy
+from ft_framework.distributed.process_group import ProcessGroupMixin
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -226,7 +226,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         return list(self.model.named_parameters())
 
     def checkpoint_fragments(self) -> list:
-        from ..checkpointing import dtensor_fragments
+        from ft_framework.checkpointing import dtensor_fragments
 
         return dtensor_fragments(self._sharded_named_parameters(), self.optimizer, self.is_main_process)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Strategy
+from ft_framework.strategies.base import Strategy
 
 
 class SingleDeviceStrategy(Strategy):

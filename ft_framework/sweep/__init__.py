@@ -11,13 +11,13 @@ sweep from start to end), records (the runs of a store as the report reads them)
 (tables, Levene's test, expected best of n trials), plots (PNG figures).
 """
 
-from .driver import SweepResult, format_plan, plan_sweep, run_sweep
-from .grid import PlannedRun, expand, run_identity
-from .report import Report, build_report
-from .ray_runner import RayRunner
-from .runners import LocalRunner, SweepInterrupted, make_runner
-from .spec import RunnerSpec, SweepSpec, load_sweep, validate_sweep
-from .store import SweepLockedError, SweepStore
+from ft_framework.sweep.driver import SweepResult, format_plan, plan_sweep, run_sweep
+from ft_framework.sweep.grid import PlannedRun, expand, run_identity
+from ft_framework.sweep.report import Report, build_report
+from ft_framework.sweep.ray_runner import RayRunner
+from ft_framework.sweep.runners import LocalRunner, SweepInterrupted, make_runner
+from ft_framework.sweep.spec import RunnerSpec, SweepSpec, load_sweep, validate_sweep
+from ft_framework.sweep.store import SweepLockedError, SweepStore
 
 __all__ = [
     "SweepSpec", "RunnerSpec", "load_sweep", "validate_sweep",

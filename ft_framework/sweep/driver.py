@@ -15,11 +15,11 @@ from typing import Any, Sequence
 
 import yaml
 
-from .grid import PlannedRun, expand
-from .ray_runner import RayRunner
-from .runners import LocalRunner, make_runner
-from .spec import SweepSpec
-from .store import DONE_STATES, STATES, SweepStore
+from ft_framework.sweep.grid import PlannedRun, expand
+from ft_framework.sweep.ray_runner import RayRunner
+from ft_framework.sweep.runners import LocalRunner, make_runner
+from ft_framework.sweep.spec import SweepSpec
+from ft_framework.sweep.store import DONE_STATES, STATES, SweepStore
 
 __all__ = ["SweepResult", "plan_sweep", "run_sweep", "format_plan"]
 
@@ -121,7 +121,7 @@ def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str
             if bar is not None:
                 bar.close()
             refresh()
-        from .postprocess import run_interpolations
+        from ft_framework.sweep.postprocess import run_interpolations
 
         run_interpolations(spec, store, runs)  # the sweep's `interpolate:` post-step, if any
     return SweepResult(store=store, runs=runs, counts=dict(counts), ran=ran)

@@ -22,9 +22,9 @@ from typing import Any, Iterable, Sequence
 
 from ft_framework.config import (ConfigError, RunConfig, apply_overrides, parse_override, resolve_task_overrides,
                                  set_path, validate_config)
-from ft_framework.run_files import EXPORT_DIR, RUNS_SUBDIR
+from ft_framework.run.files import EXPORT_DIR, RUNS_SUBDIR
 
-from .spec import SweepSpec
+from ft_framework.sweep.spec import SweepSpec
 
 __all__ = ["PlannedRun", "IDENTITY_EXCLUDED", "run_identity", "expand", "RUNS_SUBDIR"]
 

@@ -23,11 +23,11 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-from ft_framework.run_files import METRICS_FILE
+from ft_framework.run.files import METRICS_FILE
 
 if TYPE_CHECKING:
-    from .records import RunRecord
-    from .report import Report
+    from ft_framework.sweep.records import RunRecord
+    from ft_framework.sweep.report import Report
 
 __all__ = ["K_KEY", "write_plots", "curve_groups"]
 

@@ -19,13 +19,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ft_framework.run_files import INTERPOLATION_FILE, RESULTS_FILE
+from ft_framework.run.files import INTERPOLATION_FILE, RESULTS_FILE
 
 if TYPE_CHECKING:
-    from .grid import PlannedRun
-    from .report import Report
-    from .spec import SweepSpec
-    from .store import SweepStore
+    from ft_framework.sweep.grid import PlannedRun
+    from ft_framework.sweep.report import Report
+    from ft_framework.sweep.spec import SweepSpec
+    from ft_framework.sweep.store import SweepStore
 
 logger = logging.getLogger(__name__)
 

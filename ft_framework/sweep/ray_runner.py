@@ -15,10 +15,10 @@ import os
 import time
 from typing import Any, Sequence
 
-from .grid import PlannedRun
-from .runners import CommandFn, OnChange, OnDone, build_command, execute_run, sigterm_raises
-from .spec import RunnerSpec
-from .store import SweepStore, now_iso
+from ft_framework.sweep.grid import PlannedRun
+from ft_framework.sweep.runners import CommandFn, OnChange, OnDone, build_command, execute_run, sigterm_raises
+from ft_framework.sweep.spec import RunnerSpec
+from ft_framework.sweep.store import SweepStore, now_iso
 
 __all__ = ["RayRunner", "node_local_reason"]
 
@@ -126,7 +126,7 @@ class RayRunner:
     @staticmethod
     def _resubmit_lost(store: SweepStore, run: PlannedRun, exc: BaseException, attempt: int) -> str:
         """Marks a run whose task was lost as interrupted (it runs again); returns the warning."""
-        from ft_framework.run_files import RunPaths
+        from ft_framework.run.files import RunPaths
 
         resumable = RunPaths(store.run_dir(run.run_id)).latest_checkpoint.is_file()
         cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""

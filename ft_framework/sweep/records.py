@@ -15,9 +15,9 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from ft_framework.run_files import INDEX_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
+from ft_framework.run.files import INDEX_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
 
-from .store import SweepStore
+from ft_framework.sweep.store import SweepStore
 
 __all__ = ["DEFAULT_SEED_KEYS", "RunRecord", "load_records", "setting_label"]
 

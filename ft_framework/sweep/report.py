@@ -41,10 +41,10 @@ import numpy as np
 
 from ft_framework.data.tasks import GLUE_TASKS
 from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
-from ft_framework.run_files import REPORT_FILE, REPORT_PLOTS_DIR
+from ft_framework.run.files import REPORT_FILE, REPORT_PLOTS_DIR
 
-from .records import RunRecord, load_records, setting_label
-from .stats import expected_max_curve, levene, sample_std
+from ft_framework.sweep.records import RunRecord, load_records, setting_label
+from ft_framework.sweep.stats import expected_max_curve, levene, sample_std
 
 __all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "TaskCell", "Report", "build_report"]
 
@@ -292,7 +292,7 @@ class Report:
                     _md_table(["Run", "Method", "Task", "Seed", "Setting", "State"],
                               [[r.run_id, r.method, r.task, str(r.seed), r.setting_label, r.state]
                                for r in unfinished], align_left=6), ""]
-        from .postprocess import interpolation_markdown
+        from ft_framework.sweep.postprocess import interpolation_markdown
 
         interpolation = interpolation_markdown(self)  # runs with interpolation.json (ft-interpolate)
         if interpolation:
@@ -340,10 +340,10 @@ class Report:
             (out / name).write_text(self.csv_text(columns, rows))
             written.append(out / name)
         if plots:
-            from .plots import write_plots
+            from ft_framework.sweep.plots import write_plots
 
             written += write_plots(self, out / REPORT_PLOTS_DIR)
-            from .postprocess import write_interpolation_plots
+            from ft_framework.sweep.postprocess import write_interpolation_plots
 
             written += write_interpolation_plots(self, out / REPORT_PLOTS_DIR)
         return written

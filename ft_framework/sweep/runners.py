@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from ft_framework.config import RunConfig
-from ft_framework.run_files import LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE
+from ft_framework.run.files import LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE
 
-from .grid import PlannedRun
-from .spec import RunnerSpec
-from .store import SweepStore, diverged_error, now_iso
+from ft_framework.sweep.grid import PlannedRun
+from ft_framework.sweep.spec import RunnerSpec
+from ft_framework.sweep.store import SweepStore, diverged_error, now_iso
 
 if TYPE_CHECKING:
-    from .ray_runner import RayRunner
+    from ft_framework.sweep.ray_runner import RayRunner
 
 __all__ = ["SweepInterrupted", "build_command", "execute_run", "LocalRunner", "make_runner", "threads_per_run",
            "sigterm_raises"]
@@ -311,7 +311,7 @@ def _local_gpu_ids() -> list[int]:
 def make_runner(spec: RunnerSpec, **kwargs: Any) -> LocalRunner | RayRunner:
     """The runner a sweep's `runner:` section names."""
     if spec.name == "ray":
-        from .ray_runner import RayRunner  # ray_runner imports this module
+        from ft_framework.sweep.ray_runner import RayRunner  # ray_runner imports this module
 
         return RayRunner(spec, **kwargs)
     return LocalRunner(spec, **kwargs)

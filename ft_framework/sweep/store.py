@@ -29,10 +29,10 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
-from ft_framework.run_files import (INDEX_FILE, LOCK_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
+from ft_framework.run.files import (INDEX_FILE, LOCK_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
                                     RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE, RunPaths)
 
-from .grid import PlannedRun
+from ft_framework.sweep.grid import PlannedRun
 
 __all__ = ["DONE_STATES", "STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso"]
 

@@ -140,8 +140,8 @@ class Launches:
 def torchrun_node(node_rank: int, nnodes: int, endpoint: str, run_id: str, script_args: list[str], *,
                   nproc: int = 1, rdzv_conf: str | None = None, extra: list[str] = (),
                   wrapper: bool = True) -> list[str]:
-    """One node's torchrun command (through python -m ft_framework.torchrun, torchrun's arguments)."""
-    launcher = ["-m", "ft_framework.torchrun"] if wrapper else ["-m", "torch.distributed.run"]
+    """One node's torchrun command (through python -m ft_framework.distributed.torchrun, torchrun's arguments)."""
+    launcher = ["-m", "ft_framework.distributed.torchrun"] if wrapper else ["-m", "torch.distributed.run"]
     cmd = [sys.executable, *launcher, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
            "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
            "--rdzv-id", run_id, "--local-addr", LOOPBACK, *extra]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ft_framework.checkpoint import CheckpointManager
+from ft_framework.checkpointing.manager import CheckpointManager
 from multinode_helpers import base_env, comparable_results, fsdp_config, read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -30,7 +30,7 @@ def test_kill_9_a_worker_and_torchrun_restarts_it_from_the_last_checkpoint(tiny_
     cfg = fsdp_config(tmp_path / "run.yaml", tiny_bert_dir, out, checkpoint={"every_steps": 2, "resume_from": "auto"})
     pid_file = tmp_path / "paused.pid"
     env = base_env(FT_TEST_PAUSE_AT_STEP=str(PAUSE_AT_STEP), FT_TEST_PAUSE_RANK="1", FT_TEST_PAUSE_FILE=str(pid_file))
-    job = launches.start("job", [sys.executable, "-m", "ft_framework.torchrun", "--standalone", "--nproc-per-node", "2",
+    job = launches.start("job", [sys.executable, "-m", "ft_framework.distributed.torchrun", "--standalone", "--nproc-per-node", "2",
                                  "--max-restarts", "1", HERE / "elastic_train.py", "--config", cfg], env=env)
     deadline = time.monotonic() + 180
     while not pid_file.is_file():

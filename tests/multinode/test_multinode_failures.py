@@ -1,6 +1,6 @@
 """Multi-node failures end in bounded time with one clear line on every node, no traceback:
 
-- a node that cannot reach the rendezvous: torchrun's (through python -m ft_framework.torchrun) and
+- a node that cannot reach the rendezvous: torchrun's (through python -m ft_framework.distributed.torchrun) and
   the process group's under the DeepSpeed launcher (FT_RENDEZVOUS_TIMEOUT_S);
 - ranks that disagree about the config: the hash of the resolved config, compared at start.
 """
@@ -40,10 +40,10 @@ def test_torchrun_node_that_cannot_reach_the_rendezvous_fails_in_one_line_on_eve
     for log in (log0, log1):
         assert "Traceback" not in log and "frame #" not in log, log
         assert "a worker started" not in log
-    [line0] = error_lines(log0, "ft_framework.torchrun:")
+    [line0] = error_lines(log0, "ft_framework.distributed.torchrun:")
     assert f"the rendezvous at {endpoint} did not fill up within join_timeout=10 s" in line0
     assert "--nnodes 2" in line0
-    [line1] = error_lines(log1, "ft_framework.torchrun:")
+    [line1] = error_lines(log1, "ft_framework.distributed.torchrun:")
     assert f"this node cannot reach the rendezvous at {wrong} within read_timeout=5 s" in line1
 
 
@@ -89,5 +89,5 @@ def test_ranks_that_disagree_about_the_config_fail_in_one_line_on_every_node(tin
         assert "training.max_steps is 8 on rank 0 but 7 on rank 1" in line or \
             "training.max_steps is 7 on rank 0 but 8 on rank 1" in line, line
         assert "same config file and the same overrides" in line
-        assert "exit code 2" in error_lines(log, "ft_framework.torchrun: workers failed")[0]
+        assert "exit code 2" in error_lines(log, "ft_framework.distributed.torchrun: workers failed")[0]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

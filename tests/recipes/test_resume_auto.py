@@ -5,7 +5,7 @@ there is one, else a fresh start; never refused by the output-directory guard. (
 import json
 from pathlib import Path
 
-from ft_framework.checkpoint import CheckpointManager
+from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.config import load_config
 from ft_framework.trainer import Trainer
 from tiny_run import write_run_config
@@ -26,7 +26,7 @@ def test_auto_starts_fresh_then_resumes_from_the_latest_checkpoint(tiny_bert_dir
     full = write_run_config(tmp_path / "full.yaml", tiny_bert_dir, tmp_path / "full", training={"max_steps": 6},
                             evaluation={"num_evals": 2})
     run(full)
-    caplog.set_level("INFO", logger="ft_framework.run_start")
+    caplog.set_level("INFO", logger="ft_framework.run.start")
     # A first attempt: nothing to resume, so a fresh start (no error); it stops after step 3 (saving a
     # checkpoint there, as a preempted run does).
     assert run(cfg, stop_after_step=3)[1] == {"stopped_at_step": 3}

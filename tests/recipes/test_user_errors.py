@@ -220,7 +220,7 @@ class Row:
 def _kill_during_prune():
     """Pruning an old checkpoint is "killed" (SystemExit 137) halfway: its files are deleted, in
     whatever order rmtree takes them, all but the COMPLETE marker (if it is still there)."""
-    import ft_framework.checkpoint as checkpoint
+    import ft_framework.checkpointing.manager as checkpoint
 
     real = shutil.rmtree
 

@@ -1,4 +1,4 @@
-"""ft_framework.collectives owns every torch.distributed collective: the device choice per backend,
+"""ft_framework.distributed.collectives owns every torch.distributed collective: the device choice per backend,
 an AST walk that fails on a collective called anywhere else in the package, and the module's
 collectives on a real (one-process gloo) group."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ft_framework import collectives
-from ft_framework.collectives import communication_device
+from ft_framework.distributed import collectives
+from ft_framework.distributed.collectives import communication_device
 
 PACKAGE = Path(collectives.__file__).parent
 COLLECTIVES = {
@@ -117,7 +117,7 @@ def test_no_collective_is_called_outside_the_collectives_module():
             continue
         for line, name in collective_calls(path.read_text()):
             offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
-    assert not offenders, "call these through ft_framework.collectives:\n" + "\n".join(offenders)
+    assert not offenders, "call these through ft_framework.distributed.collectives:\n" + "\n".join(offenders)
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("peft")
 
 from ft_framework.config import ConfigError, validate_config  # noqa: E402
-from ft_framework.lora import apply_lora, default_target_modules, merged_copy, merged_forgetting_distance  # noqa: E402
+from ft_framework.models.lora import apply_lora, default_target_modules, merged_copy, merged_forgetting_distance  # noqa: E402
 from ft_framework.optim import available_optimizers, build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 

@@ -4,7 +4,7 @@ its published architecture: no download, no memory) under ZeRO-2 + CPU offload o
 import torch
 
 from ft_framework.config import validate_config
-from ft_framework.memory_plan import GIB, format_memory_plan, plan_memory
+from ft_framework.strategies.memory_plan import GIB, format_memory_plan, plan_memory
 
 
 def run_cfg(strategy: dict, precision: str = "bf16", anchor_dtype: str = "float32"):

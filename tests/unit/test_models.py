@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ft_framework.config import ModelConfig
-from ft_framework.models import (
+from ft_framework.models.loading import (
     MixoutLinear,
     apply_mixout,
     load_model,

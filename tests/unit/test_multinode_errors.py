@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ft_framework.config_agreement import check_config_agreement, config_hash, describe_disagreement
+from ft_framework.distributed.config_agreement import check_config_agreement, config_hash, describe_disagreement
 from ft_framework.errors import UserError
-from ft_framework.rendezvous import RendezvousFailed, join_process_group, rendezvous_timeout_s
-from ft_framework.torchrun import describe_failure
+from ft_framework.distributed.rendezvous import RendezvousFailed, join_process_group, rendezvous_timeout_s
+from ft_framework.distributed.torchrun import describe_failure
 
 
 def free_port() -> int:
@@ -111,7 +111,7 @@ def test_torchrun_failures_are_told_in_one_line():
             raise RendezvousConnectionError("The connection to the C10d store has failed.") from inner
     except RendezvousConnectionError as exc:
         line = describe_failure(exc, args)
-    assert line.startswith("ft_framework.torchrun: this node cannot reach the rendezvous at 10.0.0.1:29400 "
+    assert line.startswith("ft_framework.distributed.torchrun: this node cannot reach the rendezvous at 10.0.0.1:29400 "
                            "within read_timeout=60 s (ConnectionError: The client socket has timed out after 60000ms)")
     assert "frame #" not in line and "--rdzv-id job7" in line
 
@@ -120,15 +120,15 @@ def test_torchrun_failures_are_told_in_one_line():
 
     failure = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="/nonexistent")
     line = describe_failure(ChildFailedError("train.py", {3: failure}), args)
-    assert line == ("ft_framework.torchrun: workers failed on this node: rank 3 (local rank 1, pid 4242) killed by "
+    assert line == ("ft_framework.distributed.torchrun: workers failed on this node: rank 3 (local rank 1, pid 4242) killed by "
                     "signal 9; their own error lines are above")
     assert describe_failure(ValueError("not ours"), args) is None
 
 
 WORKER = r"""
 import json, os, sys
-from ft_framework.config_agreement import ConfigDisagreement, check_config_agreement
-from ft_framework.rendezvous import join_process_group
+from ft_framework.distributed.config_agreement import ConfigDisagreement, check_config_agreement
+from ft_framework.distributed.rendezvous import join_process_group
 join_process_group("gloo", timeout_s=60)  # rank 0 hosts the store on MASTER_PORT, as under the deepspeed launcher
 import torch.distributed as dist
 cfg = {"training": {"max_steps": 8, "seed": 1}}
@@ -174,12 +174,12 @@ def test_a_restart_on_torchrun_s_shared_store_is_refused_in_one_line(monkeypatch
                            TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="1").items():
         monkeypatch.setenv(key, value)
     with pytest.raises(RendezvousFailed, match="torchrun restarted this worker .restart 1. but shares its rendezvous "
-                                               "store .* launch with python -m ft_framework.torchrun"):
+                                               "store .* launch with python -m ft_framework.distributed.torchrun"):
         join_process_group("gloo", timeout_s=1.0)
 
 
 def test_the_torchrun_wrapper_gives_each_round_of_workers_a_fresh_store(monkeypatch):
-    import ft_framework.torchrun as wrapper
+    import ft_framework.distributed.torchrun as wrapper
     from torch.distributed import run as torchrun
 
     seen = {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ft_framework import run_files
-from ft_framework.run_files import RunPaths, checkpoint_name
+from ft_framework.run import files as run_files
+from ft_framework.run.files import RunPaths, checkpoint_name
 
 
 def test_the_names_on_disk():

@@ -271,7 +271,7 @@ def test_export_of_a_lora_model_writes_it_merged(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
 
-    from ft_framework.lora import merged_copy
+    from ft_framework.models.lora import merged_copy
     from ft_framework.optim import build_optimizer
 
     model = get_peft_model(tiny(), LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"],

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from ft_framework.config import ConfigError, validate_config
-from ft_framework.run_logging import MetricsLogger
+from ft_framework.run.logs import MetricsLogger
 from ft_framework.config import flatten_dotted as flatten_config
-from ft_framework.tracking import missing_tracker_packages, open_trackers
+from ft_framework.run.tracking import missing_tracker_packages, open_trackers
 
 BASE = {"model": {"name_or_path": "x"}, "data": {"task": "sst2"}, "schedule": {"warmup_steps": 0},
         "training": {"max_steps": 1}}
@@ -217,7 +217,7 @@ def test_only_the_main_process_opens_trackers(tmp_path):
 def _open_mlflow_run_after(barrier, uri):
     import mlflow.tracking  # noqa: F401 - imported before the barrier, so that it does not stagger the runs
 
-    from ft_framework.tracking import MLflowTracker
+    from ft_framework.run.tracking import MLflowTracker
 
     barrier.wait()  # all processes ask for the experiment at the same moment
     MLflowTracker(tracking_uri=uri, experiment="shared", run_name="r", params={})

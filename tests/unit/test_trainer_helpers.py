@@ -1,4 +1,4 @@
-from ft_framework.results import format_results_table
+from ft_framework.run.results import format_results_table
 from ft_framework.trainer import eval_steps, lr_multiplier
 
 

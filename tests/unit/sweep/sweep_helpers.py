@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ft_framework.run_files import METRICS_FILE, RESULTS_FILE
+from ft_framework.run.files import METRICS_FILE, RESULTS_FILE
 
 BASE_RUN = {
     "model": {"name_or_path": "some/model", "init": "pretrained"},
@@ -27,7 +27,7 @@ BASE_RUN = {
 
 FAKE_TRAIN = r"""
 import json, os, sys, time, yaml
-from ft_framework.run_files import METRICS_FILE, RESULTS_FILE
+from ft_framework.run.files import METRICS_FILE, RESULTS_FILE
 cfg = yaml.safe_load(open(sys.argv[1]))
 out, seed, task = cfg["logging"]["output_dir"], cfg["training"]["seed"], cfg["data"]["task"]
 print("fake run", seed, task, "threads", os.environ.get("OMP_NUM_THREADS"), "resume" if len(sys.argv) > 2 else "")

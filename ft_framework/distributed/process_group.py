@@ -1,6 +1,6 @@
 """What every multi-process strategy (DDP, DeepSpeed, FSDP) shares: joining the process group a
 launcher (torchrun, the deepspeed launcher) describes in the environment, and the collectives the
-trainer uses for evaluation and checkpoints (made through ft_framework.collectives)."""
+trainer uses for evaluation and checkpoints (made through ft_framework.distributed.collectives)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import collectives
-from ..rendezvous import join_process_group
+from ft_framework.distributed import collectives
+from ft_framework.distributed.rendezvous import join_process_group
 
 
 class ProcessGroupMixin:

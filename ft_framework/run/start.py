@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, CheckpointManager
-from .errors import UserError
-from .failures import same_on_every_rank
-from .fingerprint import check_allow_list, check_resume, config_record
-from .output_dir import OutputDirInUse, guard_output_dir
-from .run_files import TRAINER_STATE_FILE, RunPaths
+from ft_framework.checkpointing.manager import CheckpointError, CheckpointManager
+from ft_framework.errors import UserError
+from ft_framework.run.failures import same_on_every_rank
+from ft_framework.run.fingerprint import check_allow_list, check_resume, config_record
+from ft_framework.run.output_dir import OutputDirInUse, guard_output_dir
+from ft_framework.run.files import TRAINER_STATE_FILE, RunPaths
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from ft_framework import collectives
-from ft_framework.config.overrides import flatten_dotted
+from ft_framework.distributed import collectives
+from ft_framework.dotted import flatten_dotted
 from ft_framework.errors import UserError
 
 __all__ = ["ConfigDisagreement", "check_config_agreement", "config_hash"]

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from ft_framework.errors import UserError
-from ft_framework.run_files import (BEST_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
+from ft_framework.run.files import (BEST_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
                                     METRICS_FILE, MOVED_ASIDE_PREFIX, RESULTS_FILE, TENSORBOARD_DIR)
 
 __all__ = ["OutputDirInUse", "guard_output_dir", "previous_run_files"]

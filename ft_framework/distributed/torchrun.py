@@ -1,4 +1,4 @@
-"""``python -m ft_framework.torchrun [torchrun arguments]``: torchrun, with its failures told in one line.
+"""``python -m ft_framework.distributed.torchrun [torchrun arguments]``: torchrun, with its failures told in one line.
 
 The same arguments and behaviour as ``torchrun`` (it calls torch.distributed.run). What differs is
 what a failure prints on the node it happens on: instead of torchrun's tracebacks (with C++ frames
@@ -17,7 +17,7 @@ attempt's addresses from it and hangs or fails connecting (pytorch/pytorch#13571
 sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless it is set), so every round of workers gets a
 fresh store. Use it on every node (or set that variable on every node for plain torchrun).
 
-    python -m ft_framework.torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+    python -m ft_framework.distributed.torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint NODE0:29400 --rdzv-id job1 launch/train.py --config run.yaml
 """
 
@@ -28,7 +28,7 @@ import sys
 
 __all__ = ["main", "describe_failure"]
 
-PROG = "ft_framework.torchrun"
+PROG = "ft_framework.distributed.torchrun"
 # Workers of each rendezvous round get their own store (see the module docstring).
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # torchrun's defaults (torch/distributed/elastic/rendezvous/{c10d_rendezvous_backend,dynamic_rendezvous}.py).

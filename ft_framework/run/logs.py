@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .run_files import METRICS_FILE, TENSORBOARD_DIR
+from ft_framework.run.files import METRICS_FILE, TENSORBOARD_DIR
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -55,7 +55,7 @@ class MetricsLogger:
                     self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
         if self.trackers:
-            from .tracking import scalars_for_trackers
+            from ft_framework.run.tracking import scalars_for_trackers
 
             values = scalars_for_trackers(_scalars(record))
             for tracker in self.trackers:

@@ -10,7 +10,7 @@ torchrun every rank is a client of the agent's store), but with its own timeout:
 check. The process group is then created on that store, with the usual collective timeout.
 
 torchrun's agents meet at their own rendezvous (``--rdzv-endpoint``) before any worker starts; the
-one-line form of *its* failures is ``python -m ft_framework.torchrun`` (ft_framework/torchrun.py).
+one-line form of *its* failures is ``python -m ft_framework.distributed.torchrun`` (ft_framework/torchrun.py).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def join_process_group(backend: str, timeout_s: float | None = None, **init_kwar
         raise RendezvousFailed(
             f"torchrun restarted this worker (restart {os.environ['TORCHELASTIC_RESTART_COUNT']}) but shares its "
             f"rendezvous store at {where} with the workers, which still holds the failed attempt's addresses: "
-            "launch with python -m ft_framework.torchrun (same arguments), or set "
+            "launch with python -m ft_framework.distributed.torchrun (same arguments), or set "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node")
     hosting = rank == 0 and not agent
     deadline = time.monotonic() + timeout_s

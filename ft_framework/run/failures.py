@@ -7,7 +7,7 @@ code   meaning
 1      crashed (a bug, out of memory, a lost peer): the traceback is printed
 2      user error (:class:`~ft_framework.errors.UserError`): one line, no traceback (``--debug``
        prints it)
-3      diverged (:data:`~ft_framework.divergence.EXIT_DIVERGED`): results.json says where and why
+3      diverged (:data:`~ft_framework.run.divergence.EXIT_DIVERGED`): results.json says where and why
 =====  ==========================================================================================
 
 With several ranks, an error every rank hits alike (a config error, the output-directory guard, a
@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import Any, TextIO
 
-from ft_framework.divergence import EXIT_DIVERGED
+from ft_framework.run.divergence import EXIT_DIVERGED
 from ft_framework.errors import UserError
 
 __all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "is_peer_failure", "report_failure",

@@ -44,8 +44,8 @@ from typing import Any, Iterable, Protocol, Sequence
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from .config.overrides import flatten_dotted
-from .run_files import TRACKERS_FILE
+from ft_framework.dotted import flatten_dotted
+from ft_framework.run.files import TRACKERS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def _open(name: str, logging_cfg: Any, output_dir: Path, params: dict[str, Any],
     if name == "mlflow":
         return MLflowTracker(tracking_uri=logging_cfg.mlflow.tracking_uri,
                              experiment=logging_cfg.experiment or DEFAULT_EXPERIMENT, run_name=run_name,
-                             params=params, resume=resume, tags={"ft_framework.output_dir": str(output_dir)})
+                             params=params, resume=resume, tags={"ft_framework.run.output_dir": str(output_dir)})
     wb = logging_cfg.wandb
     return WandbTracker(project=wb.project, entity=wb.entity, group=logging_cfg.experiment, run_name=run_name,
                         mode=wb.mode, directory=Path(wb.dir) if wb.dir else Path(output_dir), params=params,

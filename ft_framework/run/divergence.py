@@ -48,7 +48,7 @@ class DivergenceGuard:
             return flags
         import torch
 
-        from ft_framework import collectives
+        from ft_framework.distributed import collectives
 
         return [int(v) for v in collectives.all_reduce(torch.tensor(flags, dtype=torch.int32), op="max").tolist()]
 

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import UserError
-from .run_files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, COMPLETE_MARKER, LATEST_FILE,
+from ft_framework.errors import UserError
+from ft_framework.run.files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, COMPLETE_MARKER, LATEST_FILE,
                         TRAINER_STATE_FILE, checkpoint_name)
 
 

@@ -20,7 +20,7 @@ import hashlib
 import json
 from typing import Any, Iterable, Mapping
 
-from ft_framework.config.overrides import flatten_dotted
+from ft_framework.dotted import flatten_dotted
 from ft_framework.errors import UserError, did_you_mean
 
 __all__ = ["ALLOWED_ON_RESUME", "ResumeRefused", "check_allow_list", "check_resume", "config_record",

@@ -1,0 +1,1 @@
+"""One training run from start to end: what it decides before loading anything, its files, logs and trackers, the checks before the first step, how it stops on divergence, its results and how a command-line run ends."""
