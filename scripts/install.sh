@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Installs ft_framework and everything it needs on a fresh machine; safe to run again.
+# Installs ft_framework and what it needs on a fresh machine; safe to run again.
+#   bash scripts/install.sh          the library, its C++ kernel and the quickstart model (what ft-train needs)
+#   bash scripts/install.sh --test   the same plus the test extra (pytest, DeepSpeed, Ray, MLflow, W&B, peft, ...)
 # torch is installed first and pinned: a bare `torch` requirement with no torch installed would
 # pull several GB of CUDA packages. On a GPU machine, install your CUDA torch build first and set
-# FT_TORCH_SPEC= (empty) to keep it.
+# FT_TORCH_SPEC= (empty) to keep it. FT_EXTRAS=a,b names the extras yourself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${FT_TORCH_SPEC-torch==2.13.0}
-EXTRAS=${FT_EXTRAS:-test}
+EXTRAS=${FT_EXTRAS:-quickstart}
+for arg in "$@"; do
+  case "$arg" in
+    --test) EXTRAS=test ;;
+    *) echo "scripts/install.sh: unknown argument '$arg'; valid: --test" >&2; exit 2 ;;
+  esac
+done
 
 if [ -n "$TORCH_SPEC" ]; then
   "$PY" -m pip install -q "$TORCH_SPEC"
@@ -15,4 +23,4 @@ fi
 # The C++ kernel is built by scikit-build-core + CMake + pybind11 (g++ and cmake must be present).
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja
 "$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
-"$PY" -c "from ft_framework.optim import cpu; print('ft_framework installed; CPU kernel SIMD level:', cpu.simd_level())"
+"$PY" -c "from ft_framework.optim import cpu; print('ft_framework installed (extras: ${EXTRAS}); CPU kernel SIMD level:', cpu.simd_level())"

@@ -38,9 +38,9 @@ def test_no_tracked_file_points_outside_the_repository():
 def test_readme_keeps_the_two_setup_commands_and_ci_runs_the_test_command():
     readme = (REPO / "README.md").read_text()
     assert "bash scripts/install.sh && ft-train --config configs/quickstart.yaml" in readme
-    assert "bash scripts/install.sh && python3 -m pytest -q" in readme
+    assert "bash scripts/install.sh --test && python3 -m pytest -q" in readme
     ci = (REPO / ".ci" / "run").read_text().splitlines()
-    assert "bash scripts/install.sh" in ci and "python3 -m pytest -q" in ci
+    assert "bash scripts/install.sh --test" in ci and "python3 -m pytest -q" in ci
 
 
 def test_files_named_in_readme_and_docs_exist():
