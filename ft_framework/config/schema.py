@@ -317,7 +317,7 @@ class StrategyConfig(_Section):
 class MLflowConfig(_Section):
     """MLflow tracking (logging.report_to: [mlflow])."""
 
-    # None: MLFLOW_TRACKING_URI, else MLflow's local file store ./mlruns; e.g. sqlite:///mlruns.db.
+    # None: MLFLOW_TRACKING_URI, else sqlite:///<parent of logging.output_dir>/mlflow.db (run/tracking.py).
     tracking_uri: str | None = None
 
 

@@ -38,6 +38,10 @@ INTERPOLATION_FILE = "interpolation.json"
 INTERPOLATION_PLOT = "interpolation.png"
 MOVED_ASIDE_PREFIX = "overwritten-"  # + a timestamp: the directory logging.overwrite moves a run into
 
+# ---- in the output root (the directory that holds runs' output directories) -------------------------
+MLFLOW_DB_FILE = "mlflow.db"  # the default MLflow store: sqlite:///<output root>/mlflow.db
+MLFLOW_ARTIFACTS_DIR = "mlflow-artifacts"  # its artifacts, beside it
+
 # ---- inside checkpoints/ -------------------------------------------------------------------------
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "step_"

@@ -16,11 +16,12 @@ starting a second one. Records past the checkpoint that an interrupted attempt h
 sent again by the resumed one (metrics.jsonl drops them; MLflow keeps both values of such a step in
 its history, W&B ignores steps it has seen).
 
-MLflow: ``logging.mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's local file
-store ``./mlruns`` (relative to the working directory, so a sweep's runs share it). MLflow 3 keeps
-the file store in maintenance mode and refuses it unless MLFLOW_ALLOW_FILE_STORE=true, which is set
-for the process when a file store is used; a database store is one setting away
-(``tracking_uri: sqlite:///mlruns.db``: its artifacts go beside the database file). The experiment is
+MLflow: ``logging.mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else a SQLite database in the
+output root, ``sqlite:///<parent of logging.output_dir>/mlflow.db`` (``runs/mlflow.db`` for
+``runs/quickstart``; a sweep's runs, which sit side by side, share it), with artifacts in
+``mlflow-artifacts/`` beside it. ``mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`` opens it
+as it is (MLflow 3 refuses its plain file store unless MLFLOW_ALLOW_FILE_STORE=true, which is set for
+the process only when a ``file:`` URI is asked for by name). The experiment is
 ``logging.experiment`` (a sweep sets it to the sweep's name, so its runs share one experiment),
 else ``ft_framework``; the run name is ``logging.run_name``, else the output directory's name.
 
@@ -45,7 +46,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from ft_framework.dotted import flatten_dotted
-from ft_framework.run.files import TRACKERS_FILE
+from ft_framework.run.files import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB_FILE, TRACKERS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +88,17 @@ class Tracker(Protocol):
 # --------------------------------------------------------------------------------------------------
 
 
-def default_mlflow_uri(cwd: str | Path | None = None) -> str:
-    """MLFLOW_TRACKING_URI, else MLflow's local file store ./mlruns (absolute)."""
+def default_mlflow_uri(output_dir: str | Path) -> str:
+    """MLFLOW_TRACKING_URI, else the SQLite database in the output root (the directory that holds
+    the run's output directory): sqlite:///<absolute path>/mlflow.db."""
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    return (Path(cwd or os.getcwd()).absolute() / "mlruns").as_uri()
+    return f"sqlite:///{Path(output_dir).absolute().parent / MLFLOW_DB_FILE}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
 def _prepare_mlflow_uri(uri: str) -> tuple[str, str | None]:
@@ -101,10 +107,10 @@ def _prepare_mlflow_uri(uri: str) -> tuple[str, str | None]:
         # The plain file store was asked for by name: MLflow 3 only needs to be told it is wanted.
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         return uri, None
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+    db = _sqlite_path(uri)
+    if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)
-        return uri, (db.parent / "artifacts").absolute().as_uri()
+        return uri, (db.parent / MLFLOW_ARTIFACTS_DIR).absolute().as_uri()
     return uri, None
 
 
@@ -120,19 +126,32 @@ def _retry(fn, what: str, attempts: int = 5):
             time.sleep(0.2 * (i + 1))
 
 
+def _local_lock_file(uri: str) -> Path | None:
+    """The lock file of a store on this machine's file system (a file store's directory, a SQLite
+    database), None for a server."""
+    db = _sqlite_path(uri)
+    if db is not None:
+        return db.with_name(db.name + ".lock")
+    if "://" in uri and not uri.startswith("file:"):
+        return None
+    root = Path(url2pathname(urlparse(uri).path) if uri.startswith("file:") else uri)
+    return root / ".ft_experiment.lock"
+
+
 @contextlib.contextmanager
 def _experiment_lock(uri: str):
-    """Serializes the steps of a local file store that check, then create: opening a new store
-    (MLflow creates its Default experiment) and get-or-create of an experiment. A sweep's runs start
-    together: without the lock two of them failed creating the same Default experiment, or each
-    created "its" experiment of the same name and landed in a different one. Database and server
-    stores refuse a duplicate name themselves (the creating run retries and finds the other's)."""
-    if uri.startswith("sqlite:") or ("://" in uri and not uri.startswith("file:")):
+    """Serializes the steps of a local store that check, then create: opening a new store (MLflow
+    creates its Default experiment; a new SQLite database runs its schema migrations) and
+    get-or-create of an experiment. A sweep's runs start together: without the lock two of them
+    failed creating the same Default experiment or the same tables, or each created "its"
+    experiment of the same name and landed in a different one. A server refuses a duplicate name
+    itself (the creating run retries and finds the other's)."""
+    lock = _local_lock_file(uri)
+    if lock is None:
         yield
         return
-    root = Path(url2pathname(urlparse(uri).path) if uri.startswith("file:") else uri)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".ft_experiment.lock", "a") as handle:
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -143,16 +162,17 @@ def _experiment_lock(uri: str):
 class MLflowTracker:
     name = "mlflow"
 
-    def __init__(self, *, tracking_uri: str | None, experiment: str, run_name: str, params: dict[str, Any],
+    def __init__(self, *, tracking_uri: str, experiment: str, run_name: str, params: dict[str, Any],
                  resume: dict[str, Any] | None = None, tags: dict[str, str] | None = None):
         from mlflow.tracking import MlflowClient
 
-        uri, artifact_location = _prepare_mlflow_uri(tracking_uri or default_mlflow_uri())
+        uri, artifact_location = _prepare_mlflow_uri(tracking_uri)
         if resume and resume.get("tracking_uri"):
             uri = resume["tracking_uri"]
         self.tracking_uri = uri
         with _experiment_lock(uri):
             self.client = MlflowClient(uri)
+            self.client.search_experiments(max_results=1)  # opens (and, if new, creates) the store under the lock
         if resume and resume.get("run_id"):
             self.run_id = resume["run_id"]
             self.experiment_id = resume.get("experiment_id")
@@ -261,7 +281,7 @@ def _open(name: str, logging_cfg: Any, output_dir: Path, params: dict[str, Any],
           resume: dict[str, Any] | None) -> Tracker:
     run_name = logging_cfg.run_name or Path(output_dir).absolute().name
     if name == "mlflow":
-        return MLflowTracker(tracking_uri=logging_cfg.mlflow.tracking_uri,
+        return MLflowTracker(tracking_uri=logging_cfg.mlflow.tracking_uri or default_mlflow_uri(output_dir),
                              experiment=logging_cfg.experiment or DEFAULT_EXPERIMENT, run_name=run_name,
                              params=params, resume=resume, tags={"ft_framework.run.output_dir": str(output_dir)})
     wb = logging_cfg.wandb

@@ -1,4 +1,4 @@
-"""Trackers (ft_framework/tracking.py) with the real libraries: MLflow's local store in a temp dir,
+"""Trackers (ft_framework/run/tracking.py) with the real libraries: MLflow's local store in a temp dir,
 read back through MlflowClient; W&B in offline mode, read back from its run directory (the
 transaction log run-<id>.wandb). A run's records go through MetricsLogger as the trainer sends them;
 a resumed run continues the same tracker runs. The real trainer: tests/recipes/test_tracking_run.py."""
@@ -6,7 +6,10 @@ a resumed run continues the same tracker runs. The real trainer: tests/recipes/t
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from ft_framework.config import ConfigError, validate_config
 from ft_framework.run.logs import MetricsLogger
 from ft_framework.config import flatten_dotted as flatten_config
-from ft_framework.run.tracking import missing_tracker_packages, open_trackers
+from ft_framework.run.tracking import default_mlflow_uri, missing_tracker_packages, open_trackers
 
 BASE = {"model": {"name_or_path": "x"}, "data": {"task": "sst2"}, "schedule": {"warmup_steps": 0},
         "training": {"max_steps": 1}}
@@ -223,16 +226,22 @@ def _open_mlflow_run_after(barrier, uri):
     MLflowTracker(tracking_uri=uri, experiment="shared", run_name="r", params={})
 
 
-def test_parallel_runs_share_one_mlflow_experiment_in_a_file_store(tmp_path, monkeypatch):
-    """A sweep's runs start together and name the same experiment in a new file store: opening the
-    store and get-or-create of the experiment each check, then create, so without the lock runs
-    failed on the Default experiment or each made an experiment of its own (about 1 sweep in 4)."""
+@pytest.mark.parametrize("store", ["sqlite_default", "file"])
+def test_parallel_runs_share_one_mlflow_experiment(tmp_path, monkeypatch, store):
+    """A sweep's runs start together and name the same experiment in a new store: opening the store
+    (MLflow's Default experiment; a new SQLite database's tables) and get-or-create of the experiment
+    each check, then create, so without the lock runs failed on the Default experiment or the tables,
+    or each made an experiment of its own (about 1 sweep in 4 on the file store)."""
     import multiprocessing as mp
 
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if store == "file":
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        uri = (tmp_path / "mlruns").as_uri()
+    else:  # what a run gets by default: a SQLite database in the output root, shared by side-by-side runs
+        uri = default_mlflow_uri(tmp_path / "runs" / "one_run")
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(4)
     procs = [ctx.Process(target=_open_mlflow_run_after, args=(barrier, uri)) for _ in range(4)]
@@ -245,3 +254,30 @@ def test_parallel_runs_share_one_mlflow_experiment_in_a_file_store(tmp_path, mon
     shared = [e for e in client.search_experiments() if e.name == "shared"]
     assert len(shared) == 1
     assert len(client.search_runs([shared[0].experiment_id])) == 4
+
+
+def test_default_mlflow_store_is_sqlite_in_the_output_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert default_mlflow_uri(tmp_path / "runs" / "quickstart") == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert default_mlflow_uri(tmp_path / "runs" / "quickstart") == "http://127.0.0.1:5000"
+
+
+def test_a_run_reports_to_the_default_sqlite_store_and_mlflow_reads_it_without_extra_variables(tmp_path, monkeypatch):
+    """With no tracking_uri and no MLFLOW_* variable, a run's tracker writes <output root>/mlflow.db,
+    and a fresh process (as `mlflow ui --backend-store-uri sqlite:///...` would) reads it back."""
+    pytest.importorskip("mlflow")
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = config(tmp_path, report_to=["mlflow"])
+    (tracker,) = open_trackers(cfg)
+    tracker.log_metrics({"train/loss": 0.5}, step=1)
+    tracker.finish()
+    db = tmp_path / "mlflow.db"
+    assert db.is_file() and tracker.tracking_uri == f"sqlite:///{db}"
+    reader = (f"from mlflow.tracking import MlflowClient; c = MlflowClient('sqlite:///{db}'); "
+              f"print(c.get_run('{tracker.run_id}').data.metrics['train/loss'])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0.5"
