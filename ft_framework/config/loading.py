@@ -13,6 +13,9 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
+from ft_framework.models.hub import looks_like_path
+from ft_framework.run.fingerprint import check_allow_list
+
 from ft_framework.config.errors import ConfigError, check_keys, format_validation_error
 from ft_framework.config.overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
                         resolve_task_overrides, set_path)
@@ -37,8 +40,6 @@ def validate_config(data: dict[str, Any], *, pinned: Sequence[str] = (), where: 
     merged = resolve_task_overrides({**base, "task_overrides": overrides}, pinned)
     cfg = _validate_model(merged, where)
     if cfg.checkpoint.allow_config_change:  # names keys of the resolved config
-        from ft_framework.run.fingerprint import check_allow_list
-
         try:
             check_allow_list(cfg.checkpoint.allow_config_change, cfg.to_dict())
         except ValueError as exc:
@@ -73,8 +74,7 @@ def _check_paths(cfg: RunConfig) -> None:
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
         raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")
-    from ft_framework.models.hub import looks_like_path  # a local path, not a hub id: it must exist
-
+    # A local path, not a hub id: it must exist.
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
         if name and looks_like_path(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}: directory {name!r} not found (a local model directory must hold "

@@ -5,7 +5,7 @@ own device, gloo CPU tensors. Optimizer state under offload, telemetry sums and 
 live on the CPU, model shards on the GPU, so a collective called directly on "the tensor at hand"
 works with gloo on a laptop and stops under nccl on a cluster. Here each collective moves its
 tensor to the process group's communication device and gives the result back on the device the
-tensor came from. tests/unit/test_collectives.py walks the package's syntax tree and fails on a
+tensor came from. tests/unit/distributed/test_collectives.py walks the package's syntax tree and fails on a
 collective called anywhere else.
 
 Setting up and tearing down the process group (init_process_group, destroy_process_group) and
@@ -83,3 +83,9 @@ def barrier(group=None) -> None:
         dist.barrier(group=group, device_ids=[device.index])
     else:
         dist.barrier(group=group)
+
+
+def any_rank_flag(value: int) -> int:
+    """The largest of the ranks' `value` (0: none set a flag). One small all-reduce: the ranks use
+    it at a step boundary to agree that one of them was asked to stop (run/signals.py)."""
+    return int(all_reduce(torch.tensor([int(value)], dtype=torch.int64), op="max").item())

@@ -80,15 +80,21 @@ def probe_hub(endpoint: str | None = None, timeout: float = HUB_PROBE_TIMEOUT_S)
     return outcome[0]
 
 
-def _in_cache(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover
-        return False
+def _in_cache(repo_id: str, key: str) -> bool:
+    """Whether the local Hugging Face cache holds model `repo_id`. A name the hub would reject is
+    not cached; a cache that cannot be read is an error of its own (UserError naming the cache)."""
+    from huggingface_hub import constants, try_to_load_from_cache  # lazy: transformers' dependency
+    from huggingface_hub.errors import HFValidationError
+
     try:
         found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # a name the hub would reject is simply not cached
+    except HFValidationError:
         return False
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise UserError(f"{key}: the Hugging Face cache {constants.HF_HUB_CACHE} cannot be read for {repo_id!r} "
+                        f"({type(exc).__name__}: {why}); repair or remove its models--* directory, or set "
+                        "HF_HUB_CACHE to another cache") from exc
     return isinstance(found, str)
 
 
@@ -101,7 +107,7 @@ def check_model_source(name: str, *, key: str = "model.name_or_path") -> bool:
     if looks_like_path(name):
         raise UserError(f"{key}: directory {name!r} not found (a local model directory must hold config.json "
                         "and the weights; a hub id looks like org/name)")
-    cached = _in_cache(name)
+    cached = _in_cache(name, key)
     if hub_is_offline():
         if cached:
             return True

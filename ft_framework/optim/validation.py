@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from ft_framework.errors import did_you_mean
 
 from ft_framework.optim.anneal import ANNEAL_FUNCTIONS, validate_anneal
+from ft_framework.optim.registry import optimizer_factory, optimizer_hparams
 
 
 class PullOvershootWarning(RuntimeWarning):
@@ -21,8 +22,6 @@ class PullOvershootWarning(RuntimeWarning):
 
 def optimizer_defaults(name: str) -> dict[str, Any]:
     """Every hyper-parameter of registered optimizer `name` with its default."""
-    from ft_framework.optim.registry import optimizer_hparams
-
     return dict(optimizer_hparams(name))
 
 
@@ -77,8 +76,6 @@ def pull_overshoot(name: str, hparams: Mapping[str, Any]) -> float:
     lr * (anneal_w - lambda(1)) * pretrain_cof, strongest at t = 1 because lambda only rises, and 0
     for anneal_fun constant; prior_wd: lr * weight_decay). A rule without `max_pull` has no pull.
     """
-    from ft_framework.optim.registry import optimizer_factory
-
     merged = {**optimizer_defaults(name), **{k: v for k, v in hparams.items() if v is not None}}
     if merged.get("lr") is None:
         return 0.0

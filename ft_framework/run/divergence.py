@@ -14,6 +14,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from ft_framework.distributed import collectives
+
 __all__ = ["EXIT_DIVERGED", "DivergenceGuard", "describe"]
 
 EXIT_DIVERGED = 3
@@ -46,10 +50,6 @@ class DivergenceGuard:
         """Element-wise max of `flags` over ranks (one small collective per step)."""
         if self.strategy.world_size <= 1:
             return flags
-        import torch
-
-        from ft_framework.distributed import collectives
-
         return [int(v) for v in collectives.all_reduce(torch.tensor(flags, dtype=torch.int32), op="max").tolist()]
 
     def check(self, step: int, loss: Any, grad_norm: Any) -> dict[str, Any] | None:

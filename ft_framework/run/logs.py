@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ft_framework.run.files import METRICS_FILE, TENSORBOARD_DIR
+from ft_framework.run.tracking import scalars_for_trackers
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -55,8 +56,6 @@ class MetricsLogger:
                     self.writer.add_scalar(tag, value, record["step"])
             self.writer.flush()
         if self.trackers:
-            from ft_framework.run.tracking import scalars_for_trackers
-
             values = scalars_for_trackers(_scalars(record))
             for tracker in self.trackers:
                 tracker.log_metrics(values, record["step"])

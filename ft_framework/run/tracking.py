@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
@@ -114,13 +115,28 @@ def _prepare_mlflow_uri(uri: str) -> tuple[str, str | None]:
     return uri, None
 
 
+def _transient(exc: BaseException | None) -> bool:
+    """A locked SQLite database (SQLITE_BUSY or SQLITE_LOCKED anywhere in the exception's chain:
+    MLflow wraps SQLAlchemy's error, which wraps sqlite3's) or an experiment another run created in
+    the meantime (MLflow's RESOURCE_ALREADY_EXISTS): both pass when tried again."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, sqlite3.Error) and exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            return True
+        if getattr(exc, "error_code", None) == "RESOURCE_ALREADY_EXISTS":  # mlflow.exceptions.MlflowException
+            return True
+        exc = getattr(exc, "orig", None) or exc.__cause__ or exc.__context__  # orig: SQLAlchemy's DBAPIError
+    return False
+
+
 def _retry(fn, what: str, attempts: int = 5):
     """SQLite stores shared by a sweep's parallel runs can be briefly locked: try again."""
     for i in range(attempts):
         try:
             return fn()
-        except Exception as exc:  # noqa: BLE001 - MLflow raises several types for a locked database
-            if i == attempts - 1 or "lock" not in str(exc).lower() and "exist" not in str(exc).lower():
+        except Exception as exc:  # noqa: BLE001 - MLflow raises several types; _transient tells them apart
+            if i == attempts - 1 or not _transient(exc):
                 raise
             logger.debug("mlflow %s failed (%s); retrying", what, exc)
             time.sleep(0.2 * (i + 1))

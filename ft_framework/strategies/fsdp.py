@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ft_framework.checkpointing import dtensor_fragments
 from ft_framework.distributed import collectives
 from ft_framework.optim.base import local_tensor
 from ft_framework.strategies.base import Strategy
@@ -226,8 +227,6 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         return list(self.model.named_parameters())
 
     def checkpoint_fragments(self) -> list:
-        from ft_framework.checkpointing import dtensor_fragments
-
         return dtensor_fragments(self._sharded_named_parameters(), self.optimizer, self.is_main_process)
 
     def anchored_parameter_names(self) -> set[str]:

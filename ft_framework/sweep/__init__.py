@@ -7,15 +7,16 @@ per run, and reported as the RecAdam paper's tables and figures.
 
 Modules: spec (the sweep file's schema), grid (expansion, run identity), store (the results
 directory), runners (a run's subprocess, the local runner), ray_runner (the Ray runner), driver (a
-sweep from start to end), records (the runs of a store as the report reads them), report and stats
-(tables, Levene's test, expected best of n trials), plots (PNG figures).
+sweep from start to end, which runner), postprocess (steps after the runs: interpolation), records
+(the runs of a store as the report reads them), report and stats (tables, Levene's test, expected
+best of n trials, the interpolation section), plots (PNG figures).
 """
 
-from ft_framework.sweep.driver import SweepResult, format_plan, plan_sweep, run_sweep
+from ft_framework.sweep.driver import SweepResult, format_plan, make_runner, plan_sweep, run_sweep
 from ft_framework.sweep.grid import PlannedRun, expand, run_identity
 from ft_framework.sweep.report import Report, build_report
 from ft_framework.sweep.ray_runner import RayRunner
-from ft_framework.sweep.runners import LocalRunner, SweepInterrupted, make_runner
+from ft_framework.sweep.runners import LocalRunner, SweepInterrupted
 from ft_framework.sweep.spec import RunnerSpec, SweepSpec, load_sweep, validate_sweep
 from ft_framework.sweep.store import SweepLockedError, SweepStore
 

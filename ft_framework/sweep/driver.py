@@ -17,11 +17,12 @@ import yaml
 
 from ft_framework.sweep.grid import PlannedRun, expand
 from ft_framework.sweep.ray_runner import RayRunner
-from ft_framework.sweep.runners import LocalRunner, make_runner
-from ft_framework.sweep.spec import SweepSpec
+from ft_framework.sweep.postprocess import run_interpolations
+from ft_framework.sweep.runners import LocalRunner
+from ft_framework.sweep.spec import RunnerSpec, SweepSpec
 from ft_framework.sweep.store import DONE_STATES, STATES, SweepStore
 
-__all__ = ["SweepResult", "plan_sweep", "run_sweep", "format_plan"]
+__all__ = ["SweepResult", "make_runner", "plan_sweep", "run_sweep", "format_plan"]
 
 
 @dataclass
@@ -79,6 +80,13 @@ def _fmt(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def make_runner(spec: RunnerSpec, **kwargs: Any) -> LocalRunner | RayRunner:
+    """The runner a sweep's `runner:` section names."""
+    if spec.name == "ray":
+        return RayRunner(spec, **kwargs)
+    return LocalRunner(spec, **kwargs)
+
+
 def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str | Path | None = None,
               runner: LocalRunner | RayRunner | None = None, progress: bool = True,
               planned: tuple[SweepStore, list[PlannedRun]] | None = None) -> SweepResult:
@@ -121,7 +129,5 @@ def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str
             if bar is not None:
                 bar.close()
             refresh()
-        from ft_framework.sweep.postprocess import run_interpolations
-
         run_interpolations(spec, store, runs)  # the sweep's `interpolate:` post-step, if any
     return SweepResult(store=store, runs=runs, counts=dict(counts), ran=ran)

@@ -6,6 +6,7 @@
 - lambda_<task>.png           λ(t), the annealing coefficient, per k
 - scores_boxplot.png          score distribution per method and task (seeds of the chosen setting)
 - expected_max.png            expected best score vs number of random trials (Zhang et al. Fig. 4)
+- interpolation_<task>.png    each method's mean interpolation curve toward θ* (runs with interpolation.json)
 
 Lines average the seeds of one setting. For a method with a k axis, the other hyper-parameters stay
 at the task's best setting; the other methods show their best setting.
@@ -20,16 +21,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
+from ft_framework.interpolate import plot_interpolation
 from ft_framework.run.files import METRICS_FILE
+from ft_framework.sweep.records import RunRecord
+from ft_framework.sweep.report import Report, interpolation_curves
 
 if TYPE_CHECKING:
-    from ft_framework.sweep.records import RunRecord
-    from ft_framework.sweep.report import Report
+    from matplotlib.figure import Figure
 
-__all__ = ["K_KEY", "write_plots", "curve_groups"]
+__all__ = ["K_KEY", "write_plots", "curve_groups", "write_interpolation_plots"]
 
 K_KEY = "optimizer.hparams.anneal_k"
 
@@ -136,6 +137,9 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
     """Writes the PNGs that have data; returns their paths."""
+    from matplotlib.figure import Figure  # lazy: the CLI starts without matplotlib
+    from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
     out = Path(out_dir)
     written: list[Path] = []
     cache: dict[str, list[dict[str, Any]]] = {}
@@ -208,4 +212,16 @@ def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
         for ax in axes[len(tasks):]:
             ax.set_visible(False)
         written.append(_save(fig, out / "expected_max.png"))
+    return written + write_interpolation_plots(report, out)
+
+
+def write_interpolation_plots(report: "Report", directory: Path) -> list[Path]:
+    """plots/interpolation_<task>.png: each method's mean curve (score vs α and vs ‖θ_α − θ*‖)."""
+    curves = interpolation_curves(report)
+    written = []
+    for task in report.tasks:
+        entries = [(m, curves[(m, task)]) for m in report.methods if (m, task) in curves]
+        if entries:
+            written.append(plot_interpolation([c for _, c in entries], Path(directory) / f"interpolation_{task}.png",
+                                              labels=[m for m, _ in entries]))
     return written

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any, Sequence
 
+from ft_framework.run.files import RunPaths
 from ft_framework.sweep.grid import PlannedRun
 from ft_framework.sweep.runners import CommandFn, OnChange, OnDone, build_command, execute_run, sigterm_raises
 from ft_framework.sweep.spec import RunnerSpec
@@ -126,8 +127,6 @@ class RayRunner:
     @staticmethod
     def _resubmit_lost(store: SweepStore, run: PlannedRun, exc: BaseException, attempt: int) -> str:
         """Marks a run whose task was lost as interrupted (it runs again); returns the warning."""
-        from ft_framework.run.files import RunPaths
-
         resumable = RunPaths(store.run_dir(run.run_id)).latest_checkpoint.is_file()
         cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         why = f"lost with its node or worker ({type(exc).__name__}: {cause})".replace(": )", ")")
@@ -200,8 +199,8 @@ class RayRunner:
                 if run.run_id not in states:
                     try:
                         ray.cancel(ref, force=True)  # kills the worker; its run dies with it
-                    except Exception:
-                        pass
+                    except (ray.exceptions.RayError, ConnectionError) as exc:  # the cluster is going too
+                        logger.warning("could not cancel the Ray task of run %s: %s", run.run_id, exc)
             for run in refs.values():
                 if run.run_id not in states and store.read_status(run.run_id).get("state") == "running":
                     store.write_status(run.run_id, state="interrupted", ended=now_iso(),

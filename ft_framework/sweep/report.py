@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,12 +42,14 @@ import numpy as np
 
 from ft_framework.data.tasks import GLUE_TASKS
 from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
-from ft_framework.run.files import REPORT_FILE, REPORT_PLOTS_DIR
+from ft_framework.interpolate import mean_curves
+from ft_framework.run.files import INTERPOLATION_FILE, REPORT_FILE
 
 from ft_framework.sweep.records import RunRecord, load_records, setting_label
 from ft_framework.sweep.stats import expected_max_curve, levene, sample_std
 
-__all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "TaskCell", "Report", "build_report"]
+__all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "TaskCell", "Report", "build_report",
+           "interpolation_curves", "interpolation_markdown"]
 
 # The task facts are the TaskSpecs'; the report only chooses an order and which tasks to average.
 TASK_TRAIN_SIZES: dict[str, int] = {name: spec.train_size for name, spec in GLUE_TASKS.items()}
@@ -292,8 +295,6 @@ class Report:
                     _md_table(["Run", "Method", "Task", "Seed", "Setting", "State"],
                               [[r.run_id, r.method, r.task, str(r.seed), r.setting_label, r.state]
                                for r in unfinished], align_left=6), ""]
-        from ft_framework.sweep.postprocess import interpolation_markdown
-
         interpolation = interpolation_markdown(self)  # runs with interpolation.json (ft-interpolate)
         if interpolation:
             out += [interpolation, ""]
@@ -329,8 +330,8 @@ class Report:
                              for k, v in row.items()})
         return buf.getvalue()
 
-    def write(self, out_dir: str | Path, plots: bool = True) -> list[Path]:
-        """Writes report.md, the CSVs and (optionally) plots/*.png; returns the paths written."""
+    def write(self, out_dir: str | Path) -> list[Path]:
+        """Writes report.md and the CSVs; returns the paths written (the plots: plots.write_plots)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         written = []
@@ -339,14 +340,57 @@ class Report:
         for name, (columns, rows) in self.csv_tables().items():
             (out / name).write_text(self.csv_text(columns, rows))
             written.append(out / name)
-        if plots:
-            from ft_framework.sweep.plots import write_plots
-
-            written += write_plots(self, out / REPORT_PLOTS_DIR)
-            from ft_framework.sweep.postprocess import write_interpolation_plots
-
-            written += write_interpolation_plots(self, out / REPORT_PLOTS_DIR)
         return written
+
+
+# ---- the interpolation section (runs with an interpolation.json, from ft-interpolate or the sweep's post-step) ----
+def interpolation_curves(report: "Report") -> dict[tuple[str, str], dict[str, Any]]:
+    """(method, task) -> the mean curve over the chosen setting's seeds that have interpolation.json."""
+    out = {}
+    for (method, task), cell in report.cells.items():
+        outs = []
+        for run in cell.runs:
+            path = run.directory / INTERPOLATION_FILE
+            if path.is_file():
+                try:
+                    outs.append(json.loads(path.read_text()))
+                except json.JSONDecodeError:
+                    continue
+        outs = [o for o in outs if outs and o["alphas"] == outs[0]["alphas"]]
+        if outs:
+            curve = mean_curves(outs)
+            curve["best_alphas"] = [o["best_alpha"] for o in outs]
+            out[(method, task)] = curve
+    return out
+
+
+def interpolation_markdown(report: "Report") -> str:
+    """The report's section on interpolation toward θ* (empty when no run was interpolated)."""
+    curves = interpolation_curves(report)
+    if not curves:
+        return ""
+    lines = ["## Interpolation toward θ* (WiSE-FT): θ_α = θ* + α (θ − θ*)", "",
+             "Per method and task, the chosen setting's runs (seeds averaged): the main metric on the selection "
+             "split at each α (x100), ‖θ_α − θ*‖₂ at α = 1, and the α best on the selection split (of the mean "
+             "curve; per seed in brackets). α = 1 is the fine-tuned model, α = 0 the pretrained one under the "
+             "fine-tuned head.", ""]
+    by_task: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+    for (method, task), curve in curves.items():
+        by_task[task].append((method, curve))
+    for task in [t for t in report.tasks if t in by_task]:
+        entries = sorted(by_task[task], key=lambda mc: report.methods.index(mc[0]))
+        alphas = entries[0][1]["alphas"]
+        header = ["Method", "n", *[f"α={a:g}" for a in alphas], "‖θ−θ*‖ (α=1)", "best α"]
+        rows = []
+        for method, curve in entries:
+            split, main = curve["selection_split"], curve["main_metric"]
+            scores = {r["alpha"]: 100.0 * r["metrics"][split][main] for r in curve["rows"]}
+            best = max(curve["rows"], key=lambda r: (r["metrics"][split][main], r["alpha"]))["alpha"]
+            per_seed = ", ".join(f"{a:g}" for a in curve["best_alphas"])
+            rows.append([method, str(curve["n"]), *[f"{scores.get(a, float('nan')):.1f}" for a in alphas],
+                         f"{curve['rows'][-1]['distance']:.3f}", f"{best:g} ({per_seed})"])
+        lines += [f"### {task}", "", _md_table(header, rows), ""]
+    return "\n".join(lines)
 
 
 def _best_cells(records: Sequence[RunRecord]) -> tuple[dict[tuple[str, str], TaskCell], list[dict[str, Any]]]:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ft_framework.config import RunConfig
 from ft_framework.run.files import LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE
@@ -33,10 +33,7 @@ from ft_framework.sweep.grid import PlannedRun
 from ft_framework.sweep.spec import RunnerSpec
 from ft_framework.sweep.store import SweepStore, diverged_error, now_iso
 
-if TYPE_CHECKING:
-    from ft_framework.sweep.ray_runner import RayRunner
-
-__all__ = ["SweepInterrupted", "build_command", "execute_run", "LocalRunner", "make_runner", "threads_per_run",
+__all__ = ["SweepInterrupted", "build_command", "execute_run", "LocalRunner", "threads_per_run",
            "sigterm_raises"]
 
 # Runs `argv[2:]` in place of itself after asking the kernel to SIGKILL it when its parent dies.
@@ -44,7 +41,7 @@ _EXEC_WITH_PDEATHSIG = """\
 import ctypes, os, signal, sys
 try:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-except Exception:
+except (OSError, AttributeError):  # not Linux (no prctl): the run outlives a killed sweep
     pass
 if os.getppid() != int(sys.argv[1]):
     os._exit(137)  # the parent died before prctl
@@ -185,6 +182,10 @@ def execute_run(store: SweepStore, run: PlannedRun, spec: RunnerSpec, *, env: di
     elif results is not None and results.get("diverged"):
         # ft-train exits 3 (torchrun turns any failure into 1): results.json says where and why.
         state, error = "diverged", diverged_error(results)
+    elif results is not None and results.get("status") == "interrupted":
+        # A signal stopped it after a checkpoint (run/signals.py): the next ft-sweep resumes from it.
+        state, error = "interrupted", (f"stopped by {results.get('signal')} at step {results.get('steps')}, "
+                                       f"checkpoint saved (exit code {rc})")
     elif stop is not None and stop.is_set():
         state, error = "interrupted", f"stopped with the sweep (exit code {rc})"
     else:
@@ -307,11 +308,3 @@ def _local_gpu_ids() -> list[int]:
 
     return list(range(torch.cuda.device_count()))
 
-
-def make_runner(spec: RunnerSpec, **kwargs: Any) -> LocalRunner | RayRunner:
-    """The runner a sweep's `runner:` section names."""
-    if spec.name == "ray":
-        from ft_framework.sweep.ray_runner import RayRunner  # ray_runner imports this module
-
-        return RayRunner(spec, **kwargs)
-    return LocalRunner(spec, **kwargs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tiny_run import write_run_config
+from ft_framework.checkpointing.dcp_io import CheckpointReadError
 from ft_framework.config import load_config
 from ft_framework.errors import UserError
 from ft_framework.trainer import Trainer
@@ -101,11 +102,14 @@ def test_corrupted_checkpoint_is_a_clear_error(tiny_bert_dir, tmp_path):
     cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out",
                            checkpoint={"every_steps": 2}, training={"max_steps": 4})
     run(cfg, stop_after_step=2)
-    (tmp_path / "out" / "checkpoints" / "step_00000002" / "__0_0.distcp").write_bytes(b"garbage")
-    # A UserError (one line, names the checkpoint) once the trainer's run-outcome errors land; a
-    # RuntimeError before.
-    with pytest.raises((RuntimeError, UserError), match="cannot be read"):
+    data = tmp_path / "out" / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    # Garbage of the same size: past the manifest's size check, so that reading the data fails.
+    garbage = torch.randint(0, 256, (data.stat().st_size,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(0))
+    data.write_bytes(garbage.numpy().tobytes())
+    with pytest.raises(UserError, match="step_00000002 cannot be read") as info:  # a type decides, not a message
         run(cfg, ["checkpoint.resume_from=latest"])
+    assert isinstance(info.value.__cause__, CheckpointReadError)
 
 
 def test_cli_runs_and_prints_the_results_table(tiny_bert_dir, tmp_path):

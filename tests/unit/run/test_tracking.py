@@ -18,7 +18,7 @@ import pytest
 from ft_framework.config import ConfigError, validate_config
 from ft_framework.run.logs import MetricsLogger
 from ft_framework.config import flatten_dotted as flatten_config
-from ft_framework.run.tracking import default_mlflow_uri, missing_tracker_packages, open_trackers
+from ft_framework.run.tracking import _retry, default_mlflow_uri, missing_tracker_packages, open_trackers
 
 BASE = {"model": {"name_or_path": "x"}, "data": {"task": "sst2"}, "schedule": {"warmup_steps": 0},
         "training": {"max_steps": 1}}
@@ -281,3 +281,64 @@ def test_a_run_reports_to_the_default_sqlite_store_and_mlflow_reads_it_without_e
     out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0.5"
+
+
+# ---- what _retry tries again: types, never the text of a message ------------------------------------
+def _locked_database_error(tmp_path):
+    """A real `database is locked`: a second connection writes while the first holds the database."""
+    import sqlite3
+
+    db = tmp_path / "locked.db"
+    holder = sqlite3.connect(db, timeout=0)
+    holder.execute("CREATE TABLE t (x)")
+    holder.commit()
+    holder.execute("BEGIN EXCLUSIVE")
+    writer = sqlite3.connect(db, timeout=0)
+    try:
+        writer.execute("INSERT INTO t VALUES (1)")
+    except sqlite3.OperationalError as exc:
+        return exc, holder
+    raise AssertionError("the database was not locked")
+
+
+def test_retry_tries_a_locked_database_again(tmp_path):
+    error, holder = _locked_database_error(tmp_path)
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("the store said no") from error  # wrapped, as MLflow and SQLAlchemy do
+        return "ok"
+
+    assert _retry(flaky, "experiment") == "ok" and len(calls) == 3
+    holder.rollback()
+
+
+def test_retry_tries_an_experiment_created_meanwhile_again():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS
+
+    calls = []
+
+    def race():
+        calls.append(1)
+        if len(calls) == 1:
+            raise MlflowException("Experiment 'shared' already exists.", error_code=RESOURCE_ALREADY_EXISTS)
+        return "id"
+
+    assert _retry(race, "experiment") == "id" and len(calls) == 2
+
+
+@pytest.mark.parametrize("message", ["database is locked", "lock file missing", "already exists"])
+def test_retry_does_not_read_the_message(message):
+    """An error that only says "lock" or "exist" is not tried again: it is raised at once."""
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError(message)
+
+    with pytest.raises(RuntimeError, match=message):
+        _retry(broken, "experiment")
+    assert len(calls) == 1
