@@ -1,7 +1,7 @@
 """The GPU suite in one command: tests/gpu and three benchmarks on ONE GPU, as a markdown report.
 
     python benchmarks/gpu_suite.py --out gpu_results.md          # everything (< 25 min on an H100)
-    python benchmarks/gpu_suite.py --only a,b                    # some parts: tests, a, b, c
+    python benchmarks/gpu_suite.py --only a,b                    # some parts: tests, a, b, c, d
     python benchmarks/gpu_suite.py --tiny --out /tmp/smoke.md    # the same code at toy sizes on the CPU
 
 Parts:
@@ -17,6 +17,10 @@ Parts:
          fits. Runs under the deepspeed launcher, world size 1.
   c      No offload: ZeRO-2 (deepspeed launcher) and FSDP2 (torchrun), world size 1, bf16:
          samples/s with our RecAdam against torch AdamW fused (the end-to-end cost of RecAdam).
+  d      ALBERT-xxlarge, bf16, optimizer offloaded to the CPU: our offload overlapped with backward
+         (strategy.offload_optimizer {overlap: true}) against our serial offload and DeepSpeed ZeRO-2
+         offload with DeepSpeedCPUAdam: samples/s, peak GPU memory, rollbacks; then the same under
+         the --cap-gb GPU memory cap (docs/offload.md).
 
 --tiny: toy sizes on the CPU (DS_ACCELERATOR=cpu, gloo; tests run with FT_GPU_TESTS_DEVICE=cpu),
 so every line of the suite can be smoke-tested without a GPU. Its numbers mean nothing.
@@ -43,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "a", "b", "c")
+PARTS = ("tests", "a", "b", "c", "d")
 TARGET_RATIO = 1.5  # RecAdam step <= 1.5 x fused AdamW (issue 9)
 
 ALBERT_XXLARGE = dict(vocab_size=30000, embedding_size=128, hidden_size=4096, num_hidden_layers=12,
@@ -89,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=None, help="part b: upper end of the batch search (default 1024; tiny 64)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched worker / pytest (default 900)")
     # internal: this file re-launched as a worker
-    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp", "d", "d_cap"), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
@@ -297,6 +301,35 @@ def format_c(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_d(r: dict[str, Any], capped: dict[str, Any] | None) -> str:
+    out = ["## d. ALBERT-xxlarge, optimizer offloaded to the CPU: overlapped vs serial vs ZeRO-2 offload, bf16", ""]
+    for title, res in (("", r), (f"### with the GPU capped at {(capped or {}).get('cap_gb')} GB", capped)):
+        if res is None:
+            continue
+        if title:
+            out += ["", title, ""]
+        if res.get("error") and not res.get("candidates"):
+            out.append(f"failed: {res['error']}")
+            continue
+        if res.get("model"):
+            out += [f"{res['model']} ({fmt((res.get('numel') or 0) / 1e6, 1)} M parameters, random weights), seq "
+                    f"{res['seq']}, batch {res['batch']}, max_grad_norm 1, median of {res['steps']} steps after "
+                    f"{res['warmup']} warm-up." + (f" {res['note']}" if res.get("note") else ""), ""]
+        rows = []
+        base = next((c.get("samples_per_s") for c in res.get("candidates", [])
+                     if c.get("name", "").startswith("RecAdam, serial")), None)
+        for c in res.get("candidates", []):
+            if c.get("error") and c.get("iter_ms") is None:
+                rows.append([c.get("name"), "failed", "", "", "", "", c["error"][:300]])
+                continue
+            rel = c["samples_per_s"] / base if base and c.get("samples_per_s") else None
+            rows.append([c["name"], fmt(c.get("iter_ms"), 1), fmt(c.get("samples_per_s"), 1), fmt(rel, 3),
+                         fmt(c.get("peak_gpu_gb"), 2), fmt(c.get("rollbacks")), c.get("note", "")])
+        out.append(markdown_table(["candidate", "iteration ms", "samples/s", "vs serial offload", "peak GPU GB",
+                                   "rollbacks", "note"], rows))
+    return "\n".join(out)
+
+
 def _train_table(cands: list[dict[str, Any]], cpu_share: bool) -> str:
     rows = []
     for c in cands:
@@ -346,9 +379,10 @@ class Timer:
 
 
 def is_oom(exc: BaseException) -> bool:
+    """The device (torch.OutOfMemoryError) or the host (MemoryError) ran out of memory."""
     import torch
 
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
 
 
 def free_port() -> int:
@@ -522,12 +556,17 @@ def make_batch(batch: int, seq: int, vocab: int, device) -> dict[str, Any]:
 
 
 class StepClock:
-    """Wraps an optimizer instance's step to sum the time spent in it (the CPU step under offload)."""
+    """Wraps an optimizer instance's step (and the per-tensor steps and rollbacks the offloaded
+    single-device strategy calls) to sum the time spent in them: the CPU step under offload, on
+    whichever thread it runs."""
 
     def __init__(self, opt):
         self.total = 0.0
-        original = opt.step
+        for method in ("step", "step_tensors", "rollback_tensors"):
+            if hasattr(opt, method):
+                setattr(opt, method, self._timed(getattr(opt, method)))
 
+    def _timed(self, original):
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
@@ -535,7 +574,7 @@ class StepClock:
             finally:
                 self.total += time.perf_counter() - t0
 
-        opt.step = timed
+        return timed
 
     def take(self) -> float:
         t, self.total = self.total, 0.0
@@ -634,15 +673,12 @@ def release(strategy) -> None:
 
     engine = getattr(strategy, "engine", None)
     if engine is not None and hasattr(engine, "destroy"):
-        try:
-            engine.destroy()
-        except Exception:  # noqa: BLE001
-            pass
+        engine.destroy()  # no except: an engine left alive would hold memory the next measurement counts
     for attr in ("engine", "model", "optimizer", "state_map", "_bench_clock"):
         if hasattr(strategy, attr):
             try:
                 setattr(strategy, attr, None)
-            except Exception:  # noqa: BLE001
+            except AttributeError:  # a read-only property of the strategy: nothing of its own to drop
                 pass
     gc.collect()
     if torch.cuda.is_available():
@@ -657,6 +693,8 @@ def worker(args) -> dict[str, Any]:
     device = "cuda" if cuda else "cpu"
     steps, warmup = args.steps or (3 if args.tiny else 8), args.warmup or (1 if args.tiny else 3)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
+    if args.worker in ("d", "d_cap"):
+        return worker_d(args, cuda, device, steps, warmup, tmp)
     offload = args.worker in ("b", "b_cap")
     precision = "bf16"
     if args.worker.startswith("c_fsdp"):
@@ -698,6 +736,56 @@ def worker(args) -> dict[str, Any]:
         log(f"{args.worker}: {name}: {entry.get('iter_ms')} ms/iter")
     if args.worker == "b_cap":
         out.update(batch_search(cfg, args, steps=2, cuda=cuda))
+    return out
+
+
+# Part d's candidates: (strategy section, optimizer builder name).
+D_CANDIDATES = {
+    "RecAdam, overlapped offload (ours)": ({"name": "single", "offload_optimizer": {"overlap": True}}, "RecAdam (ours)"),
+    "RecAdam, serial offload (ours)": ({"name": "single", "offload_optimizer": {"overlap": False}}, "RecAdam (ours)"),
+    "DeepSpeedCPUAdam, ZeRO-2 offload": ({"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
+                                         "DeepSpeedCPUAdam"),
+}
+
+
+def worker_d(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) -> dict[str, Any]:
+    """Part d (and d_cap, under the --cap-gb memory cap): each candidate in turn, one process."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {"model": "ALBERT-xxlarge" if not args.tiny else "ALBERT (tiny)", "seq": args.seq,
+                           "batch": args.batch, "steps": steps, "warmup": warmup, "precision": "bf16",
+                           "candidates": []}
+    if args.worker == "d_cap":
+        out["cap_gb"] = args.cap_gb
+        if cuda:
+            total = torch.cuda.get_device_properties(0).total_memory
+            fraction = min(1.0, args.cap_gb * 1e9 / total)
+            torch.cuda.set_per_process_memory_fraction(fraction)
+            out["note"] = f"Memory fraction {fraction:.3f} of {total / 1e9:.1f} GB."
+        else:
+            out["note"] = "CPU smoke run: no GPU memory to cap."
+    for name, (strategy_section, optimizer_name) in D_CANDIDATES.items():
+        try:
+            cfg = write_min_config(tmp, strategy_section, "bf16", args.batch, device)
+            entry, strat = train_candidate(cfg, optimizer_name, args, batch=args.batch, offload=True,
+                                           steps=steps, warmup=warmup)
+            entry["name"] = name
+            entry["rollbacks"] = getattr(strat, "rollbacks", None)
+            out["numel"] = entry.get("numel", out.get("numel"))
+            out["backend"] = dist.get_backend() if dist.is_initialized() else None
+            release(strat)  # before close(): a DeepSpeed engine's destroy() still needs the process group
+            strat.close()
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            import traceback
+
+            traceback.print_exc()
+            entry = {"name": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}", "iter_ms": None}
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        out["candidates"].append(entry)
+        log(f"{args.worker}: {name}: {entry.get('iter_ms')} ms/iter")
     return out
 
 
@@ -874,6 +962,12 @@ def main(argv: list[str] | None = None) -> int:
              "FSDP2 (bf16 mixed precision)": launch_worker("c_fsdp", args, "torchrun")}
         raw["c"] = c
         sections.append(format_c(c))
+        write()
+    if "d" in args.only:
+        d = launch_worker("d", args, "deepspeed")
+        d_cap = launch_worker("d_cap", args, "deepspeed")
+        raw["d"], raw["d_cap"] = d, d_cap
+        sections.append(format_d(d, d_cap))
         write()
     text = write()
     print(text)

@@ -13,6 +13,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "step_args.h"
@@ -99,9 +100,36 @@ Buffer as_buffer(const py::buffer& b, const char* role, bool writable, bool allo
                                 ", got buffer format '" + info.format + "'");
 }
 
-void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
-                const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
-                const ftk::StepCoeffs& coeffs, int num_threads) {
+using FiniteFn = bool (*)(const void*, ftk::ElemType, int64_t, int64_t);
+
+FiniteFn finite_fn(Level level) {
+    switch (level) {
+        case Level::Avx512: return ftk::grad_finite_avx512;
+        case Level::Avx2: return ftk::grad_finite_avx2;
+        default: return ftk::grad_finite_scalar;
+    }
+}
+
+// 1 / (1 - A), where p' = (1 - A) p - B is the forward step as a function of p (step_args.h).
+// A depends only on the coefficients and on which stages the kernel runs; double, rounded once.
+float inverse_keep(const ftk::StepCoeffs& c, bool has_anchor) {
+    double a = 0.0;
+    const bool pre = c.pre_decay != 0.0f || (has_anchor && c.pre_pull != 0.0f);
+    if (pre) {
+        a = c.pre_decay;
+        if (has_anchor) a += c.pre_pull * (1.0 - a);
+    }
+    if (has_anchor) a += c.post_pull * (1.0 - a);
+    if (c.post_decay != 0.0f) a += c.post_decay * (1.0 - a);
+    if (!(1.0 - a > 0.0))
+        throw std::invalid_argument("this step removes all of p (pulls and decays sum to >= 1): it cannot be undone");
+    return static_cast<float>(1.0 / (1.0 - a));
+}
+
+// Checks the buffers (GIL held) and describes the step over them.
+ftk::StepArgs make_args(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
+                        const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
+                        const ftk::StepCoeffs& coeffs, int64_t* numel_out) {
     const Buffer p = as_buffer(param, "param", true, false);
     const Buffer g = as_buffer(grad, "grad", false, true);
     const Buffer m = as_buffer(exp_avg, "exp_avg", true, false);
@@ -111,7 +139,6 @@ void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffe
     if (g.numel != numel || m.numel != numel || v.numel != numel || a.numel != numel)
         throw std::invalid_argument("grad, exp_avg, exp_avg_sq and anchor must have the parameter's " +
                                     std::to_string(numel) + " elements");
-    if (numel == 0) return;
     ftk::StepArgs s;
     s.param = static_cast<float*>(p.ptr);
     s.grad = g.ptr;
@@ -121,11 +148,28 @@ void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffe
     s.grad_type = g.type;
     s.anchor_type = a.type;
     s.c = coeffs;
-    py::gil_scoped_release nogil;  // the buffers' memory stays alive: the caller holds the arrays
-    const RangeFn fn = range_fn(g_level);
+    *numel_out = numel;
+    return s;
+}
 
-    int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-    if (numel < kMinParallelElems) threads = 1;
+int thread_count(int num_threads, int64_t numel) {
+    const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+    return numel < kMinParallelElems ? 1 : threads;
+}
+
+// Element range of thread `tid` of `nth`, starting on a kChunkAlign boundary.
+std::pair<int64_t, int64_t> thread_range(int64_t numel, int64_t nth, int64_t tid) {
+    int64_t per = (numel + nth - 1) / nth;
+    per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+    const int64_t begin = std::min(numel, tid * per);
+    return {begin, std::min(numel, begin + per)};
+}
+
+// Runs the step (or its inverse) described by s over [0, numel); the GIL must be released.
+void run_step(const ftk::StepArgs& s, int64_t numel, int num_threads) {
+    if (numel == 0) return;
+    const RangeFn fn = range_fn(g_level);
+    const int threads = thread_count(num_threads, numel);
     if (threads == 1) {
         FlushDenormals ftz;
         fn(s, 0, numel);
@@ -134,12 +178,54 @@ void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffe
 #pragma omp parallel num_threads(threads)
     {
         FlushDenormals ftz;  // MXCSR is per thread
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        int64_t per = (numel + nth - 1) / nth;
-        per = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-        const int64_t begin = std::min(numel, tid * per), end = std::min(numel, begin + per);
+        const auto [begin, end] = thread_range(numel, omp_get_num_threads(), omp_get_thread_num());
         if (begin < end) fn(s, begin, end);
     }
+}
+
+// Whether every gradient element is finite; the GIL must be released.
+bool all_finite(const ftk::StepArgs& s, int64_t numel, int num_threads) {
+    const FiniteFn fn = finite_fn(g_level);
+    const int threads = thread_count(num_threads, numel);
+    if (threads == 1) return fn(s.grad, s.grad_type, 0, numel);
+    int bad = 0;
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+    {
+        const auto [begin, end] = thread_range(numel, omp_get_num_threads(), omp_get_thread_num());
+        if (begin < end && !fn(s.grad, s.grad_type, begin, end)) bad = 1;
+    }
+    return bad == 0;
+}
+
+void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
+                const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
+                const ftk::StepCoeffs& coeffs, int num_threads) {
+    int64_t numel = 0;
+    const ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    py::gil_scoped_release nogil;  // the buffers' memory stays alive: the caller holds the arrays
+    run_step(s, numel, num_threads);
+}
+
+bool guarded_step(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
+                  const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
+                  const ftk::StepCoeffs& coeffs, int num_threads) {
+    int64_t numel = 0;
+    const ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    py::gil_scoped_release nogil;
+    if (!all_finite(s, numel, num_threads)) return false;
+    run_step(s, numel, num_threads);
+    return true;
+}
+
+void fused_inverse(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
+                   const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
+                   const ftk::StepCoeffs& coeffs, int num_threads) {
+    int64_t numel = 0;
+    ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    s.inverse = true;
+    s.inv_keep = inverse_keep(coeffs, s.anchor != nullptr);
+    py::gil_scoped_release nogil;
+    run_step(s, numel, num_threads);
 }
 
 }  // namespace
@@ -174,4 +260,20 @@ PYBIND11_MODULE(_cpu_kernel, m) {
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
           py::arg("coeffs"), py::arg("num_threads") = 0,
           "One fused step in place over 1-D buffers of equal length; anchor=None means none.");
+    m.def("guarded_step",
+          [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
+             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {
+              return guarded_step(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads);
+          },
+          py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
+          py::arg("coeffs"), py::arg("num_threads") = 0,
+          "fused_step when every gradient element is finite (returns True); else touches nothing, returns False.");
+    m.def("fused_inverse",
+          [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
+             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {
+              fused_inverse(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads);
+          },
+          py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
+          py::arg("coeffs"), py::arg("num_threads") = 0,
+          "Undoes fused_step with the same coefficients and gradient, in place (cpp/step_args.h).");
 }

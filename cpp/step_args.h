@@ -17,6 +17,20 @@
 //
 // The anchor terms run only when an anchor pointer is given. Python computes the coefficients
 // (bias corrections, lambda(t)) once per tensor, so the kernel is one pass over memory.
+//
+// The inverse step (StepArgs::inverse) undoes one step from the same coefficients and the same
+// gradient, with no copy of the old state (the overlapped offload speculates and rolls back):
+//
+//   u  = step_size * m' / (sqrt(v') * denom_scale + eps)    (bit for bit the forward's Adam term)
+//   p' = (1 - A) * p - B   is affine in p: A depends only on the coefficients and B on u and the
+//        anchor (B = the forward's change evaluated at p = 0), so  p = (p' + B) / (1 - A)
+//   m  = (m' - (1 - beta1) * g) / beta1
+//   v  = max(0, (v' - (1 - beta2) * g * g) / beta2)
+//
+// The restored values are within a few ulp of the old ones (the forward rounded once). With
+// beta = 0 the old moment is gone from m' (and never read again by a later step): it becomes 0.
+// A non-finite gradient cannot be undone: guarded steps check the gradient first (grad_finite_*)
+// and leave the tensor untouched.
 #pragma once
 #include <cstdint>
 
@@ -45,11 +59,18 @@ struct StepArgs {
     ElemType grad_type;
     ElemType anchor_type;
     StepCoeffs c;
+    bool inverse = false;  // undo the step described by c instead of taking it
+    float inv_keep = 1.0f; // 1 / (1 - A) of the comment above, from the coefficients (inverse only)
 };
 
 // One implementation per instruction set; each processes elements [begin, end).
 void step_range_scalar(const StepArgs& args, int64_t begin, int64_t end);
 void step_range_avx2(const StepArgs& args, int64_t begin, int64_t end);
 void step_range_avx512(const StepArgs& args, int64_t begin, int64_t end);
+
+// Whether every gradient element in [begin, end) is finite (no NaN, no infinity).
+bool grad_finite_scalar(const void* grad, ElemType type, int64_t begin, int64_t end);
+bool grad_finite_avx2(const void* grad, ElemType type, int64_t begin, int64_t end);
+bool grad_finite_avx512(const void* grad, ElemType type, int64_t begin, int64_t end);
 
 }  // namespace ftk

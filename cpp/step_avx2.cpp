@@ -27,6 +27,7 @@ struct Avx2Ops {
         const Reg refined = _mm256_mul_ps(x, _mm256_fnmadd_ps(b, x, _mm256_set1_ps(2.0f)));
         return _mm256_mul_ps(a, refined);
     }
+    static inline Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
     static inline Reg sqrt(Reg a) { return _mm256_sqrt_ps(a); }
     static inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
     static inline Reg fnmadd(Reg a, Reg b, Reg c) { return _mm256_fnmadd_ps(a, b, c); }
@@ -35,4 +36,8 @@ struct Avx2Ops {
 
 void ftk::step_range_avx2(const StepArgs& args, int64_t begin, int64_t end) {
     dispatch_step<Avx2Ops>(args, begin, end);
+}
+
+bool ftk::grad_finite_avx2(const void* grad, ElemType type, int64_t begin, int64_t end) {
+    return grad_finite<Avx2Ops>(grad, type, begin, end);
 }

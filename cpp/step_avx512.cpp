@@ -28,6 +28,7 @@ struct Avx512Ops {
         const Reg refined = _mm512_mul_ps(x, _mm512_fnmadd_ps(b, x, _mm512_set1_ps(2.0f)));
         return _mm512_mul_ps(a, refined);
     }
+    static inline Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
     static inline Reg sqrt(Reg a) { return _mm512_sqrt_ps(a); }
     static inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
     static inline Reg fnmadd(Reg a, Reg b, Reg c) { return _mm512_fnmadd_ps(a, b, c); }
@@ -36,4 +37,8 @@ struct Avx512Ops {
 
 void ftk::step_range_avx512(const StepArgs& args, int64_t begin, int64_t end) {
     dispatch_step<Avx512Ops>(args, begin, end);
+}
+
+bool ftk::grad_finite_avx512(const void* grad, ElemType type, int64_t begin, int64_t end) {
+    return grad_finite<Avx512Ops>(grad, type, begin, end);
 }

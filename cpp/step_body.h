@@ -37,6 +37,32 @@ struct StepProgram {
         p = V::sub(p, e);
     }
 
+    // Undoes apply() (see step_args.h): p first, from the stepped m and v, then m and v.
+    static inline void apply_inverse(const ftk::StepCoeffs& c, float inv_keep, R& p, R g, R& m, R& v, R a) {
+        const R denom = V::fmadd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
+        R e = V::mul(V::set1(c.step_size), V::ratio(m, denom));   // the forward's Adam term, bit for bit
+        // The rest of the forward's change at p = 0 (d = -a): the constant B of p' = (1 - A) p - B.
+        const R d0 = HasAnchor ? V::sub(V::zero(), a) : V::zero();
+        if (HasPre && HasAnchor) e = V::add(e, V::mul(V::set1(c.pre_pull), d0));
+        if (HasAnchor) e = lerp(e, d0, c.post_pull);
+        if (HasPostDecay) e = V::mul(V::set1(1.0f - c.post_decay), e);
+        p = V::mul(V::add(p, e), V::set1(inv_keep));
+        // The gradient terms are rounded before they are subtracted (no fused multiply-add): from a
+        // zero moment (a first step) the forward's m' is exactly that rounded term, so the old
+        // moment comes back exactly 0, whatever the forward fused.
+        m = c.beta1 > 0.0f ? V::div(V::sub(m, V::mul(V::set1(c.one_minus_beta1), g)), V::set1(c.beta1)) : V::zero();
+        v = c.beta2 > 0.0f
+                ? V::max(V::div(V::sub(v, V::mul(V::mul(V::set1(c.one_minus_beta2), g), g)), V::set1(c.beta2)),
+                         V::zero())
+                : V::zero();
+    }
+
+    static inline void apply_kind(const ftk::StepCoeffs& c, bool inverse, float inv_keep, R& p, R g, R& m,
+                                  R& v, R a) {
+        if (inverse) apply_inverse(c, inv_keep, p, g, m, v, a);
+        else apply(c, p, g, m, v, a);
+    }
+
     static constexpr int64_t kPrefetchElems = 1024;  // 4 KiB ahead in fp32
 
     static inline void prefetch_typed(const void* base, int64_t i, ftk::ElemType t) {
@@ -50,7 +76,10 @@ struct StepProgram {
     }
 
     static void run(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+        // Copies: the stores below go through float pointers, which could alias s's floats.
         const ftk::StepCoeffs c = s.c;
+        const bool inverse = s.inverse;
+        const float inv_keep = s.inv_keep;
         int64_t i = begin;
         for (; i + W <= end; i += W) {
             // Eight streams per thread are more than the hardware prefetchers keep far enough
@@ -63,7 +92,7 @@ struct StepProgram {
             R p = V::load(s.param + i), m = V::load(s.exp_avg + i), v = V::load(s.exp_avg_sq + i);
             R g = load_typed(s.grad, i, GT);
             R a = HasAnchor ? load_typed(s.anchor, i, AT) : V::zero();
-            apply(c, p, g, m, v, a);
+            apply_kind(c, inverse, inv_keep, p, g, m, v, a);
             V::store(s.param + i, p);
             V::store(s.exp_avg + i, m);
             V::store(s.exp_avg_sq + i, v);
@@ -79,7 +108,7 @@ struct StepProgram {
         widen(s.grad, GT, i, tail, gb);
         if (HasAnchor) widen(s.anchor, AT, i, tail, ab);
         R p = V::load(pb), m = V::load(mb), v = V::load(vb), g = V::load(gb), a = V::load(ab);
-        apply(c, p, g, m, v, a);
+        apply_kind(c, inverse, inv_keep, p, g, m, v, a);
         V::store(pb, p);
         V::store(mb, m);
         V::store(vb, v);
@@ -111,6 +140,37 @@ void dispatch_stages(const ftk::StepArgs& s, int64_t begin, int64_t end) {
     else if (pre)           StepProgram<V, GT, AT, HasAnchor, true, false>::run(s, begin, end);
     else if (post_decay)    StepProgram<V, GT, AT, HasAnchor, false, true>::run(s, begin, end);
     else                    StepProgram<V, GT, AT, HasAnchor, false, false>::run(s, begin, end);
+}
+
+// True when every element of grad[begin, end) is finite: x * 0 is 0 for finite x and NaN for
+// NaN or infinity, so one accumulated sum says it (denormals, flushed or not, give 0 too).
+template <class V>
+bool grad_finite(const void* grad, ftk::ElemType t, int64_t begin, int64_t end) {
+    using R = typename V::Reg;
+    constexpr int W = V::kWidth;
+    R acc = V::zero();
+    const R zero = V::zero();
+    int64_t i = begin;
+    for (; i + W <= end; i += W) {
+        const R g = t == ftk::ElemType::BF16 ? V::load_bf16(static_cast<const uint16_t*>(grad) + i)
+                                             : V::load(static_cast<const float*>(grad) + i);
+        acc = V::add(acc, V::mul(g, zero));
+    }
+    alignas(64) float lanes[W];
+    V::store(lanes, acc);
+    float total = 0.0f;
+    for (int k = 0; k < W; ++k) total += lanes[k];
+    for (; i < end; ++i) {
+        float x;
+        if (t == ftk::ElemType::BF16) {
+            uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(grad)[i]) << 16;
+            std::memcpy(&x, &bits, sizeof(x));
+        } else {
+            x = static_cast<const float*>(grad)[i];
+        }
+        total += x * 0.0f;
+    }
+    return total == 0.0f;
 }
 
 template <class V>

@@ -23,6 +23,7 @@ struct ScalarOps {
     static inline Reg mul(Reg a, Reg b) { return a * b; }
     static inline Reg div(Reg a, Reg b) { return a / b; }
     static inline Reg ratio(Reg a, Reg b) { return a / b; }
+    static inline Reg max(Reg a, Reg b) { return a > b ? a : b; }
     static inline Reg sqrt(Reg a) { return std::sqrt(a); }
     static inline Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }   // unfused on purpose
     static inline Reg fnmadd(Reg a, Reg b, Reg c) { return c - a * b; }
@@ -31,4 +32,8 @@ struct ScalarOps {
 
 void ftk::step_range_scalar(const StepArgs& args, int64_t begin, int64_t end) {
     dispatch_step<ScalarOps>(args, begin, end);
+}
+
+bool ftk::grad_finite_scalar(const void* grad, ElemType type, int64_t begin, int64_t end) {
+    return grad_finite<ScalarOps>(grad, type, begin, end);
 }

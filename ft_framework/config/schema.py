@@ -8,13 +8,15 @@ errors, `to_dict()` and the sweep's run identity pick it up without further chan
 from __future__ import annotations
 
 import importlib.util
-import types
 import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ft_framework import optim, resources
 from ft_framework.data.tasks import GLUE_TASK_NAMES
+from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
+from ft_framework.run.tracking import missing_tracker_packages
 
 from ft_framework.config.overrides import resolve_task_overrides
 
@@ -67,6 +69,20 @@ class LoraConfig(_Section):
         return value
 
 
+def lora_incompatibilities(model_cfg: "ModelConfig") -> list[str]:
+    """Reasons why model options cannot combine with model.lora (empty when they can)."""
+    problems = []
+    if model_cfg.init == "random":
+        problems.append("model.init: random re-initializes the pretrained weights, which LoRA then freezes "
+                        "(an adapter on random weights); use init: pretrained")
+    if model_cfg.reinit_top_layers:
+        problems.append("model.reinit_top_layers re-initializes layers that LoRA would freeze; set it to 0")
+    if model_cfg.mixout:
+        problems.append("model.mixout mixes trained weights toward θ*, but LoRA trains no pretrained weight "
+                        "(they stay θ*); set mixout: 0")
+    return problems
+
+
 class ModelConfig(_Section):
     """The pretrained model, how it is initialized, and regularizers tied to its weights."""
 
@@ -91,8 +107,6 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _lora_compatible(self) -> "ModelConfig":
         if self.lora is not None:
-            from ft_framework.models.lora import lora_incompatibilities
-
             problems = lora_incompatibilities(self)
             if problems:
                 raise ValueError("model.lora cannot be combined with: " + "; ".join(problems))
@@ -130,8 +144,6 @@ class DataConfig(_Section):
     def resolved_source(self) -> str:
         """The `source` argument for `load_glue`: "hub" or a directory path."""
         if self.source.startswith("builtin:"):
-            from ft_framework import resources  # lazy: keep `import ft_framework.config` light
-
             return str(resources.quickstart_glue_dir())
         return self.source
 
@@ -158,7 +170,7 @@ class OptimizerConfig(_Section):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        available = _optim_registry().available_optimizers()
+        available = optim.available_optimizers()
         if value not in available:
             raise ValueError(f"unknown optimizer {value!r}; valid: {', '.join(sorted(available))}")
         return value
@@ -291,6 +303,17 @@ class FSDPConfig(_Section):
     mixed_precision: bool = False
 
 
+class OffloadOptimizerConfig(_Section):
+    """The optimizer's fp32 masters, state and step in host memory (strategy.name: single;
+    docs/offload.md). DeepSpeed has strategy.deepspeed.offload_optimizer, FSDP strategy.fsdp.cpu_offload."""
+
+    # Step each parameter on the CPU while backward goes on (speculating that clipping will not
+    # fire, rolled back exactly when it does); false: step after backward (the reference).
+    overlap: bool = False
+    # Threads of each CPU step (None: torch's intra-op thread count).
+    worker_threads: int | None = Field(None, gt=0)
+
+
 class StrategyConfig(_Section):
     """How the model is placed on devices: one device, DDP, DeepSpeed ZeRO or FSDP."""
 
@@ -298,9 +321,16 @@ class StrategyConfig(_Section):
     # Only read for the matching name; filled with defaults when that name is chosen.
     deepspeed: DeepSpeedConfig | None = None
     fsdp: FSDPConfig | None = None
+    # strategy.name single only: offload the optimizer to the CPU, e.g. {overlap: true}.
+    offload_optimizer: OffloadOptimizerConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "StrategyConfig":
+        if self.offload_optimizer is not None and self.name != "single":
+            raise ValueError(
+                f"strategy.offload_optimizer is read only when strategy.name is 'single' (name is "
+                f"{self.name!r}); deepspeed offloads with strategy.deepspeed.offload_optimizer, fsdp "
+                "with strategy.fsdp.cpu_offload")
         for section, cls in (("deepspeed", DeepSpeedConfig), ("fsdp", FSDPConfig)):
             if self.name == section:
                 if getattr(self, section) is None:
@@ -365,8 +395,6 @@ class LoggingConfig(_Section):
                 raise ValueError("logging.tensorboard is true but logging.report_to does not list tensorboard; "
                                  "add it to report_to (or drop logging.tensorboard)")
             self.tensorboard = "tensorboard" in self.report_to
-        from ft_framework.run.tracking import missing_tracker_packages
-
         problems = missing_tracker_packages(self.report_to)
         if problems:
             raise ValueError("; ".join(problems))
@@ -386,6 +414,10 @@ class CheckpointConfig(_Section):
     # Keys (dotted, or whole sections) whose change a resume accepts besides the ones that may
     # always change (fingerprint.ALLOWED_ON_RESUME); results.json records each change and its step.
     allow_config_change: list[str] = Field(default_factory=list)
+    # On SIGTERM, SIGINT or SIGUSR1 (preemption, Ctrl-C, SLURM's --signal): "save" finishes the
+    # current optimizer step on every rank, saves a checkpoint and writes results.json (status
+    # interrupted); "exit" exits at once (the last periodic checkpoint stays). docs/run_lifecycle.md.
+    on_signal: Literal["save", "exit"] = "save"
     # Write the final model (best one with evaluation.select_best) as a consolidated Hugging Face
     # model (save_pretrained, with its tokenizer) into this directory, whatever the strategy.
     export_dir: str | None = None
@@ -447,30 +479,20 @@ class RunConfig(_Section):
 
 
 # --------------------------------------------------------------------------------------------------
-# Optimizer registry access (lazy: the registry imports torch and may be built later)
+# Optimizer registry access
 # --------------------------------------------------------------------------------------------------
 
 
-def _optim_registry() -> types.ModuleType:
-    import ft_framework.optim as optim
-
-    return optim
-
-
 def _optimizer_defaults(name: str) -> dict[str, Any]:
-    return dict(_optim_registry().optimizer_hparams(name))
+    return dict(optim.optimizer_hparams(name))
 
 
 def _validate_hparams(name: str, hparams: dict[str, Any]) -> dict[str, Any]:
-    from ft_framework.optim.validation import validate_hparams
-
     return validate_hparams(name, hparams, not_here=_GROUPING_HPARAMS)
 
 
 def _warn_if_pull_overshoots(opt: OptimizerConfig) -> None:
     """The optimizer's own overshoot rule (optim/validation.py), at the configured peak lr."""
-    from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot
-
     factor = pull_overshoot(opt.name, opt.resolved_hparams())
     if factor >= 1.0:
         warnings.warn(overshoot_message(factor, f"optimizer {opt.name!r}"), PullOvershootWarning, stacklevel=2)

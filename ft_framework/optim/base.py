@@ -21,9 +21,10 @@ from typing import Any, Iterable
 
 import torch
 
+from ft_framework.distributed import collectives
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.coefficients import StepCoefficients
-from ft_framework.optim.torch_step import foreach_step
+from ft_framework.optim.torch_step import finite_flags, foreach_inverse_step, foreach_step
 from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
 
 __all__ = ["ANCHOR_DTYPES", "AnchoredOptimizer", "PullOvershootWarning", "check_loaded_anchors", "local_tensor"]
@@ -233,6 +234,92 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         else:
             foreach_step(params, grads, ms, vs, anchors, c)
 
+    # ---- speculative steps, one tensor at a time (the overlapped offload) ------------------
+    def _step_plan(self, p: torch.Tensor, group: dict[str, Any], t: int) -> tuple[StepCoefficients, bool]:
+        anchor = self.state[p].get("anchor")
+        c = self.coefficients(group, t, anchor is not None)
+        return c, anchor is not None and c.uses_anchor
+
+    def _groups_of(self, ps: list[torch.Tensor]) -> list[dict[str, Any]]:
+        index = {id(q): g for g in self.param_groups for q in g["params"]}
+        missing = [i for i, p in enumerate(ps) if id(p) not in index]
+        if missing:
+            raise ValueError(f"{len(missing)} tensor(s) are not parameters of this optimizer")
+        return [index[id(p)] for p in ps]
+
+    def _tensors(self, p: torch.Tensor, grad: torch.Tensor, with_anchor: bool):
+        state = self.state[p]
+        return (local_tensor(p), local_tensor(grad), local_tensor(state["exp_avg"]),
+                local_tensor(state["exp_avg_sq"]), local_tensor(state["anchor"]) if with_anchor else None)
+
+    @torch.no_grad()
+    def step_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None = None,
+                     num_threads: int | None = None, known_finite: bool = False) -> list[StepCoefficients | None]:
+        """Steps each parameter of `ps` on its own, with `grads` (default: each ``p.grad``), as
+        step() would: the same coefficients and arithmetic, so a step split over several calls
+        equals one step().
+
+        A tensor whose gradient holds a NaN or an infinity is left untouched (step count
+        included): such a step could never be undone. Returns, per tensor, the coefficients its
+        step used (what `rollback_tensors` needs), or None where it was left untouched.
+        `known_finite`: the caller has checked the gradients already (a finite norm), so the
+        kernel's own check, one more pass over each gradient, is skipped.
+        """
+        grads = [p.grad for p in ps] if grads is None else grads
+        if self._resolved_impl == "auto":
+            self._resolved_impl = self._resolve_impl()
+        used: list[StepCoefficients | None] = []
+        for p, g, group in zip(ps, grads, self._groups_of(ps)):
+            if g is None:
+                used.append(None)
+                continue
+            state = self.init_state(p)
+            c, with_anchor = self._step_plan(p, group, int(state["step"].item()) + 1)
+            if with_anchor:  # as in step(): warn once per group when a pull overshoots
+                self._warn_if_overshoot(next(i for i, q in enumerate(self.param_groups) if q is group), group,
+                                        stacklevel=4)
+            tensors = self._tensors(p, g, with_anchor)
+            if known_finite:
+                ok = True
+                if self._resolved_impl == "cpu":
+                    cpu_kernel.fused_step(*tensors, c, num_threads=num_threads)
+                else:
+                    foreach_step(*[[x] if x is not None else None for x in tensors], c)
+            elif self._resolved_impl == "cpu":
+                ok = cpu_kernel.guarded_step(*tensors, c, num_threads=num_threads)
+            else:
+                ok = finite_flags([tensors[1]])[0]
+                if ok:
+                    foreach_step(*[[x] if x is not None else None for x in tensors], c)
+            if ok:
+                state["step"] += 1
+            used.append(c if ok else None)
+        return used
+
+    @torch.no_grad()
+    def rollback_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                         coefficients: list[StepCoefficients], num_threads: int | None = None) -> None:
+        """Undoes the last step of each parameter, taken with `grads` and `coefficients` (what
+        step_tensors returned), from the stepped state alone: the inverse element program of
+        cpp/step_args.h, exact to a few ulp, with no saved copy. The step count goes back by one."""
+        grads = [p.grad for p in ps] if grads is None else grads
+        for p, g, c in zip(ps, grads, coefficients):
+            state = self.state[p]
+            with_anchor = state.get("anchor") is not None and c.uses_anchor
+            tensors = self._tensors(p, g, with_anchor)
+            if self._resolved_impl == "cpu":
+                cpu_kernel.fused_inverse(*tensors, c, num_threads=num_threads)
+            else:
+                foreach_inverse_step(*[[x] if x is not None else None for x in tensors], c)
+            state["step"] -= 1
+
+    def current_coefficients(self, ps: list[torch.Tensor]) -> list[StepCoefficients]:
+        """The coefficients each parameter's last step would have now (its group's current
+        hyper-parameters at its current step count): a speculative step whose coefficients differ
+        (the lr changed after it ran) must be redone."""
+        return [self._step_plan(p, g, int(self.state[p]["step"].item()))[0]
+                for p, g in zip(ps, self._groups_of(ps))]
+
     def _warn_if_overshoot(self, group_index: int, group: dict[str, Any], stacklevel: int) -> None:
         """Warns once per group when the rule's strongest pull (its `max_pull`, the formula the
         config checks too) removes at least 1 x (theta - theta*) in one step."""
@@ -285,8 +372,6 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         """
         sq = self.forgetting_sq_sum()
         if all_reduce:
-            from ft_framework.distributed import collectives
-
             sq = collectives.all_reduce(sq, group=reduce_group)
         return math.sqrt(float(sq))
 

@@ -82,17 +82,9 @@ def check_param(p: torch.Tensor) -> str | None:
     return tensor_problem(p, "parameter", _PARAM_DTYPES)
 
 
-def fused_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    anchor: torch.Tensor | None,
-    coeffs: StepCoefficients,
-    num_threads: int | None = None,
-) -> None:
-    """Runs one fused step on one tensor in place; raises TypeError/ValueError on unusable inputs."""
-    kernel = _require_kernel()
+def _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor) -> tuple | None:
+    """The kernel's buffers for one tensor's step (None when it is empty); raises TypeError /
+    ValueError on inputs the kernel cannot update in place."""
     checks = [
         tensor_problem(param, "parameter", _PARAM_DTYPES),
         tensor_problem(grad, "gradient", _INPUT_DTYPES),
@@ -112,10 +104,64 @@ def fused_step(
     if wrong:
         raise ValueError(f"size mismatch with the parameter's {n} elements: {wrong}")
     if n == 0:
-        return
-    kernel.fused_step(_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
-                      None if anchor is None else _buffer(anchor), _kernel_coefficients(coeffs),
-                      torch.get_num_threads() if num_threads is None else int(num_threads))
+        return None
+    return (_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
+            None if anchor is None else _buffer(anchor))
+
+
+def _threads(num_threads: int | None) -> int:
+    return torch.get_num_threads() if num_threads is None else int(num_threads)
+
+
+def fused_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    anchor: torch.Tensor | None,
+    coeffs: StepCoefficients,
+    num_threads: int | None = None,
+) -> None:
+    """Runs one fused step on one tensor in place; raises TypeError/ValueError on unusable inputs."""
+    kernel = _require_kernel()
+    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
+    if buffers is not None:
+        kernel.fused_step(*buffers, _kernel_coefficients(coeffs), _threads(num_threads))
+
+
+def guarded_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    anchor: torch.Tensor | None,
+    coeffs: StepCoefficients,
+    num_threads: int | None = None,
+) -> bool:
+    """fused_step when every element of `grad` is finite (returns True); otherwise leaves every
+    tensor untouched and returns False (a NaN or infinite step could never be undone)."""
+    kernel = _require_kernel()
+    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
+    if buffers is None:
+        return True
+    return bool(kernel.guarded_step(*buffers, _kernel_coefficients(coeffs), _threads(num_threads)))
+
+
+def fused_inverse(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    anchor: torch.Tensor | None,
+    coeffs: StepCoefficients,
+    num_threads: int | None = None,
+) -> None:
+    """Undoes fused_step(param, grad, ..., coeffs) in place: the same gradient and coefficients
+    give back the parameter and moments within a few ulp (cpp/step_args.h); no saved copy."""
+    kernel = _require_kernel()
+    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
+    if buffers is not None:
+        kernel.fused_inverse(*buffers, _kernel_coefficients(coeffs), _threads(num_threads))
 
 
 def _buffer(t: torch.Tensor):

@@ -55,3 +55,75 @@ def foreach_step(
     if c.post_decay != 0.0:
         torch._foreach_lerp_(change, params, c.post_decay)   # e + w * (p - e)
     torch._foreach_sub_(params, change)
+
+
+def inverse_keep(c: StepCoefficients, use_anchor: bool) -> float:
+    """1 / (1 - A), where the step maps p to (1 - A) p - B (cpp/step_args.h): A depends only on
+    the coefficients and the stages that run. Raises ValueError when the step removes all of p."""
+    a = 0.0
+    if c.pre_decay != 0.0 or (use_anchor and c.pre_pull != 0.0):
+        a = c.pre_decay
+        if use_anchor:
+            a += c.pre_pull * (1.0 - a)
+    if use_anchor:
+        a += c.post_pull * (1.0 - a)
+    if c.post_decay != 0.0:
+        a += c.post_decay * (1.0 - a)
+    if not 1.0 - a > 0.0:
+        raise ValueError("this step removes all of p (pulls and decays sum to >= 1): it cannot be undone")
+    return 1.0 / (1.0 - a)
+
+
+def foreach_inverse_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    anchors: list[torch.Tensor] | None,
+    c: StepCoefficients,
+) -> None:
+    """Undoes foreach_step with the same gradients and coefficients, in place (the inverse of
+    cpp/step_args.h): p from the stepped moments, then the moments; no saved copy of the state."""
+    if not params:
+        return
+    dtype = params[0].dtype
+    grads = _as_dtype(grads, dtype)
+    use_anchor = anchors is not None and c.uses_anchor
+    keep = inverse_keep(c, use_anchor)
+    # The forward's Adam term, recomputed with the forward's ops from the stepped moments.
+    change = torch._foreach_sqrt(exp_avg_sqs)
+    if c.denom_scale != 1.0:
+        torch._foreach_mul_(change, c.denom_scale)
+    torch._foreach_add_(change, c.eps)
+    torch._foreach_div_(change, exp_avgs)
+    torch._foreach_reciprocal_(change)
+    torch._foreach_mul_(change, c.step_size)
+    # The rest of the forward's change at p = 0, where p - a = -a: B of p' = (1 - A) p - B.
+    if use_anchor:
+        minus_a = torch._foreach_neg(_as_dtype(anchors, dtype))
+        if c.pre_pull != 0.0:
+            torch._foreach_add_(change, minus_a, alpha=c.pre_pull)
+        if c.post_pull != 0.0:
+            torch._foreach_lerp_(change, minus_a, c.post_pull)
+    if c.post_decay != 0.0:
+        torch._foreach_mul_(change, 1.0 - c.post_decay)
+    torch._foreach_add_(params, change)
+    torch._foreach_mul_(params, keep)
+    # m = (m' - (1 - b1) g) / b1 and v = max(0, (v' - (1 - b2) g^2) / b2); with beta 0 the old
+    # moment is not in m' (and no later step reads it): it becomes 0.
+    if c.beta1 > 0.0:
+        torch._foreach_add_(exp_avgs, grads, alpha=-(1.0 - c.beta1))
+        torch._foreach_div_(exp_avgs, c.beta1)
+    else:
+        torch._foreach_zero_(exp_avgs)
+    if c.beta2 > 0.0:
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, -(1.0 - c.beta2))
+        torch._foreach_div_(exp_avg_sqs, c.beta2)
+        torch._foreach_clamp_min_(exp_avg_sqs, 0.0)
+    else:
+        torch._foreach_zero_(exp_avg_sqs)
+
+
+def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
+    """Per tensor: whether every element is finite."""
+    return [bool(torch.isfinite(g).all()) for g in grads]

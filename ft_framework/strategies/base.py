@@ -11,7 +11,25 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ft_framework.checkpointing import load_sharded, param_info, save_sharded, whole_tensor_fragments
 from ft_framework.errors import UserError
+
+
+def place_anchors(model: nn.Module, optimizer: torch.optim.Optimizer, anchors: Mapping[str, torch.Tensor]) -> None:
+    """theta* into `optimizer`'s state after the model was wrapped (Strategy.place_anchors; also
+    used as is after ``accelerator.prepare``): each optimized parameter of `model` (unwrapped)
+    whose name is in `anchors` gets its anchor, sharded like the parameter for DTensors."""
+    named = dict(model.named_parameters())
+    unknown = sorted(set(anchors) - set(named))
+    if unknown:
+        raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
+                         "pass the pretrained state of this model")
+    name_of = {id(p): n for n, p in named.items()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = name_of.get(id(p))
+            if name in anchors:
+                optimizer.set_anchor(p, anchors[name], copy=False)
 
 
 class Strategy(ABC):
@@ -78,17 +96,7 @@ class Strategy(ABC):
         whose name is in `anchors` gets its anchor (sharded like the parameter for DTensors).
         Names of parameters the optimizer does not hold (frozen ones) are skipped, as
         build_param_groups skips them."""
-        named = dict(self.unwrapped_model().named_parameters())
-        unknown = sorted(set(anchors) - set(named))
-        if unknown:
-            raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
-                             "pass the pretrained state of this model")
-        name_of = {id(p): n for n, p in named.items()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                name = name_of.get(id(p))
-                if name in anchors:
-                    self.optimizer.set_anchor(p, anchors[name], copy=False)
+        place_anchors(self.unwrapped_model(), self.optimizer, anchors)
 
     # ---- the step ------------------------------------------------------------------------------
     def autocast(self):
@@ -121,6 +129,10 @@ class Strategy(ABC):
             return None
         return self.optimizer.forgetting_distance(all_reduce=self.optimizer_state_is_partitioned)
 
+    def train_metrics(self) -> dict[str, Any]:
+        """Counters of the strategy's own that go into each train record of metrics.jsonl."""
+        return {}
+
     def current_lambdas(self) -> list[float | None] | None:
         return self.optimizer.current_lambdas() if hasattr(self.optimizer, "current_lambdas") else None
 
@@ -136,16 +148,12 @@ class Strategy(ABC):
 
     def checkpoint_params(self) -> list:
         """ParamInfo (name, full shape, dtype) of every model parameter, the same on every rank."""
-        from ft_framework.checkpointing import param_info
-
         return [param_info(n, p) for n, p in self.unwrapped_model().named_parameters()]
 
     def checkpoint_fragments(self) -> list:
         """This rank's Fragments: 1-D views into the live master weights and optimizer state with
         their offsets in the flattened parameter. Saving writes those marked `write`; loading
         copies into all of them. Here: whole tensors, written by rank 0."""
-        from ft_framework.checkpointing import whole_tensor_fragments
-
         return whole_tensor_fragments(self.unwrapped_model().named_parameters(), self.optimizer,
                                       self.is_main_process)
 
@@ -183,15 +191,11 @@ class Strategy(ABC):
     def save_checkpoint(self, directory: Path) -> None:
         """Writes model and optimizer state into `directory`: every rank its own fragments, in
         parallel (collective)."""
-        from ft_framework.checkpointing import save_sharded
-
         save_sharded(directory, self, tokenizer=self.tokenizer, saved_by=self.checkpoint_info())
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restores model and optimizer state from a checkpoint saved under any strategy and number
         of ranks, each rank reading only the saved fragments that overlap its own (collective)."""
-        from ft_framework.checkpointing import load_sharded
-
         load_sharded(directory, self)
 
     def consolidated_model(self) -> nn.Module:

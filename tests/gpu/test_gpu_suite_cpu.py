@@ -29,7 +29,7 @@ def test_arguments_parse_and_resolve():
     assert args.only == ["tests", "c"] and args.tiny and args.out == "x.md"
     assert (args.a_params, args.a_tensors, args.batch, args.seq) == (2e6, 10, 4, 16)
     full = suite.resolve_defaults(suite.build_parser().parse_args([]))
-    assert full.only == ["tests", "a", "b", "c"] and full.a_params == 200e6 and full.a_tensors == 100
+    assert full.only == ["tests", "a", "b", "c", "d"] and full.a_params == 200e6 and full.a_tensors == 100
     assert (full.batch, full.seq, full.cap_gb) == (32, 128, 16.0)
     with pytest.raises(SystemExit):
         suite.build_parser().parse_args(["--only", "a,z"])
@@ -131,3 +131,39 @@ def test_gpu_worker_runs_a_case_on_the_cpu(tmp_path):
         assert a["count"] == a["expected"] > 0 and not a["mismatched"] and not a["missing"]
         assert rec[phase]["impl"] == "cpu" and rec[phase]["steps"] == 5
     assert Path(rec["full_export"], "config.json").is_file()
+
+
+def test_part_d_table_format():
+    suite = load_suite()
+    d = {"model": "ALBERT-xxlarge", "numel": 222.6e6, "seq": 128, "batch": 32, "steps": 8, "warmup": 3,
+         "candidates": [
+             {"name": "RecAdam, overlapped offload (ours)", "iter_ms": 600.0, "samples_per_s": 53.3,
+              "peak_gpu_gb": 4.2, "rollbacks": 1},
+             {"name": "RecAdam, serial offload (ours)", "iter_ms": 800.0, "samples_per_s": 40.0,
+              "peak_gpu_gb": 4.2, "rollbacks": 0},
+             {"name": "DeepSpeedCPUAdam, ZeRO-2 offload", "error": "RuntimeError: no nvcc", "iter_ms": None}]}
+    cap = dict(d, cap_gb=16, note="Memory fraction 0.200 of 80.0 GB.")
+    text = suite.format_d(d, cap)
+    assert text.count("| RecAdam, overlapped offload (ours) | 600.0") == 2 and "1.333" in text
+    assert "no nvcc" in text and "capped at 16 GB" in text and "Memory fraction 0.200" in text
+    assert "failed: boom" in suite.format_d({"error": "boom", "candidates": []}, None)
+
+
+@pytest.mark.slow
+def test_part_d_tiny_smoke_run(tmp_path):
+    """Part d end to end at toy sizes on the CPU (deepspeed launcher, world size 1): the overlapped
+    and serial offload and DeepSpeed ZeRO-2 offload each train and are tabled."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", "d",
+                          "--out", str(tmp_path / "d.md")], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    raw = json.loads((tmp_path / "d.json").read_text())
+    for part in ("d", "d_cap"):
+        cands = {c["name"]: c for c in raw[part]["candidates"]}
+        assert set(cands) == {"RecAdam, overlapped offload (ours)", "RecAdam, serial offload (ours)",
+                              "DeepSpeedCPUAdam, ZeRO-2 offload"}, raw[part]
+        for c in cands.values():
+            assert c.get("iter_ms") and c["iter_ms"] > 0 and not c.get("error"), c
+        assert cands["RecAdam, overlapped offload (ours)"]["rollbacks"] is not None
+    assert "## d. ALBERT-xxlarge" in (tmp_path / "d.md").read_text()

@@ -1,0 +1,376 @@
+"""One device with the optimizer offloaded to the CPU (``strategy.offload_optimizer``), its step
+either after backward (serial, the reference) or overlapped with backward.
+
+The optimizer holds fp32 master weights and its state (moments, anchors) in host memory and steps
+them with the C++ kernel. On a GPU the model's parameters are device copies of the masters; on a
+CPU they are the masters themselves.
+
+Overlapped (``overlap: true``), see docs/offload.md:
+
+1. During the last micro-batch's backward, a post-accumulate-grad hook hands each parameter to a
+   worker thread as soon as its gradient is final (on CUDA after a copy to pinned host memory on
+   a side stream).
+2. The worker steps that parameter at once with its *unclipped* gradient (the kernel runs without
+   the GIL, so backward goes on), speculating that clipping will not fire; on CUDA it copies the
+   new weights back on another side stream. A gradient whose norm is not finite (a NaN or an
+   infinity in it) leaves its tensor untouched: such a step could not be undone.
+3. After backward the global gradient norm decides: keep every step (the usual case); or clipping
+   fires, and every speculative step is rolled back with the kernel's inverse step and taken again
+   with the clipped gradient; or a gradient is not finite, and every step is rolled back and the
+   step is skipped. Each rollback is counted (``offload_rollbacks`` in metrics.jsonl).
+4. After a step that clipped (or was skipped) the next one does not speculate: its worker only
+   copies gradients and takes their norms during backward, and the step follows the decision
+   (clipping tends to fire in runs; three passes over the state would cost more than one). The
+   step after a step that did not clip speculates again.
+
+The serial path computes the same norm over the same host gradients, clips, then steps: the two
+end within 1e-6 (relative) of each other (tests/unit/test_offload.py). A parameter's weights are
+written by the worker only after autograd has accumulated its gradient, when backward no longer
+reads them (a weight read in backward under ``torch.no_grad``/``detach`` would break that).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ft_framework.checkpointing.fragments import whole_tensor_fragments
+from ft_framework.errors import UserError
+from ft_framework.optim.base import AnchoredOptimizer
+from ft_framework.strategies.single import SingleDeviceStrategy
+
+__all__ = ["OffloadedSingleDeviceStrategy"]
+
+
+class _Speculation:
+    """One parameter's gradient as the worker saw it: master, host gradient, the gradient's norm,
+    the coefficients of the speculative step (None: not stepped) and whether the kernel refused
+    the step (the gradient is not finite)."""
+
+    __slots__ = ("master", "grad", "norm", "coefficients", "refused")
+
+    def __init__(self, master: torch.Tensor, grad: torch.Tensor, norm: torch.Tensor, coefficients=None,
+                 refused: bool = False):
+        self.master, self.grad, self.norm = master, grad, norm
+        self.coefficients, self.refused = coefficients, refused
+
+
+def _tensor_norm(grad: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(grad)
+
+
+def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm from per-tensor norms, as torch.nn.utils.get_total_norm combines them for
+    one device (bit for bit: tests/unit/test_offload.py compares with SingleDeviceStrategy)."""
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.stack(norms))]))
+
+
+class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
+    """SingleDeviceStrategy whose optimizer steps fp32 masters in host memory, after backward
+    (``overlap=False``) or during it (``overlap=True``).
+
+    `worker_threads`: OpenMP threads of each kernel call (None: torch.get_num_threads()).
+    """
+
+    def __init__(self, precision: str = "fp32", device: str = "auto", overlap: bool = False,
+                 worker_threads: int | None = None):
+        super().__init__(precision, device)
+        if self.scaler is not None:
+            raise UserError("strategy.offload_optimizer does not take training.precision fp16 (its loss "
+                            "scaler skips steps the offloaded step cannot see); use bf16 or fp32")
+        self.overlap = bool(overlap)
+        self.worker_threads = worker_threads
+        self.rollbacks = 0        # speculative steps rolled back (clipping fired, or not finite)
+        self.skipped_steps = 0    # steps skipped because a gradient was not finite
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model parameter, master)
+        self._master_of: dict[int, nn.Parameter] = {}
+        self._host_grad: dict[int, torch.Tensor] = {}
+        self._names: dict[int, str] = {}
+        self._armed = False
+        # Whether this step speculates: not after a step that clipped or was not finite (then
+        # the worker only copies the gradients and takes their norms during backward).
+        self._speculate = True
+        self._speculated: list[_Speculation] = []
+        self._worker_error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._hooks: list = []
+        cuda = self.device.type == "cuda"
+        self._d2h = torch.cuda.Stream(self.device) if cuda else None
+        self._h2d = torch.cuda.Stream(self.device) if cuda else None
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, build_optimizer, anchors=None):
+        # Built while the model is still in host memory: its fp32 parameters become the masters.
+        optimizer = build_optimizer(model)
+        if not isinstance(optimizer, AnchoredOptimizer):
+            raise UserError(f"strategy.offload_optimizer needs an ft_framework optimizer (optimizer.name), "
+                            f"got {type(optimizer).__name__}")
+        masters = [p for g in optimizer.param_groups for p in g["params"]]
+        master_ids = {id(m) for m in masters}
+        bad = [n for n, p in model.named_parameters()
+               if id(p) in master_ids and (p.device.type != "cpu" or p.dtype != torch.float32)]
+        if bad:
+            raise UserError(f"strategy.offload_optimizer keeps fp32 masters in host memory; parameter "
+                            f"{bad[0]!r} is not an fp32 CPU tensor (load the model in fp32)")
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        if self.device.type == "cpu":
+            self._pairs = [(m, m) for m in masters]
+        else:
+            copies = {}
+            for m in masters:
+                m.data = m.data.pin_memory()
+                copies[id(m)] = nn.Parameter(m.detach().to(self.device), requires_grad=m.requires_grad)
+            for module in model.modules():
+                for key, p in list(module.named_parameters(recurse=False)):
+                    if id(p) in master_ids:
+                        setattr(module, key, copies[id(p)])
+            self._pairs = [(copies[id(m)], m) for m in masters]
+            self._host_grad = {id(m): torch.empty_like(m, pin_memory=True) for m in masters}
+        self._master_of = {id(dev): m for dev, m in self._pairs}
+        self.model = model.to(self.device)
+        self.optimizer = optimizer
+        if anchors:
+            self.place_anchors(anchors)
+        if self.overlap:
+            self._start_worker()
+            self._hooks = [dev.register_post_accumulate_grad_hook(self._on_grad_ready)
+                           for dev, _ in self._pairs if dev.requires_grad]
+        return self.model, self.optimizer
+
+    @property
+    def worker_thread(self) -> threading.Thread | None:
+        """The thread that steps during backward (None unless overlapped), e.g. to pin it to a core."""
+        return self._worker
+
+    def _named_masters(self):
+        return [(self._names[id(m)], m) for _, m in self._pairs]
+
+    def place_anchors(self, anchors: Mapping[str, torch.Tensor]) -> None:
+        named = dict(self.unwrapped_model().named_parameters())
+        unknown = sorted(set(anchors) - set(named))
+        if unknown:
+            raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
+                             "pass the pretrained state of this model")
+        for name, m in self._named_masters():
+            if name in anchors:
+                self.optimizer.set_anchor(m, anchors[name], copy=False)
+
+    # ---- the overlapped step -------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        self._queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="ft-offload-step", daemon=True)
+        self._worker.start()
+
+    def _on_grad_ready(self, dev: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: hands the parameter to the worker (last micro-batch only)."""
+        if not self._armed:
+            return
+        master = self._master_of[id(dev)]
+        if self._d2h is None:
+            self._queue.put((master, dev.grad, None, dev))
+            return
+        host = self._host_grad[id(master)]
+        compute = torch.cuda.current_stream(self.device)
+        self._d2h.wait_stream(compute)  # the gradient, and every kernel that read the weights, first
+        with torch.cuda.stream(self._d2h):
+            host.copy_(dev.grad, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._d2h)
+        dev.grad.record_stream(self._d2h)
+        self._queue.put((master, host, ready, dev))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._process(item)
+            except BaseException as exc:  # re-raised by clip_and_step on the training thread
+                self._worker_error = exc
+            finally:
+                self._queue.task_done()
+
+    def _help_drain(self) -> None:
+        """After backward the training thread, idle until the step is decided, steps queued
+        parameters too (the worker is usually a few layers behind)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._process(item)
+            finally:
+                self._queue.task_done()
+
+    def _process(self, item) -> None:
+        master, grad, ready, dev = item
+        if ready is not None:
+            ready.synchronize()
+        norm = _tensor_norm(grad)  # here, not after backward: it overlaps too
+        if not self._speculate:
+            self._speculated.append(_Speculation(master, grad, norm))
+            return
+        if not torch.isfinite(norm):  # a NaN or an infinity: never stepped, so never undone
+            self._speculated.append(_Speculation(master, grad, norm, refused=True))
+            return
+        used = self.optimizer.step_tensors([master], [grad], num_threads=self.worker_threads,
+                                           known_finite=True)[0]
+        self._speculated.append(_Speculation(master, grad, norm, used))
+        if used is not None:
+            self._copy_to_device(dev, master)
+
+    def _copy_to_device(self, dev: torch.Tensor, master: torch.Tensor) -> None:
+        if self._h2d is None:
+            return  # on a CPU the master is the model's parameter
+        with torch.no_grad(), torch.cuda.stream(self._h2d):
+            dev.copy_(master, non_blocking=True)
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
+        self._armed = self.overlap and last_micro_batch
+        try:
+            loss.backward()
+        finally:
+            self._armed = False
+
+    # ---- after backward ----------------------------------------------------------------------------
+    def _host_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(model parameter, master, host gradient) of every parameter with a gradient."""
+        out = []
+        for dev, m in self._pairs:
+            if dev.grad is None:
+                continue
+            if self._d2h is None:
+                out.append((dev, m, dev.grad))
+            else:
+                host = self._host_grad[id(m)]
+                host.copy_(dev.grad)
+                out.append((dev, m, host))
+        return out
+
+    @staticmethod
+    def _clip(grads: list[torch.Tensor], max_grad_norm: float | None, norm: torch.Tensor) -> bool:
+        """Clips `grads` in place as torch.nn.utils.clip_grad_norm_ does; returns whether it fired."""
+        if not max_grad_norm or not grads:
+            return False
+        coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
+        fires = bool(coef < 1.0)
+        if fires:
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        return fires
+
+    def clip_and_step(self, max_grad_norm: float | None) -> float:
+        norm = self._overlapped_step(max_grad_norm) if self.overlap else self._serial_step(max_grad_norm)
+        if self._h2d is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._h2d)  # the next forward reads them
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _serial_step(self, max_grad_norm: float | None) -> torch.Tensor:
+        entries = self._host_grads()
+        grads = [g for _, _, g in entries]
+        norm = _total_norm([_tensor_norm(g) for g in grads])
+        if not torch.isfinite(norm):
+            self.skipped_steps += 1
+            return norm
+        self._clip(grads, max_grad_norm, norm)
+        masters = [m for _, m, _ in entries]
+        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads)
+        for dev, m, _ in entries:
+            self._copy_to_device(dev, m)
+        return norm
+
+    def _overlapped_step(self, max_grad_norm: float | None) -> torch.Tensor:
+        self._help_drain()
+        self._queue.join()
+        if self._worker_error is not None:
+            error, self._worker_error = self._worker_error, None
+            self._speculated = []
+            raise RuntimeError("the offloaded optimizer step failed in its worker thread") from error
+        spec, self._speculated = self._speculated, []
+        seen = {id(s.master) for s in spec}
+        # Gradients no hook delivered (a backward without last_micro_batch) join the unstepped ones.
+        spec += [_Speculation(m, g, _tensor_norm(g)) for _, m, g in self._host_grads() if id(m) not in seen]
+        if self._h2d is not None:
+            self._h2d.synchronize()  # no copy may still read a master that a rollback rewrites
+        order = {id(m): i for i, (_, m) in enumerate(self._pairs)}
+        spec.sort(key=lambda s: order[id(s.master)])  # the serial path's order: the same norm, bit for bit
+        grads = [s.grad for s in spec]
+        norm = _total_norm([s.norm for s in spec])
+        stepped = [s for s in spec if s.coefficients is not None]
+        finite = bool(torch.isfinite(norm)) and not any(s.refused for s in spec)
+        clips = finite and self._would_clip(max_grad_norm, norm)
+        # A step whose coefficients changed since it ran (the lr was set after backward) is redone too.
+        current = self.optimizer.current_coefficients([s.master for s in stepped])
+        stale = any(c != s.coefficients for c, s in zip(current, stepped))
+        self._speculate = finite and not clips
+        if finite and not clips and not stale:
+            keep = {id(s.master) for s in stepped}
+            todo = [s for s in spec if id(s.master) not in keep]  # not speculated: step them now
+            self.optimizer.step_tensors([s.master for s in todo], [s.grad for s in todo],
+                                        num_threads=self.worker_threads)
+            self._copy_all_to_device([s.master for s in todo])
+            return norm
+        if stepped:
+            self.rollbacks += 1
+            self.optimizer.rollback_tensors([s.master for s in stepped], [s.grad for s in stepped],
+                                            [s.coefficients for s in stepped], num_threads=self.worker_threads)
+        if not finite:
+            self.skipped_steps += 1
+            self._copy_all_to_device([s.master for s in stepped])
+            return norm
+        self._clip(grads, max_grad_norm, norm)
+        masters = [s.master for s in spec]
+        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads)
+        self._copy_all_to_device(masters)
+        return norm
+
+    def _copy_all_to_device(self, masters: list[torch.Tensor]) -> None:
+        dev_of = {id(m): dev for dev, m in self._pairs}
+        for m in masters:
+            self._copy_to_device(dev_of[id(m)], m)
+
+    @staticmethod
+    def _would_clip(max_grad_norm: float | None, norm: torch.Tensor) -> bool:
+        return bool(max_grad_norm) and bool(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0) < 1.0)
+
+    # ---- telemetry, checkpoints, shutdown --------------------------------------------------------
+    def train_metrics(self) -> dict[str, Any]:
+        return {"offload_rollbacks": self.rollbacks, "offload_skipped_steps": self.skipped_steps}
+
+    def checkpoint_fragments(self) -> list:
+        return whole_tensor_fragments(self._named_masters(), self.optimizer, self.is_main_process)
+
+    def anchored_parameter_names(self) -> set[str]:
+        state = self.optimizer.state
+        return {n for n, m in self._named_masters() if "anchor" in state.get(m, {})}
+
+    def prepare_checkpoint_load(self) -> None:
+        for _, m in self._pairs:
+            self.optimizer.init_state(m)
+
+    def after_checkpoint_load(self) -> None:
+        for dev, m in self._pairs:
+            self._copy_to_device(dev, m)
+        if self._h2d is not None:
+            self._h2d.synchronize()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
+        super().close()

@@ -1,0 +1,120 @@
+"""The offloaded single-device strategy (strategy.offload_optimizer): the step overlapped with
+backward (speculative, rolled back when clipping fires or a gradient is not finite) ends where the
+serial offloaded step ends, within 1e-6 (relative), for every registered rule; the config picks
+it (tests/recipes/test_offload_run.py runs it in the trainer)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from ft_framework.config.schema import StrategyConfig
+from ft_framework.optim import available_optimizers, build_optimizer
+from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy, build_strategy
+
+HPARAMS = {
+    "recadam": dict(lr=1e-2, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.5, anneal_t0=3,
+                    pretrain_cof=5.0),
+    "adamw": dict(lr=1e-2, weight_decay=0.05),
+    "bertadam": dict(lr=1e-2, weight_decay=0.05),
+    "prior_wd": dict(lr=1e-2, weight_decay=0.5),
+}
+# Per step, the loss multiplier (the gradient norm scales with it). With max_grad_norm 1, steps 0
+# and 6 clip and step 3 gets a NaN in one tensor's gradient (skipped). A step after one that
+# clipped or was skipped does not speculate (1, 4); the others do, so 0, 3 and 6 roll back.
+LOSS_SCALES = [3.0, 0.2, 0.3, 0.2, 0.3, 0.2, 2.5]
+NAN_STEP = 3
+CLIPPED = [0, 6]
+MAX_NORM = 1.0
+
+
+def _close(actual, expected, what, rel=1e-6):
+    """Element by element: |actual - expected| <= rel * (|expected| + max |expected|)."""
+    scale = expected.abs().max().clamp_min(1e-30).double()
+    err = (actual.double() - expected.double()).abs()
+    assert bool((err <= rel * (expected.double().abs() + scale)).all()), f"{what}: max error {float(err.max())}"
+
+
+def _model():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 2))
+
+
+def _train(rule, strategy, steps=len(LOSS_SCALES)):
+    model = _model()
+    pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
+    strategy.setup(model, lambda m: build_optimizer(rule, [{"params": list(m.parameters())}], impl="auto",
+                                                    **HPARAMS.get(rule, dict(lr=1e-2))),
+                   anchors=pretrained)
+    gen = torch.Generator().manual_seed(9)
+    norms = []
+    for step in range(steps):
+        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
+        loss = LOSS_SCALES[step] * nn.functional.mse_loss(strategy.forward({"input": x}), y)
+        handle = None
+        if step == NAN_STEP:  # one tensor's gradient turns NaN, the others stay finite
+            handle = strategy.model[2].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), float("nan")))
+        strategy.backward(loss)
+        if handle is not None:
+            handle.remove()
+        norms.append(strategy.clip_and_step(MAX_NORM))
+    strategy.close()
+    return strategy, norms
+
+
+
+def _forward_kw(self, batch):
+    return self.model(batch["input"])
+
+
+@pytest.fixture(autouse=True)
+def _keyword_forward(monkeypatch):
+    # The strategies call model(**batch); the test model takes one tensor.
+    for cls in (SingleDeviceStrategy, OffloadedSingleDeviceStrategy):
+        monkeypatch.setattr(cls, "forward", _forward_kw)
+
+
+@pytest.mark.parametrize("rule", available_optimizers())
+def test_overlapped_equals_serial_with_clipping_and_a_nan_step(rule):
+    serial, serial_norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=False))
+    overlap, norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1))
+    fired = [i for i, n in enumerate(serial_norms) if n > MAX_NORM]
+    assert fired == CLIPPED and not torch.isfinite(torch.tensor(serial_norms[NAN_STEP]))
+    assert overlap.rollbacks == 3 and overlap.skipped_steps == serial.skipped_steps == 1
+    assert serial.rollbacks == 0
+    assert overlap.train_metrics() == {"offload_rollbacks": 3, "offload_skipped_steps": 1}
+    # The first step's norm is the same bits; later ones see weights a rollback moved by a few ulp.
+    assert norms[0] == serial_norms[0]
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms), rtol=1e-6, atol=0, equal_nan=True)
+    for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
+        _close(p.detach(), q.detach(), f"{rule} {name}")
+        s, r = overlap.optimizer.state[p], serial.optimizer.state[q]
+        assert set(s) == set(r) and float(s["step"]) == float(r["step"]) == len(LOSS_SCALES) - 1
+        for key in ("exp_avg", "exp_avg_sq", "anchor"):
+            if key in r:
+                _close(s[key], r[key], f"{rule} {name} {key}")
+
+
+def test_serial_offload_equals_the_single_device_strategy():
+    steps = NAN_STEP  # the plain strategy steps with NaN; up to there they must agree bit for bit
+    serial, _ = _train("recadam", OffloadedSingleDeviceStrategy("fp32", "cpu"), steps=steps)
+    plain, _ = _train("recadam", SingleDeviceStrategy("fp32", "cpu"), steps=steps)
+    for p, q in zip(serial.model.parameters(), plain.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_config_selects_and_checks_the_offloaded_strategy():
+    training = load_config_defaults_training()
+    cfg = StrategyConfig(name="single", offload_optimizer={"overlap": True, "worker_threads": 1})
+    strategy = build_strategy(cfg, training)
+    assert isinstance(strategy, OffloadedSingleDeviceStrategy) and strategy.overlap and strategy.worker_threads == 1
+    assert type(build_strategy(StrategyConfig(name="single"), training)) is SingleDeviceStrategy
+    with pytest.raises(ValueError, match="offload_optimizer is read only when strategy.name is 'single'"):
+        StrategyConfig(name="ddp", offload_optimizer={"overlap": True})
+    with pytest.raises(ValueError, match="overlaps"):
+        StrategyConfig(name="single", offload_optimizer={"overlaps": True})
+
+
+def load_config_defaults_training():
+    return SimpleNamespace(precision="fp32", device="cpu")
