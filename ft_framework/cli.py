@@ -7,14 +7,29 @@ import logging
 import sys
 from pathlib import Path
 
+from ft_framework.checkpointing.export import export_pretrained, verify_checkpoint
+from ft_framework.checkpointing.manager import resolve_latest
+from ft_framework.config import ConfigError, load_config
+from ft_framework.errors import UserError
+from ft_framework.interpolate import format_table, run_interpolation
+from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, report_failure
+from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, RunPaths
+from ft_framework.run.results import format_results_table
+from ft_framework.run.tracking import log_artifacts_to_run
+from ft_framework.sweep import (SweepInterrupted, SweepLockedError, build_report, format_plan, load_sweep, make_runner,
+                                plan_sweep, run_sweep)
+from ft_framework.sweep.plots import write_plots
+from ft_framework.trainer import Trainer
+
 
 def train_main(argv: list[str] | None = None) -> int:
     """ft-train --config FILE [key.sub=value ...]: one fine-tuning run. Exit codes (failures.py):
-    0 finished, 1 crashed, 2 user error (one line), 3 diverged."""
+    0 finished, 1 crashed, 2 user error (one line), 3 diverged, 128 + N stopped by signal N after a
+    checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1)."""
     parser = argparse.ArgumentParser(
         prog="ft-train", description="Fine-tune a pretrained model on a GLUE task. Exit codes: 0 finished, "
         "1 crashed, 2 a config or data error (one line; --debug adds the traceback), 3 diverged (results.json "
-        "says where).",
+        "says where), 128+N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).",
         epilog="Example: ft-train --config configs/quickstart.yaml training.num_epochs=2")
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
@@ -25,24 +40,25 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from ft_framework.config import load_config
-    from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, report_failure
-    from ft_framework.run.files import RunPaths
-    from ft_framework.run.results import format_results_table
-    from ft_framework.trainer import Trainer
-
     try:
         cfg = load_config(args.config, args.overrides)
     except Exception as exc:  # every rank reads the same file: rank 0 alone reports it
         return report_failure(exc, prog="ft-train", debug=args.debug, same_on_every_rank=True)
+    trainer = None
     try:
         trainer = Trainer(cfg)
-        try:
-            results = trainer.fit()
-        finally:
-            trainer.strategy.close()
-    except Exception as exc:
+        results = trainer.fit()
+    except KeyboardInterrupt:  # Ctrl-C before the loop's handlers are installed (or after they are gone)
+        print("ft-train: interrupted (SIGINT) before training started or after it ended; nothing to save",
+              file=sys.stderr)
+        return 130
+    except Exception as exc:  # reported before the process group closes (finally): the peers read who failed
         return report_failure(exc, prog="ft-train", debug=args.debug)
+    finally:
+        if trainer is not None:
+            trainer.strategy.close()
+    if results.get("status") == "interrupted":  # a signal: checkpoint saved, the line printed (run/signals.py)
+        return int(results["exit_code"])
     if results.get("diverged"):
         if trainer.strategy.is_main_process:
             print(diverged_line("ft-train", results), file=sys.stderr)
@@ -74,10 +90,6 @@ def sweep_main(argv: list[str] | None = None) -> int:
                         help="set a config value in every run (parsed as YAML); changes the run ids")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from ft_framework.config import ConfigError
-    from ft_framework.run.files import LOG_FILE
-    from ft_framework.sweep import SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner, plan_sweep, run_sweep
 
     try:
         spec = load_sweep(args.config)
@@ -131,22 +143,17 @@ def report_main(argv: list[str] | None = None) -> int:
                         help="bootstrap draws for the expected best score of n trials")
     args = parser.parse_args(argv)
 
-    from ft_framework.sweep import build_report
-
     try:
         report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples)
     except FileNotFoundError as exc:
         print(f"ft-report: {exc}", file=sys.stderr)
         return 2
-    from ft_framework.run.files import REPORT_PLOTS_DIR, TRACKERS_FILE
-
     print(report.markdown())
-    written = report.write(args.out or args.directory, plots=not args.no_plots)
+    out_dir = Path(args.out or args.directory)
+    written = report.write(out_dir) + ([] if args.no_plots else write_plots(report, out_dir / REPORT_PLOTS_DIR))
     print(f"\nwrote {len(written)} files to {args.out or args.directory}: "
           + ", ".join(sorted({p.name if p.parent.name != REPORT_PLOTS_DIR else f"{REPORT_PLOTS_DIR}/"
                               for p in written})))
-    from ft_framework.run.tracking import log_artifacts_to_run
-
     if (Path(args.directory) / TRACKERS_FILE).is_file():  # one run's report: its plots go to its tracker runs
         try:
             log_artifacts_to_run(args.directory, [p for p in written if p.suffix == ".png"])
@@ -161,7 +168,8 @@ def interpolate_main(argv: list[str] | None = None) -> int:
         prog="ft-interpolate", description="Evaluate theta_a = theta* + a (theta - theta*) of a finished run on its "
         "eval splits; writes interpolation.json and interpolation.png into the run directory.",
         epilog="Example: ft-interpolate runs/quickstart --alphas 0,0.25,0.5,0.75,1")
-    parser.add_argument("run_dir", help="a finished run's output directory (holding results.json)")
+    parser.add_argument("run_dir", help="a finished run's output directory (holding results.json), or its "
+                        "checkpoints/ directory, checkpoints/latest pointer or a checkpoint directory")
     parser.add_argument("--alphas", default=None, help="comma-separated values in [0, 1] (default: 0,0.1,...,1)")
     parser.add_argument("--theta-star", choices=("auto", "anchors", "pretrained"), default="auto",
                         help="where theta* comes from: the checkpoint's anchors, the pretrained model the config "
@@ -171,8 +179,6 @@ def interpolate_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from ft_framework.interpolate import format_table, run_interpolation
-
     try:
         out = run_interpolation(args.run_dir, args.alphas, device=args.device, theta_star=args.theta_star,
                                 plot=not args.no_plot)
@@ -180,17 +186,45 @@ def interpolate_main(argv: list[str] | None = None) -> int:
         print(f"ft-interpolate: {exc}", file=sys.stderr)
         return 2
     print(format_table(out))
-    print(f"\nwrote {args.run_dir}/interpolation.json" + ("" if args.no_plot else " and interpolation.png"))
+    print(f"\nwrote {out['run_dir']}/interpolation.json" + ("" if args.no_plot else " and interpolation.png"))
+    return 0
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    """ft-export CHECKPOINT OUT_DIR [--verify]: a Hugging Face model (with its tokenizer) from a checkpoint
+    saved under any strategy and number of ranks; one process, offline."""
+    parser = argparse.ArgumentParser(
+        prog="ft-export", description="Write a Hugging Face model (save_pretrained, with the tokenizer) from an "
+        "ft_framework checkpoint saved under any strategy and number of ranks; one process, no GPU, offline.",
+        epilog="Example: ft-export runs/rte exported/rte   (a run directory: its latest checkpoint)")
+    parser.add_argument("checkpoint", type=Path, help="a run's output directory, its checkpoints/ directory, the "
+                        "checkpoints/latest pointer file, or a checkpoint directory (checkpoints/step_N)")
+    parser.add_argument("out", type=Path, nargs="?", help="where to write the model (optional with --verify)")
+    parser.add_argument("--verify", action="store_true", help="check every file of the checkpoint against the size "
+                        "and checksum its manifest records (before exporting, or alone without OUT)")
+    parser.add_argument("--config-dir", type=Path, help="model config.json directory, for a checkpoint without model "
+                        "files (converted from an old format)")
+    parser.add_argument("--model-class", help="module:Class of the model for such a checkpoint "
+                        "(e.g. transformers:AutoModelForSequenceClassification)")
+    args = parser.parse_args(argv)
+    if args.out is None and not args.verify:
+        parser.error("OUT is required (or pass --verify alone to check the checkpoint)")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    try:
+        checkpoint = resolve_latest(args.checkpoint)
+        if args.verify:
+            checked = verify_checkpoint(checkpoint)
+            print(f"{checkpoint}: {checked} files match the sizes and checksums of its manifest"
+                  + ("" if checked else " (it records none: saved before checksums, or converted)"))
+        if args.out is not None:
+            export_pretrained(checkpoint, args.out, config_dir=args.config_dir, model_class=args.model_class)
+            print(f"exported {checkpoint} to {args.out}")
+    except UserError as exc:
+        print(f"ft-export: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(train_main())
-
-
-def export_main(argv: list[str] | None = None) -> int:
-    """ft-export CHECKPOINT_DIR OUT_DIR: a Hugging Face model (with its tokenizer) from a checkpoint
-    saved under any strategy and number of ranks; one process, offline."""
-    from ft_framework.checkpointing.export import main
-
-    return main(argv)

@@ -22,6 +22,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ft_framework.distributed import peer_failures
+
 from ft_framework.errors import UserError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "RendezvousFailed", "join_process_group", "rendezvous_timeout_s"]
@@ -124,3 +126,4 @@ def join_process_group(backend: str, timeout_s: float | None = None, **init_kwar
             f"rank {rank} of {world} met the others at {where} but could not connect to them "
             f"({_first_line(exc)}): check that the nodes reach each other on the interface of their hostname "
             "(or name it with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)") from None
+    peer_failures.register_store(store, world_size=world, store_host_rank=None if agent else 0)

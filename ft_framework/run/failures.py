@@ -8,11 +8,19 @@ code   meaning
 2      user error (:class:`~ft_framework.errors.UserError`): one line, no traceback (``--debug``
        prints it)
 3      diverged (:data:`~ft_framework.run.divergence.EXIT_DIVERGED`): results.json says where and why
+128+N  stopped by signal N (143 SIGTERM, 130 SIGINT, 138 SIGUSR1) after saving a checkpoint;
+       results.json has ``status: interrupted`` (run/signals.py); a second signal exits at once
 =====  ==========================================================================================
+
+docs/run_lifecycle.md has the table for users.
 
 With several ranks, an error every rank hits alike (a config error, the output-directory guard, a
 refused resume) is printed by rank 0 only; an error only one rank hits (its data, its memory) is
-printed by that rank, and the ranks that then lose their peer print one short line, not a traceback.
+printed by that rank, and the ranks that then lose their peer print one short line, not a traceback:
+the failing rank writes its error on a board in the rendezvous store before it exits
+(distributed/peer_failures.py), and a rank whose collective then breaks finds it there. The
+decision never reads the text of an error; a peer that died without a word (kill -9) leaves the
+survivors' tracebacks.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import sys
 import traceback
 from typing import Any, TextIO
 
+import torch.distributed as dist
+
 from ft_framework.run.divergence import EXIT_DIVERGED
+from ft_framework.distributed.peer_failures import STORE_GONE, announce_failure, failed_peers
 from ft_framework.errors import UserError
 
 __all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "is_peer_failure", "report_failure",
@@ -34,9 +45,6 @@ EXIT_CRASH = 1
 EXIT_USER_ERROR = 2
 
 _SAME_ON_EVERY_RANK = "_ft_same_on_every_rank"
-# Messages of errors raised when another process of the group is gone (gloo, NCCL, the TCP store).
-_PEER_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "gloo",
-               "nccl", "socket", "tcpstore", "timed out", "timeout", "connection refused")
 
 
 def same_on_every_rank(exc: BaseException) -> BaseException:
@@ -46,18 +54,8 @@ def same_on_every_rank(exc: BaseException) -> BaseException:
 
 
 def is_peer_failure(exc: BaseException) -> bool:
-    """A collective failed because another rank went away (not this rank's own problem)."""
-    try:
-        import torch.distributed as dist
-
-        dist_errors = tuple(getattr(dist, n) for n in ("DistBackendError", "DistNetworkError", "DistStoreError")
-                            if hasattr(dist, n))
-    except ImportError:  # pragma: no cover
-        dist_errors = ()
-    if dist_errors and isinstance(exc, dist_errors):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, ConnectionError)) and any(s in text for s in _PEER_SIGNS)
+    """torch says, by the exception's type, that the process group or its store failed."""
+    return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError))
 
 
 def _peer_summary(exc: BaseException) -> str:
@@ -93,15 +91,26 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
     tag = f"{prog}: " if world <= 1 else f"{prog} (rank {rank}): "
     if isinstance(exc, UserError):  # ConfigError is one too
         alike = same_on_every_rank or getattr(exc, _SAME_ON_EVERY_RANK, False)
+        if world > 1 and not alike:  # this rank's own problem: the others read it from the board
+            announce_failure(rank, f"error: {_one_line(exc)}")
         if debug:
             traceback.print_exception(exc, file=stream)
         if rank == 0 or not alike or debug:
             print(f"{tag}error: {_one_line(exc)}", file=stream, flush=True)
         return EXIT_USER_ERROR
-    if world > 1 and is_peer_failure(exc) and not debug:
-        print(f"{tag}stopped: another rank failed or went away (that rank shows its error); here: "
-              f"{_peer_summary(exc)}", file=stream, flush=True)
-        return EXIT_CRASH
+    if world > 1 and not debug:
+        # A rank that failed on its own wrote that on the board before it exited, and so before its
+        # exit broke the collective that raised `exc` here: an entry means this is not our error.
+        peers = failed_peers(rank, wait_s=3.0 if is_peer_failure(exc) else 0.0)
+        if peers or is_peer_failure(exc):
+            # Only the ranks are named: their errors are theirs to print, once.
+            named = ", ".join(f"rank {r}" + (f" ({STORE_GONE})" if what == STORE_GONE else "")
+                              for r, what in sorted(peers.items()))
+            print(f"{tag}stopped: another rank failed or went away ({named or 'that rank'} shows its error); "
+                  f"here: {_peer_summary(exc)}", file=stream, flush=True)
+            return EXIT_CRASH
+    if world > 1:
+        announce_failure(rank, _peer_summary(exc))
     traceback.print_exception(exc, file=stream)
     return EXIT_CRASH
 

@@ -284,7 +284,9 @@ ROWS = [
         says=("train.tsv:3", "UTF-8")),
     # ---- resuming -------------------------------------------------------------------------------
     Row("resume_without_checkpoint", (RESUME,), says=("holds no checkpoint",)),
-    Row("resume_corrupt_checkpoint", (RESUME, LONGER), prepare=_corrupt_checkpoint, says=("cannot be read",)),
+    # The manifest's sizes name the damaged file (checkpointing/manifest.py: check_files).
+    Row("resume_corrupt_checkpoint", (RESUME, LONGER), prepare=_corrupt_checkpoint,
+        says=("is damaged:", "the manifest records", "(truncated or replaced)")),
     Row("resume_changed_lr", (RESUME, LONGER, "optimizer.hparams.lr=0.002"), prepare=_previous_run,
         says=("optimizer.hparams.lr: 0.001 -> 0.002", "checkpoint.allow_config_change")),
     Row("resume_changed_optimizer", (RESUME, LONGER, "optimizer.name=adamw", "optimizer.hparams={lr: 0.001}"),
@@ -331,13 +333,13 @@ ROWS = [
     Row("two_ranks_rank1_fails_in_setup", ("strategy.name=ddp", "training.per_device_batch_size=4"),
         how="torchrun", env=lambda ctx: {"FT_TEST_FAIL": "setup"}, code=None,
         exactly_once=("ft-train (rank 1): error: train.tsv: bad data on this node (rank 1)",),
-        says=("ft-train (rank 0): stopped: another rank failed",), within_s=150),
+        says=("ft-train (rank 0): stopped: another rank failed or went away (rank 1 shows its error)",), within_s=150),
     # A crash keeps its traceback, once: the failing rank's. The peer says one line.
     Row("two_ranks_rank1_fails_mid_training", ("strategy.name=ddp", "training.per_device_batch_size=4",
                                                "training.max_steps=6"),
         how="torchrun", env=lambda ctx: {"FT_TEST_FAIL": "step"}, code=None, traceback=True,
         exactly_once=("RuntimeError: out of memory (injected on rank 1 at step 3)", "Traceback"),
-        says=("ft-train (rank 0): stopped: another rank failed",), within_s=150),
+        says=("ft-train (rank 0): stopped: another rank failed or went away (rank 1 shows its error)",), within_s=150),
 ]
 
 

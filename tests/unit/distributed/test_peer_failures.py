@@ -1,0 +1,94 @@
+"""The failure board (distributed/peer_failures.py) on a real TCPStore, and report_failure's choice
+between a one-line "another rank failed" and this rank's own traceback: made from the board and
+torch's exception types, never from the error's text."""
+
+from __future__ import annotations
+
+import io
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ft_framework.distributed import peer_failures
+from ft_framework.run.failures import EXIT_CRASH, EXIT_USER_ERROR, report_failure
+from ft_framework.errors import UserError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def board(monkeypatch):
+    """A 2-rank job's store hosted here (as rank 0 hosts it under the deepspeed launcher), seen as rank 0."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10),
+                          wait_for_workers=False)
+    monkeypatch.setattr(peer_failures, "_board", {})
+    peer_failures.register_store(store, world_size=2, store_host_rank=0)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    yield store
+    monkeypatch.setattr(peer_failures, "_board", {})
+
+
+def test_an_announced_failure_is_read_by_the_other_rank_only(board):
+    assert peer_failures.failed_peers(0, wait_s=0) == {}
+    assert peer_failures.announce_failure(1, "RuntimeError: out of memory")
+    assert peer_failures.failed_peers(0, wait_s=0) == {1: "RuntimeError: out of memory"}
+    assert peer_failures.failed_peers(1, wait_s=0) == {}  # a rank never reads its own entry
+
+
+def test_without_a_board_nothing_is_announced_or_read(monkeypatch):
+    monkeypatch.setattr(peer_failures, "_board", {})
+    assert peer_failures.announce_failure(0, "x") is False
+    assert peer_failures.failed_peers(1, wait_s=0) == {}
+
+
+def test_a_store_that_is_gone_names_its_host_rank(monkeypatch):
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=2))
+    monkeypatch.setattr(peer_failures, "_board", {})
+    peer_failures.register_store(client, world_size=2, store_host_rank=0)
+    del host  # rank 0's process, which hosted the store, is gone
+    assert peer_failures.failed_peers(1, wait_s=0) == {0: peer_failures.STORE_GONE}
+
+
+def test_a_peer_entry_makes_one_line_whatever_the_error_says(board):
+    peer_failures.announce_failure(1, "error: bad data")
+    out = io.StringIO()
+    code = report_failure(RuntimeError("some wording gloo never used"), prog="ft-train", stream=out)
+    assert code == EXIT_CRASH
+    assert out.getvalue().strip() == ("ft-train (rank 0): stopped: another rank failed or went away (rank 1 shows "
+                                      "its error); here: RuntimeError: some wording gloo never used")
+
+
+def test_an_error_that_mentions_a_peer_is_still_this_ranks_own_without_an_entry(board):
+    """The text once decided: 'connection closed by peer' made a one-liner. Now only the board does:
+    this rank reports its traceback and writes its error on the board for the others."""
+    out = io.StringIO()
+    try:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    except RuntimeError as exc:
+        code = report_failure(exc, prog="ft-train", stream=out)
+    assert code == EXIT_CRASH
+    assert out.getvalue().startswith("Traceback") and "stopped:" not in out.getvalue()
+    assert peer_failures.failed_peers(1, wait_s=0) == {0: "RuntimeError: Connection closed by peer [127.0.0.1]:1234"}
+
+
+def test_torchs_own_distributed_error_types_are_a_peer_failure(board):
+    out = io.StringIO()
+    report_failure(dist.DistNetworkError("anything"), prog="ft-train", stream=out)
+    assert "stopped: another rank failed or went away (that rank shows its error)" in out.getvalue()
+    assert "Traceback" not in out.getvalue()
+
+
+def test_a_user_error_of_one_rank_is_announced_and_printed_by_that_rank(board):
+    out = io.StringIO()
+    assert report_failure(UserError("train.tsv: bad data"), prog="ft-train", stream=out) == EXIT_USER_ERROR
+    assert out.getvalue().strip() == "ft-train (rank 0): error: train.tsv: bad data"
+    assert peer_failures.failed_peers(1, wait_s=0) == {0: "error: train.tsv: bad data"}
