@@ -3,6 +3,7 @@ before it, on 2 ranks, for DeepSpeed ZeRO-2 + optimizer offload and FSDP2.
 
     python benchmarks/checkpoint_io.py                     # BERT-base size (~110 M parameters)
     python benchmarks/checkpoint_io.py --hidden 256 --layers 4   # ~11 M, a quick run
+    python benchmarks/checkpoint_io.py --engines fsdp --checksums --repeats 5   # the checksums' cost
 
 The driver launches `torchrun --nproc_per_node 2` once per engine; each rank builds the model
 (a randomly initialized BertForSequenceClassification, theta* = its initial weights), takes one
@@ -176,11 +177,22 @@ def old_fsdp_load(strategy, directory: Path) -> None:
 def rank_main(args) -> None:
     from ft_framework.distributed import collectives
     from ft_framework.checkpointing import load_sharded, save_sharded
+    from ft_framework.checkpointing.manifest import file_records, record_files
 
     strategy, numel = build_strategy(args.engine, args.hidden, args.layers)
     if args.engine == "fsdp":
         numel = sum(p.numel() for p in strategy.model.parameters())
     formats = {"sharded": (lambda d: save_sharded(d, strategy), {"load": lambda d: load_sharded(d, strategy)})}
+    if args.checksums:
+        def checksums(d):
+            # What CheckpointManager.save adds after the save: each rank checksums its share of
+            # the files, rank 0 records them all in the manifest (timed on its own, after the save).
+            parts = collectives.all_gather_object(file_records(d, strategy.rank, strategy.world_size))
+            if strategy.rank == 0:
+                record_files(d, {k: v for part in parts for k, v in part.items()})
+
+        formats["sharded, then size/xxh3_64 into the manifest"] = (lambda d: save_sharded(d, strategy),
+                                                                  {"checksums": checksums})
     if args.engine == "fsdp":
         formats["before (DCP get_state_dict)"] = (lambda d: old_fsdp_save(strategy, d),
                                                   {"load": lambda d: old_fsdp_load(strategy, d)})
@@ -280,6 +292,8 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--json", help="also write the measurements here")
     parser.add_argument("--from-json", help="print the tables of an earlier run's --json file; run nothing")
+    parser.add_argument("--checksums", action="store_true", help="also time the sharded save with each file's "
+                        "size and xxh3_64 checksum recorded in the manifest (what CheckpointManager.save does), paired with it")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -303,7 +317,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), __file__, "--rank-main", "--engine", engine, "--hidden", str(args.hidden),
                "--layers", str(args.layers), "--repeats", str(args.repeats), "--workdir", str(workdir),
-               "--result", str(result_path)]
+               "--result", str(result_path)] + (["--checksums"] if args.checksums else [])
         print(f"running {engine} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -26,9 +26,11 @@ of each eval split and ‖θ_α − θ*‖₂ (over the parameters that have a �
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,7 +39,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from ft_framework.run.files import COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT, RunPaths
+from ft_framework.checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
+from ft_framework.checkpointing.layout import read_buffers
+from ft_framework.checkpointing.manager import CheckpointError, resolve_latest
+from ft_framework.checkpointing.manifest import check_files
+from ft_framework.checkpointing.old_formats import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
+from ft_framework.config import validate_config
+from ft_framework.data import load_glue, make_collator
+from ft_framework.data.glue import get_task
+from ft_framework.errors import UserError
+from ft_framework.metrics import compute_metrics
+from ft_framework.models.loading import load_model, load_tokenizer
+from ft_framework.models.lora import apply_lora, merged_copy
+from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
+                                    LATEST_FILE, RunPaths)
+from ft_framework.run.tracking import log_artifacts_to_run
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +64,8 @@ __all__ = ["DEFAULT_ALPHAS", "InterpolationError", "parse_alphas",
 DEFAULT_ALPHAS = tuple(round(i / 10, 1) for i in range(11))
 
 
-def _user_error_base() -> type[Exception]:
-    try:
-        from ft_framework.errors import UserError
-    except ImportError:  # pragma: no cover
-        return ValueError
-    return UserError
 
-
-class InterpolationError(_user_error_base()):  # type: ignore[misc]
+class InterpolationError(UserError):
     """The run cannot be interpolated (no weights saved, unfinished run, ...); the message says why."""
 
 
@@ -80,8 +89,6 @@ def parse_alphas(text: str | Sequence[float] | None) -> list[float]:
 
 def load_run(run_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     """The run's validated config (as it ran) and its results.json."""
-    from ft_framework.config import validate_config
-
     run_dir = Path(run_dir)
     path = RunPaths(run_dir).results
     if not path.is_file():
@@ -99,32 +106,56 @@ def load_run(run_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     return validate_config(data, where=f"(config of {run_dir})"), results
 
 
+def _load_tensors(path: Path) -> Any:
+    """A torch file read as data (weights_only: tensors, containers, numbers, strings); a file that
+    would need unpickling of anything else (code) is refused in one line."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise InterpolationError(f"{path} holds objects other than tensors and plain data, which are never "
+                                 "unpickled (they could run code): it is not a file ft_framework wrote") from exc
+
+
+def run_dir_of(path: str | Path) -> Path:
+    """The run's output directory from any path a user would pass: the run directory, its
+    checkpoints/ directory, the checkpoints/latest pointer, or a checkpoint directory."""
+    path = Path(path)
+    if RunPaths(path).results.is_file():
+        return path
+    if path.name == LATEST_FILE and path.is_file():
+        path = path.parent
+    if path.name == CHECKPOINTS_DIR and path.is_dir():
+        return path.parent
+    if path.parent.name == CHECKPOINTS_DIR and path.is_dir():
+        return path.parent.parent
+    return path  # load_run says what is missing
+
+
 def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
     return any(".lora_A." in k or k.startswith("base_model.model.") for k in state)
 
 
 def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """(model state dict, fp32 anchors by parameter name or None) of one checkpoint, any strategy."""
-    from ft_framework.checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
-    from ft_framework.checkpointing.layout import read_buffers
-    from ft_framework.checkpointing.legacy import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
-
     if (directory / MANIFEST_FILE).is_file():  # the sharded layout every strategy writes
+        damaged = check_files(directory)
+        if damaged:
+            raise InterpolationError(f"checkpoint {directory} is damaged: {'; '.join(damaged)}")
         fields = read_fields(directory, fields=(MASTER, ANCHOR))
         anchors = {name: f[ANCHOR] for name, f in fields.items() if ANCHOR in f}  # saved dtype: auto
         # picks them only when fp32 (exact); bfloat16 anchors fall back to the pretrained model
         return {**read_buffers(directory), **{name: f[MASTER] for name, f in fields.items()}}, anchors or None
     if (directory / SINGLE_MODEL).is_file():  # single / DDP (before the sharded layout)
-        model = torch.load(directory / SINGLE_MODEL, map_location="cpu", weights_only=True)
+        model = _load_tensors(directory / SINGLE_MODEL)
         anchors = None
         opt_path = directory / SINGLE_OPTIMIZER
         if opt_path.is_file():
-            opt = torch.load(opt_path, map_location="cpu", weights_only=False).get("optimizer", {})
+            opt = _load_tensors(opt_path).get("optimizer", {})
             anchors = _anchors_from_optimizer_state(opt)
         return model, anchors
     consolidated = directory / DEEPSPEED_CONSOLIDATED
     if consolidated.is_file():  # DeepSpeed
-        saved = torch.load(consolidated, map_location="cpu", weights_only=True)
+        saved = _load_tensors(consolidated)
         model = {name: entry["fp32"] for name, entry in saved["params"].items()}
         anchors = {name: entry["anchor"] for name, entry in saved["params"].items() if "anchor" in entry}
         return model, anchors or None
@@ -136,7 +167,7 @@ def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], d
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "full.pt"
             dcp_to_torch_save(str(directory), str(out))
-            full = torch.load(out, map_location="cpu", weights_only=False)
+            full = _load_tensors(out)
         model = full["model"]
         states = (full.get("optimizer") or {}).get("state") or {}
         anchors = {fqn: s["anchor"] for fqn, s in states.items() if isinstance(s, dict) and "anchor" in s}
@@ -181,11 +212,13 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
     if reported == "best":
         if not best.is_file():
             raise InterpolationError(f"{run_dir} reports its best evaluation but best/model.pt is missing")
-        state = torch.load(best, map_location="cpu", weights_only=True)
+        state = _load_tensors(best)
         return _plain_state(state, cfg, model), None, str(best)
-    latest = paths.latest_checkpoint
-    if latest.is_file():
-        directory = latest.parent / latest.read_text().strip()
+    if paths.latest_checkpoint.is_file():
+        try:
+            directory = resolve_latest(paths.latest_checkpoint)
+        except CheckpointError as exc:
+            raise InterpolationError(str(exc)) from exc
         step = int(json.loads((directory / COMPLETE_MARKER).read_text()).get("step", -1))
         if step == results.get("steps"):
             state, anchors = _checkpoint_model_state(directory)
@@ -201,10 +234,6 @@ def _plain_state(state: dict[str, torch.Tensor], cfg: Any, model: nn.Module) -> 
     """A state dict of the plain model: a LoRA state dict is loaded into a LoRA model and merged."""
     if not _is_lora_state(state):
         return state
-    from ft_framework.models.lora import apply_lora, merged_copy
-
-    import copy
-
     lora_model = apply_lora(copy.deepcopy(model), cfg.model.lora, _new_names(model, cfg))
     lora_model.load_state_dict(state)
     return merged_copy(lora_model).state_dict()
@@ -253,8 +282,6 @@ class _EvalSet:
 def _evaluate(model: nn.Module, ev: _EvalSet, device: torch.device) -> dict[str, dict[str, float]]:
     from torch.utils.data import DataLoader
 
-    from ft_framework.metrics import compute_metrics
-
     model.eval()
     out = {}
     for split, dataset in ev.data.eval.items():
@@ -274,11 +301,7 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
 
     `theta_star`: "auto" (the checkpoint's fp32 anchors when θ comes from a checkpoint that has
     them, else the pretrained model), "anchors" (require them) or "pretrained"."""
-    from ft_framework.data import load_glue, make_collator
-    from ft_framework.data.glue import get_task
-    from ft_framework.models.loading import load_model, load_tokenizer
-
-    run_dir = Path(run_dir)
+    run_dir = run_dir_of(run_dir)
     alphas = parse_alphas(alphas)
     cfg, results = load_run(run_dir)
     task = get_task(cfg.data.task)
@@ -333,8 +356,6 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         if plot:
             written.append(plot_interpolation(out, run_dir / INTERPOLATION_PLOT))
         try:
-            from ft_framework.run.tracking import log_artifacts_to_run
-
             log_artifacts_to_run(run_dir, written)
         except Exception as exc:  # noqa: BLE001 - a tracker being down must not lose the result
             logger.warning("could not attach the interpolation files to the run's trackers: %s", exc)

@@ -10,6 +10,9 @@ import json
 import logging
 import math
 import random
+import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +22,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from ft_framework.checkpointing.dcp_io import CheckpointReadError
+from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.distributed.config_agreement import check_config_agreement
 from ft_framework.config import RunConfig
 from ft_framework.data import load_glue, make_collator
+from ft_framework.data.glue import get_task
 from ft_framework.data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
 from ft_framework.run.divergence import DivergenceGuard
 from ft_framework.errors import UserError
@@ -30,12 +36,16 @@ from ft_framework.run.fingerprint import config_record
 from ft_framework.strategies.memory_plan import format_memory_plan, plan_memory
 from ft_framework.metrics import compute_metrics, is_failed, majority_baseline
 from ft_framework.models.loading import load_model_and_tokenizer
+from ft_framework.models.lora import merged_forgetting_distance
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.groups import build_param_groups
 from ft_framework.run.preflight import check_data_not_empty, check_max_seq_length
 from ft_framework.run.files import RESULTS_FILE, RunPaths
 from ft_framework.run.start import ResumePoint, capture_rng, check_start, restore_rng
+from ft_framework.run.lock import hold_run_lock
 from ft_framework.run.logs import MetricsLogger
+from ft_framework.run.tracking import open_trackers
+from ft_framework.run.signals import StopSignals, interrupted_line
 from ft_framework.strategies import Strategy, build_strategy
 
 logger = logging.getLogger(__name__)
@@ -98,11 +108,11 @@ class Trainer:
     # ---- set-up ---------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        from ft_framework.data.glue import get_task
-
         self.task = get_task(cfg.data.task)
         # The first collective: every rank (every node) must train the same resolved config.
         check_config_agreement(cfg.to_dict())
+        # One writer per output directory: rank 0 holds its lock until the run ends (run/lock.py).
+        self._run_lock = hold_run_lock(self.strategy, self.paths)
         # Before anything is loaded: a resume must match its checkpoint, a fresh run must not mix with an old one.
         self._resume_point = check_start(cfg, self.strategy, self.paths)
         # The init seed drives everything random in the model (head, RI, re-init); the data seed
@@ -161,8 +171,6 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                              is_main_process=self.strategy.is_main_process,
                                              barrier=self.strategy.barrier)
-        from ft_framework.run.tracking import open_trackers
-
         self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
                                  tensorboard=cfg.logging.tensorboard,
                                  trackers=open_trackers(cfg, enabled=self.strategy.is_main_process,
@@ -174,14 +182,14 @@ class Trainer:
         directory, saved = point.directory, point.saved
         try:
             self.strategy.load_checkpoint(directory)
+        except CheckpointReadError as exc:  # its message names the checkpoint already
+            raise UserError(str(exc)) from exc
+        except UserError:  # the checkpoint does not fit this model (the message names it)
+            raise
         except Exception as exc:
-            from ft_framework.run.failures import is_peer_failure
-
-            if self.strategy.world_size > 1 and is_peer_failure(exc):
+            if self.strategy.world_size > 1:  # a collective failed (a rank went away): a crash, not the file
                 raise
             said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if "cannot be read" in said:  # the strategy's own message names the checkpoint already
-                raise UserError(said) from exc
             raise UserError(f"checkpoint {directory} cannot be read ({said}); resume from an earlier checkpoint "
                             "(checkpoint.resume_from=<its directory>) or start fresh") from exc
         self.state = TrainState(**saved["train_state"])
@@ -226,6 +234,15 @@ class Trainer:
     def fit(self, stop_after_step: int | None = None) -> dict[str, Any]:
         """Trains to the configured length (or stops after `stop_after_step`, as a preempted run
         would, after saving a checkpoint) and returns the results written to results.json."""
+        # SIGTERM / SIGINT / SIGUSR1 set a flag; the ranks act on it together at a step boundary.
+        with StopSignals(on_signal=self.cfg.checkpoint.on_signal, prog="ft-train") as signals:
+            try:
+                return self._fit(signals, stop_after_step)
+            finally:
+                if getattr(self, "_run_lock", None) is not None:
+                    self._run_lock.release()
+
+    def _fit(self, signals: StopSignals, stop_after_step: int | None) -> dict[str, Any]:
         self.setup()
         cfg, st = self.cfg, self.state
         accum = cfg.training.gradient_accumulation_steps
@@ -236,13 +253,14 @@ class Trainer:
         try:
             while st.step < self.total_steps:
                 self.model.train()
+                # Before backward: an overlapped offloaded step runs during it (strategies/offload.py).
+                self._set_lr(st.step)
                 for micro in range(accum):
                     out = self.strategy.forward(self._to_device(next(batches)))
                     # The trainer alone counts accumulation: it divides, and tells the strategy the end.
                     self.strategy.backward(out.loss / accum, last_micro_batch=micro == accum - 1)
                     st.window_loss += float(out.loss.detach())
                     st.window_micro_batches += 1
-                self._set_lr(st.step)
                 grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
                 st.step += 1
                 diverged = divergence.check(st.step, st.window_loss, grad_norm)  # every rank agrees
@@ -265,6 +283,9 @@ class Trainer:
                 if stopping and st.step < self.total_steps:
                     self.log.close(ok=False)  # trackers: this attempt ends here, a resume continues it
                     return {"stopped_at_step": st.step}
+                signum = signals.agreed(self.strategy)  # every rank: one of them was asked to stop
+                if signum and st.step < self.total_steps:
+                    return self._interrupted(signum, saved=bool(every and st.step % every == 0))
         except BaseException:
             self.log.close(ok=False)
             raise
@@ -297,10 +318,9 @@ class Trainer:
         lambdas = self.strategy.current_lambdas()
         if lambdas is not None:
             record["lambda"] = lambdas
+        record.update(self.strategy.train_metrics())
         distance = self.strategy.forgetting_distance()
         if self.cfg.model.lora is not None:  # the optimizer anchors nothing: the merged weights' distance
-            from ft_framework.models.lora import merged_forgetting_distance
-
             distance = merged_forgetting_distance(self.strategy.unwrapped_model())
         if distance is not None:
             record["forgetting_distance"] = distance
@@ -352,6 +372,30 @@ class Trainer:
         extra = {"train_state": vars(self.state).copy(), "rng": rng, "config_record": config_record(self.cfg.to_dict(), self.strategy.world_size)}
         self.checkpoints.save(self.state.step, self.strategy, extra)
 
+    def _interrupted(self, signum: int, *, saved: bool) -> dict[str, Any]:
+        """A signal stopped the run at this step boundary (run/signals.py): a checkpoint (unless this
+        step's is saved already), results.json with status interrupted, one line; the CLI exits
+        with 128 + the signal's number."""
+        st = self.state
+        if not saved:
+            self._save_checkpoint()
+        checkpoint = self.checkpoints.latest()
+        name = signal.Signals(signum).name
+        results = {"status": "interrupted", "signal": name, "exit_code": 128 + signum, "steps": st.step,
+                   "total_steps": self.total_steps, "checkpoint": str(checkpoint), "task": self.cfg.data.task,
+                   "evals": st.evals, "config": self.cfg.to_dict()}
+        if self.strategy.is_main_process:
+            self._write_results(results)
+            print(interrupted_line("ft-train", signum, st.step, checkpoint), file=sys.stderr, flush=True)
+        self.log.close(ok=False)  # trackers: this attempt ends here, a resume continues it
+        return results
+
+    def _write_results(self, results: dict[str, Any]) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.output_dir / (RESULTS_FILE + ".tmp")
+        tmp.write_text(json.dumps(results, indent=2, allow_nan=True))
+        tmp.replace(self.output_dir / RESULTS_FILE)
+
     def _finish(self, diverged: dict[str, Any] | None = None) -> dict[str, Any]:
         """Writes results.json. A diverged run (divergence.py) is not evaluated again: it records
         where it diverged, its evaluations before that, and failed: true."""
@@ -382,10 +426,7 @@ class Trainer:
         if self.cfg.checkpoint.export_dir and diverged is None:
             results["exported_to"] = self.export(Path(self.cfg.checkpoint.export_dir))
         if self.strategy.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.output_dir / (RESULTS_FILE + ".tmp")
-            tmp.write_text(json.dumps(results, indent=2, allow_nan=True))
-            tmp.replace(self.output_dir / RESULTS_FILE)
+            self._write_results(results)
             self.log.log_artifact(self.output_dir / RESULTS_FILE)
         self.log.close()
         return results
@@ -396,10 +437,6 @@ class Trainer:
         checkpoint when it is of this step, else one saved for the purpose and removed after).
         With evaluation.select_best, the best model's weights are exported. A LoRA model is
         written merged, its adapter under adapter/."""
-        import shutil
-
-        from ft_framework.checkpointing.export import export_pretrained
-
         latest = self.checkpoints.latest()
         source, temporary = latest, None
         if latest is None or latest.name != self.checkpoints.name_for(self.state.step):

@@ -80,6 +80,11 @@ def _planners():
                 return self.state_dict[index.fqn]
             return self.by_chunk[(index.fqn, index.offset[0])]
 
+        def load_bytes(self, read_item, value):
+            # DCP's own planner unpickles a non-tensor entry with weights_only=False: code could
+            # run. Ours are plain data (a loss scaler's numbers), read as data only.
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
     return FragmentSavePlanner, FragmentLoadPlanner
 
 
@@ -87,6 +92,11 @@ def _no_dist(strategy) -> bool:
     import torch.distributed as dist
 
     return strategy.world_size == 1 or not (dist.is_available() and dist.is_initialized())
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint's data files could not be read (DCP reported each failed rank's error); the
+    message names the checkpoint and is one line. Raised alike on every rank."""
 
 
 def _failure(exc: BaseException) -> str:

@@ -1,5 +1,5 @@
 """A Hugging Face model (save_pretrained, with the tokenizer) from a sharded checkpoint, in one
-process and without a training world: `ft-export CHECKPOINT_DIR OUT_DIR`.
+process and without a training world: `ft-export CHECKPOINT OUT_DIR` (cli.py parses its arguments).
 
 The checkpoint carries what export needs: the model's class and config (MODEL_SUBDIR/config.json),
 the tokenizer files, and (a LoRA model) the adapter config. The model is built on the meta device,
@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ft_framework.models.lora import save_model
 from ft_framework.checkpointing.dcp_io import _planners, _quiet_dcp
 from ft_framework.checkpointing.fragments import MASTER, buffer_key, fragment_key, param_key
-from ft_framework.checkpointing.manifest import MANIFEST_FILE, MODEL_SUBDIR, CheckpointFormatError, read_manifest
+from ft_framework.checkpointing.manifest import MODEL_SUBDIR, CheckpointFormatError, check_files, read_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "export_pretrained", "load_model_weights"]
+__all__ = ["build_model", "export_pretrained", "load_model_weights", "verify_checkpoint"]
 
 
 def _import(path: str) -> Any:
@@ -108,6 +109,9 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
     (a run's best/model.pt) to export instead of the checkpoint's masters."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     manifest = read_manifest(checkpoint_dir)
+    damaged = check_files(checkpoint_dir)  # the sizes the manifest records (--verify: the checksums too)
+    if damaged:
+        raise CheckpointFormatError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(damaged)}")
     model = build_model(checkpoint_dir, manifest, config_dir=config_dir, model_class=model_class)
     load_model_weights(model, checkpoint_dir)
     if weights is not None:
@@ -116,48 +120,17 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir / MODEL_SUBDIR)
-    from ft_framework.models.lora import save_model
-
     save_model(model, out_dir, tokenizer)
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
     return out_dir
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory from a checkpoint, a run's checkpoints/ root or a run's output
-    directory (the latter two through their `latest` pointer)."""
-    from ft_framework.run.files import CHECKPOINTS_DIR, LATEST_FILE
-
-    path = Path(path)
-    for root in (path, path / CHECKPOINTS_DIR):
-        if not (root / MANIFEST_FILE).is_file() and (root / LATEST_FILE).is_file():
-            return root / (root / LATEST_FILE).read_text().strip()
-    return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """ft-export CHECKPOINT_DIR OUT_DIR: the checkpoint's model as a Hugging Face model."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(
-        prog="ft-export", description="Write a Hugging Face model (save_pretrained, with the tokenizer) from an "
-        "ft_framework checkpoint saved under any strategy and number of ranks; one process, no GPU, offline.",
-        epilog="Example: ft-export runs/rte/checkpoints/step_00000300 exported/rte")
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint directory (or a run's output directory: its "
-                        "latest checkpoint)")
-    parser.add_argument("out", type=Path, help="where to write the model")
-    parser.add_argument("--config-dir", type=Path, help="model config.json directory, for a checkpoint without model "
-                        "files (converted from an old format)")
-    parser.add_argument("--model-class", help="module:Class of the model for such a checkpoint "
-                        "(e.g. transformers:AutoModelForSequenceClassification)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        export_pretrained(resolve_checkpoint(args.checkpoint), args.out, config_dir=args.config_dir,
-                          model_class=args.model_class)
-    except CheckpointFormatError as exc:
-        print(f"ft-export: {exc}", file=sys.stderr)
-        return 2
-    print(f"exported to {args.out}")
-    return 0
+def verify_checkpoint(checkpoint_dir: Path) -> int:
+    """Checks every file of the checkpoint against the size and checksum its manifest records;
+    returns how many files were checked, or raises CheckpointFormatError naming the damaged ones."""
+    checkpoint_dir = Path(checkpoint_dir)
+    manifest = read_manifest(checkpoint_dir)
+    damaged = check_files(checkpoint_dir, checksums=True)
+    if damaged:
+        raise CheckpointFormatError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(damaged)}")
+    return len(manifest.get("files") or {})

@@ -44,7 +44,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ft_framework.checkpointing.dcp_io import _failure, _no_dist, _own_storage, _planners, _quiet_dcp
+from ft_framework.optim.base import check_loaded_anchors
+from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _no_dist, _own_storage, _planners,
+                                              _quiet_dcp)
 from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo, buffer_key, checkpoint_fields,
                         fragment_key, param_key)
 from ft_framework.checkpointing.manifest import CheckpointFormatError, read_manifest, write_manifest
@@ -121,8 +123,6 @@ def check_against_model(directory: Path, manifest: dict[str, Any], metadata, par
     """Everything that can make a checkpoint unfit, checked from global facts (the manifest, DCP's
     metadata, this model's parameters, the names this run anchors) so every rank raises the same
     error before the collective load."""
-    from ft_framework.optim.base import check_loaded_anchors
-
     saved = manifest["params"]
     fields = checkpoint_fields(metadata)
     names = [p.name for p in params]
@@ -202,8 +202,8 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
     try:
         with _quiet_dcp():
             dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=_no_dist(strategy))
-    except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
-        raise RuntimeError(f"checkpoint {directory} cannot be read ({_failure(exc)}); resume from an earlier "
+    except dcp.api.CheckpointException as exc:  # a BaseException; anything else: a collective failed
+        raise CheckpointReadError(f"checkpoint {directory} cannot be read ({_failure(exc)}); resume from an earlier "
                            "checkpoint") from exc
     if hasattr(strategy, "after_checkpoint_load"):
         strategy.after_checkpoint_load()

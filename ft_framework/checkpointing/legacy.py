@@ -19,6 +19,7 @@ holds the old checkpoint's full state in memory once (the old formats were writt
 from __future__ import annotations
 
 import argparse
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -29,36 +30,11 @@ import torch
 from ft_framework.run.files import COMPLETE_MARKER, TRAINER_STATE_FILE
 from ft_framework.checkpointing.fragments import MASTER, STEP, Fragment, ParamInfo
 from ft_framework.checkpointing.layout import save_sharded
+from ft_framework.checkpointing.old_formats import (CONVERTER, DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER,
+                                                    legacy_kind)
 
-DEEPSPEED_META = "deepspeed_meta.json"
-DEEPSPEED_CONSOLIDATED = "consolidated_optimizer.pt"
-FSDP_INFO = "fsdp_checkpoint.json"
-SINGLE_MODEL = "model.pt"
-SINGLE_OPTIMIZER = "optimizer.pt"
-CONVERTER = "python -m ft_framework.checkpointing.legacy"
 # Copied along: the trainer's state and the completeness marker.
 CARRIED_FILES = (TRAINER_STATE_FILE, COMPLETE_MARKER)
-
-
-def legacy_kind(directory: Path) -> str | None:
-    directory = Path(directory)
-    if (directory / DEEPSPEED_META).is_file() or (directory / DEEPSPEED_CONSOLIDATED).is_file():
-        return "deepspeed"
-    if (directory / FSDP_INFO).is_file():
-        return "fsdp"
-    if (directory / SINGLE_MODEL).is_file() and (directory / SINGLE_OPTIMIZER).is_file():
-        return "single"
-    return None
-
-
-def legacy_format_error(directory: Path) -> str | None:
-    """The message for a checkpoint in an old format (None when it is not one)."""
-    kind = legacy_kind(directory)
-    if kind is None:
-        return None
-    return (f"checkpoint {directory} is in the old {kind} format (before the sharded layout); convert it "
-            f"once with `{CONVERTER} {directory} NEW_DIR` and resume from NEW_DIR (any strategy, any "
-            "number of ranks)")
 
 
 # ---- reading the old formats (full state, one process) -------------------------------------------
@@ -96,7 +72,11 @@ def _read_fsdp(directory: Path) -> tuple[dict, dict]:
 
 def _read_single(directory: Path) -> tuple[dict, dict]:
     model = torch.load(directory / SINGLE_MODEL, map_location="cpu", weights_only=True)
-    optim = torch.load(directory / SINGLE_OPTIMIZER, map_location="cpu", weights_only=False)["optimizer"]
+    try:  # data only: a pickle of anything but tensors, containers and numbers is refused, never run
+        optim = torch.load(directory / SINGLE_OPTIMIZER, map_location="cpu", weights_only=True)["optimizer"]
+    except pickle.UnpicklingError as exc:
+        raise ValueError(f"{directory / SINGLE_OPTIMIZER} holds objects besides tensors and plain data, which are "
+                         "never unpickled (they could run code)") from exc
     by_index = {}
     for group in optim["param_groups"]:
         names = group.get("param_names")

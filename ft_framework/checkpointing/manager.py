@@ -8,6 +8,7 @@ therefore leaves the previous checkpoint intact and still marked as the latest.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,9 +16,12 @@ from typing import Any, Callable
 
 import torch
 
+from ft_framework.checkpointing.manifest import MANIFEST_FILE, check_files, file_records, record_files
 from ft_framework.errors import UserError
-from ft_framework.run.files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, COMPLETE_MARKER, LATEST_FILE,
-                        TRAINER_STATE_FILE, checkpoint_name)
+from ft_framework.run.files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
+                                    LATEST_FILE, TRAINER_STATE_FILE, checkpoint_name)
+
+logger = logging.getLogger(__name__)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -29,6 +33,48 @@ def _write_atomic(path: Path, text: str) -> None:
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be found or is incomplete; the message says what to do (a user error:
     one line, exit code 2; still a RuntimeError for callers that catch one)."""
+
+
+def resolve_latest(path: str | Path) -> Path:
+    """The checkpoint directory a user means by `path`: a checkpoint directory itself, the `latest`
+    pointer file, a run's checkpoints/ directory, or a run's output directory (the latter three
+    through the pointer). The one place the pointer is read; raises CheckpointError naming what is
+    accepted when `path` is none of these."""
+    path = Path(path)
+    if path.is_file() and path.name == LATEST_FILE:
+        pointer = path
+    elif (path / LATEST_FILE).is_file():
+        pointer = path / LATEST_FILE
+    elif (path / CHECKPOINTS_DIR / LATEST_FILE).is_file():
+        pointer = path / CHECKPOINTS_DIR / LATEST_FILE
+    elif path.is_dir():
+        return path  # a checkpoint directory (its readers check its files)
+    else:
+        raise CheckpointError(
+            f"{path} {'does not exist' if not path.exists() else 'is not a checkpoint'}: pass a run's output "
+            f"directory, its {CHECKPOINTS_DIR}/ directory, the {CHECKPOINTS_DIR}/{LATEST_FILE} pointer file, or a "
+            f"checkpoint directory ({CHECKPOINTS_DIR}/{CHECKPOINT_PREFIX}N)")
+    name = pointer.read_text().strip()
+    directory = pointer.parent / name
+    if not name or not directory.is_dir():
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a directory beside it; pass a checkpoint "
+                              f"directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) instead")
+    return directory
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed save: `exc` itself, its cause, or a rank's failure inside DCP's
+    CheckpointException (which torch.distributed.checkpoint raises for a writer's error)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError):
+            return exc
+        for failure in (getattr(exc, "failures", None) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError):
+                return inner
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 class CheckpointManager:
@@ -52,10 +98,32 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
         self.barrier()
-        strategy.save_checkpoint(partial)
-        self.barrier()
+        try:
+            strategy.save_checkpoint(partial)
+            self.barrier()
+            if self.is_main:
+                torch.save(trainer_state, partial / TRAINER_STATE_FILE)
+            self.barrier()
+            # Each rank checksums its share of the files; rank 0 records them all in the manifest.
+            sharded = (partial / MANIFEST_FILE).is_file()
+            records = file_records(partial, strategy.rank, strategy.world_size) if sharded else {}
+            gathered = strategy.gather_objects(records) if strategy.world_size > 1 else [records]
+            if self.is_main and sharded:
+                record_files(partial, {k: v for part in gathered for k, v in part.items()})
+        except (OSError, RuntimeError) as raised:  # a full disk, a quota, a lost mount: one line
+            exc = _os_error(raised)
+            if exc is None:
+                raise
+            if self.is_main:
+                shutil.rmtree(partial, ignore_errors=True)
+            previous = self.latest()
+            raise CheckpointError(
+                f"saving checkpoint {name} into {self.root} failed ({exc.strerror or exc}"
+                f"{': ' + str(exc.filename) if exc.filename else ''}); "
+                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+                + ". Free space or choose another logging.output_dir, then resume (checkpoint.resume_from=auto)"
+            ) from exc
         if self.is_main:
-            torch.save(trainer_state, partial / TRAINER_STATE_FILE)
             (partial / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
             if final.exists():
                 shutil.rmtree(final)
@@ -80,18 +148,25 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        pointer = self.root / LATEST_FILE
-        if not pointer.is_file():
+        """The checkpoint the `latest` pointer names (None before the first save)."""
+        if not (self.root / LATEST_FILE).is_file():
             return None
-        return self.root / pointer.read_text().strip()
+        try:
+            return resolve_latest(self.root / LATEST_FILE)
+        except CheckpointError:  # a pointer to a pruned or renamed directory
+            return None
 
     def latest_complete(self) -> Path | None:
         """checkpoint.resume_from 'auto': the newest complete checkpoint (the `latest` pointer's,
         else the highest step with its COMPLETE marker), or None when there is none yet."""
         pointed = self.latest()
         steps = sorted(self.root.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True) if self.root.is_dir() else []
-        for directory in ([pointed] if pointed is not None else []) + steps:
+        for directory in dict.fromkeys(([pointed] if pointed is not None else []) + steps):
             if (directory / COMPLETE_MARKER).is_file() and (directory / TRAINER_STATE_FILE).is_file():
+                damaged = check_files(directory)
+                if damaged:  # the sizes the manifest records: cheap, and what a crash or a full disk breaks
+                    logger.warning("checkpoint.resume_from=auto: skipping %s: %s", directory, "; ".join(damaged))
+                    continue
                 return directory
         return None
 
@@ -113,6 +188,10 @@ class CheckpointManager:
                                   "the save was interrupted, or this is not a checkpoint directory)")
         if not (directory / TRAINER_STATE_FILE).is_file():
             raise CheckpointError(f"checkpoint {directory} lacks {TRAINER_STATE_FILE}")
+        damaged = check_files(directory)
+        if damaged:
+            raise CheckpointError(f"checkpoint {directory} is damaged: {'; '.join(damaged)}; resume from an earlier "
+                                  "checkpoint (checkpoint.resume_from=<its directory>, or auto)")
         return directory
 
     def save_best(self, strategy) -> None:

@@ -5,21 +5,27 @@ exports to a Hugging Face model with no training world."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from ft_framework.errors import UserError
 from ft_framework.checkpointing.fragments import ParamInfo
+from ft_framework.checkpointing.old_formats import legacy_format_error
 
 FORMAT = "ft_framework.sharded_checkpoint/1"
 MANIFEST_FILE = "ft_checkpoint.json"
 MODEL_SUBDIR = "model"           # config.json (+ tokenizer files) of the model, for export
 
-__all__ = ["FORMAT", "MANIFEST_FILE", "MODEL_SUBDIR", "CheckpointFormatError", "describe_model", "read_manifest",
-           "write_manifest"]
+__all__ = ["FORMAT", "MANIFEST_FILE", "MODEL_SUBDIR", "CheckpointFormatError", "check_files", "describe_model",
+           "file_records", "read_manifest", "record_files", "write_manifest"]
+
+DIGEST = "xxh3_64"  # the checksum of each file the manifest records
+_WINDOW = 64 << 20  # bytes mapped at a time while checksumming (a multiple of the page size)
 
 
 class CheckpointFormatError(UserError):
@@ -100,8 +106,6 @@ def _jsonable(obj: Any) -> Any:
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest, or a CheckpointFormatError saying what the directory is instead."""
-    from ft_framework.checkpointing.legacy import legacy_format_error
-
     directory = Path(directory)
     path = directory / MANIFEST_FILE
     if not path.is_file():
@@ -118,3 +122,69 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointFormatError(f"checkpoint {directory} has format {manifest.get('format')!r}; this "
                                     f"version of ft_framework reads {FORMAT!r}")
     return manifest
+
+
+# ---- each file's size and checksum ----------------------------------------------------------------
+def _digest(path: Path) -> str:
+    """xxh3_64 of the file's bytes, read through populated read-only mappings of _WINDOW bytes at a
+    time: no copy into Python buffers, and at most one window mapped (crc32 over read() chunks ran
+    at 2-3 GB/s and cost about a fifth of a BERT-base save; docs/benchmarks.md)."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for offset in range(0, size, _WINDOW):
+            with mmap.mmap(f.fileno(), min(_WINDOW, size - offset), offset=offset, prot=mmap.PROT_READ,
+                           flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as window:
+                digest.update(window)
+    return digest.hexdigest()
+
+
+def _listed(directory: Path) -> list[str]:
+    """Every file of the checkpoint but the manifest itself, as paths relative to `directory`."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.is_file() and p.name not in (MANIFEST_FILE, MANIFEST_FILE + ".tmp"))
+
+
+def file_records(directory: Path, rank: int = 0, world_size: int = 1) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", DIGEST}} of this rank's share of the checkpoint's files (every
+    world_size-th file, largest first, so that the ranks hash about as many bytes each)."""
+    directory = Path(directory)
+    names = sorted(_listed(directory), key=lambda n: (-(directory / n).stat().st_size, n))
+    return {name: {"size": (directory / name).stat().st_size, DIGEST: _digest(directory / name)}
+            for name in names[rank::world_size]}
+
+
+def record_files(directory: Path, records: dict[str, dict[str, Any]]) -> None:
+    """Rank 0: adds every file's size and checksum (`records`, gathered from the ranks) to the manifest."""
+    path = Path(directory) / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest["files"] = dict(sorted(records.items()))
+    tmp = path.with_name(MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, path)
+
+
+def check_files(directory: Path, *, checksums: bool = False) -> list[str]:
+    """What is wrong with the checkpoint's files, one entry per damaged file (empty: intact): a file
+    missing, of another size than the manifest records, or (`checksums`) whose bytes changed.
+    A checkpoint whose manifest records no files (converted from an old format) passes."""
+    directory = Path(directory)
+    if not (directory / MANIFEST_FILE).is_file():  # not this layout: its reader says what it is
+        return []
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{directory / MANIFEST_FILE} cannot be read ({type(exc).__name__})"]
+    problems = []
+    for name, want in (manifest.get("files") or {}).items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{path} has {size} bytes, the manifest records {want['size']} (truncated or replaced)")
+        elif checksums and DIGEST in want and (got := _digest(path)) != want[DIGEST]:
+            problems.append(f"{path} has changed since it was saved ({DIGEST} {got}, the manifest records "
+                            f"{want[DIGEST]})")
+    return problems

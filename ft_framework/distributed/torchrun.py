@@ -1,12 +1,13 @@
 """``python -m ft_framework.distributed.torchrun [torchrun arguments]``: torchrun, with its failures told in one line.
 
 The same arguments and behaviour as ``torchrun`` (it calls torch.distributed.run). What differs is
-what a failure prints on the node it happens on: instead of torchrun's tracebacks (with C++ frames
+what a failure or a signal prints on the node it happens on: instead of torchrun's tracebacks (with C++ frames
 for a socket that timed out) and its failure table, one line saying what happened and what to check:
 
 - this node cannot reach the rendezvous (``--rdzv-endpoint``; ``read_timeout``, default 60 s),
 - the rendezvous did not fill up: another node never joined (``join_timeout``, default 600 s),
-- a worker failed: which ranks, with which exit code (the worker's own error line is above).
+- a worker failed: which ranks, with which exit code (the worker's own error line is above);
+- a signal stopped it (SIGTERM from SLURM or Kubernetes): exit code 128 + its number, no traceback.
 
 Both timeouts are torchrun's ``--rdzv-conf join_timeout=S,read_timeout=S``. The exit code is
 torchrun's: 1.
@@ -24,6 +25,7 @@ fresh store. Use it on every node (or set that variable on every node for plain 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 __all__ = ["main", "describe_failure"]
@@ -105,8 +107,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault(FRESH_STORE_ENV, "1")  # read when the rendezvous handler is made, in run()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun.run(args)
+    except SignalException as exc:  # SIGTERM/SIGINT/...: torchrun passed it on to the workers and waited
+        # (up to 30 s) for them: ft-train's ranks saved a checkpoint and said where (run/signals.py).
+        sig = signal.Signals(exc.sigval)
+        print(f"{PROG}: stopped by {sig.name}; the workers got it too and stopped (their line above says "
+              "where the checkpoint is)", file=sys.stderr, flush=True)
+        return 128 + int(sig)
     except Exception as exc:  # noqa: BLE001 - told in one line when we know it, re-raised otherwise
         line = describe_failure(exc, args)
         if line is None:

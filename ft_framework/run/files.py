@@ -12,6 +12,7 @@ A run's output directory (``logging.output_dir``)::
     checkpoints/step_N/     one checkpoint: the strategy's files, trainer_state.pt and a COMPLETE marker
     interpolation.json      ft-interpolate's results, and its plot interpolation.png
     overwritten-<timestamp>/  a previous run's files, moved aside by logging.overwrite=true
+    .ft-train.lock(.json)   the one-writer lock rank 0 holds while the run lives, and who holds it
 
 A sweep's store adds, at its root, index.json, sweep.yaml and runs/<run id>/ (each a run output
 directory plus config.yaml, run.json, status.json, log.txt and, for a sweep that interpolates,
@@ -37,6 +38,8 @@ TRACKERS_FILE = "trackers.json"
 INTERPOLATION_FILE = "interpolation.json"
 INTERPOLATION_PLOT = "interpolation.png"
 MOVED_ASIDE_PREFIX = "overwritten-"  # + a timestamp: the directory logging.overwrite moves a run into
+RUN_LOCK_FILE = ".ft-train.lock"  # held (flock) by rank 0 for the whole run: one writer per output directory
+RUN_LOCK_INFO_FILE = ".ft-train.lock.json"  # who holds it: host, pid, start time
 
 # ---- in the output root (the directory that holds runs' output directories) -------------------------
 MLFLOW_DB_FILE = "mlflow.db"  # the default MLflow store: sqlite:///<output root>/mlflow.db

@@ -36,6 +36,7 @@ ALLOWED_ON_RESUME: dict[str, str] = {
     "checkpoint.resume_from": "where to resume from",
     "checkpoint.allow_config_change": "this list itself",
     "checkpoint.export_dir": "where the final model is exported",
+    "checkpoint.on_signal": "what a preemption signal does (save or exit)",
     "training.max_steps": "a longer run (only longer: a shorter one would cut the schedule it ran)",
     "training.num_epochs": "a longer run (only longer)",
     "strategy": "strategy and world size (checkpoints reshard)",

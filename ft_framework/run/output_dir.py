@@ -20,7 +20,7 @@ from ft_framework.errors import UserError
 from ft_framework.run.files import (BEST_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
                                     METRICS_FILE, MOVED_ASIDE_PREFIX, RESULTS_FILE, TENSORBOARD_DIR)
 
-__all__ = ["OutputDirInUse", "guard_output_dir", "previous_run_files"]
+__all__ = ["OutputDirInUse", "OutputDirUnusable", "check_output_dir_usable", "guard_output_dir", "previous_run_files"]
 
 # Everything a run writes into its output directory; moved aside together on overwrite.
 _RUN_ENTRIES = (RESULTS_FILE, METRICS_FILE, TENSORBOARD_DIR, CHECKPOINTS_DIR, BEST_DIR)
@@ -28,6 +28,30 @@ _RUN_ENTRIES = (RESULTS_FILE, METRICS_FILE, TENSORBOARD_DIR, CHECKPOINTS_DIR, BE
 
 class OutputDirInUse(UserError):
     """A fresh run was pointed at a directory holding a previous run's files."""
+
+
+class OutputDirUnusable(UserError):
+    """logging.output_dir is a file, or cannot be created or written to."""
+
+
+def check_output_dir_usable(directory: str | Path) -> None:
+    """Creates `directory` (with its parents) and checks that this process can write into it; a
+    file in its place or a permission refused is one line naming the path."""
+    root = Path(directory)
+    for part in (root, *root.parents):
+        if part.exists() and not part.is_dir():
+            raise OutputDirUnusable(f"logging.output_dir {str(root)!r}: {str(part)!r} is a file, not a directory; "
+                                    "choose another logging.output_dir")
+        if part.exists():
+            break
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputDirUnusable(f"logging.output_dir {str(root)!r} cannot be created ({exc.strerror}: "
+                                f"{exc.filename}); choose a directory you can write to") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OutputDirUnusable(f"logging.output_dir {str(root)!r} is not writable by this user; choose a directory "
+                                "you can write to, or fix its permissions")
 
 
 def _non_empty(path: Path) -> bool:

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,8 +57,10 @@ def check_start(cfg, strategy, paths: RunPaths) -> ResumePoint | None:
     except CheckpointError as exc:  # no checkpoint there, or an incomplete one
         raise same_on_every_rank(UserError(str(exc))) from exc
     try:
-        saved = torch.load(directory / TRAINER_STATE_FILE, map_location="cpu", weights_only=False)
+        saved = load_trainer_state(directory / TRAINER_STATE_FILE)
         step = int(saved["train_state"]["step"])
+    except CheckpointError as exc:  # a pickle that is not data: never unpickled
+        raise same_on_every_rank(exc) from exc
     except Exception as exc:  # truncated, corrupted, or not ours
         raise same_on_every_rank(UserError(
             f"checkpoint {directory} cannot be read ({TRAINER_STATE_FILE}: {exc}); resume from an earlier "
@@ -111,7 +115,7 @@ def guard_output_dir_on_every_rank(strategy, output_dir: Path, *, overwrite: boo
 
 def capture_rng(strategy) -> dict[str, Any]:
     """This process's generator states, and every rank's (collective), for the checkpoint rank 0 writes."""
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    rng = {"torch": torch.get_rng_state(), "numpy": _numpy_state(), "python": random.getstate(),
            # Each rank's own device: get_rng_state_all on rank 0 would hand every rank rank 0's view,
            # where the other ranks' devices never advanced.
            "cuda": (strategy.gather_objects(torch.cuda.get_rng_state(strategy.device))
@@ -135,5 +139,33 @@ def restore_rng(rng: dict[str, Any], strategy) -> None:
     cuda_states = rng.get("cuda")
     if strategy.device.type == "cuda" and cuda_states:
         torch.cuda.set_rng_state(cuda_states[strategy.rank % len(cuda_states)], strategy.device)
-    np.random.set_state(host["numpy"])
-    random.setstate(host["python"])
+    numpy_state = host["numpy"]
+    if isinstance(numpy_state, dict):  # the form capture_rng writes (tensors and numbers: no pickle)
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)
+    python_state = host["python"]
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+
+
+def _numpy_state() -> dict[str, Any]:
+    """numpy's global generator state as a tensor and numbers, which torch.load reads with
+    weights_only=True (an ndarray would need unpickling)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state, read as data: torch.load with weights_only=True admits tensors,
+    containers, numbers and strings; anything else (a pickle that would run code, or the numpy
+    arrays of trainer states written before the RNG states were stored as tensors) is refused with
+    a CheckpointError naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        raise CheckpointError(
+            f"{path} holds {found.group(1) if found else 'objects'} besides tensors and plain data, which are never "
+            "unpickled (they could run code): it was not written by this version of ft_framework (a checkpoint "
+            "of an earlier version resumes with that version) or it was tampered with") from exc

@@ -11,7 +11,8 @@ import torch
 
 from ft_framework.checkpointing import (MASTER, CheckpointFormatError, Fragment, load_sharded, param_info,
                                         save_sharded, whole_tensor_fragments)
-from ft_framework.checkpointing.export import export_pretrained, main as export_main
+from ft_framework.checkpointing.export import export_pretrained
+from ft_framework.cli import export_main
 from ft_framework.checkpointing.fragments import fragment_key, parse_param_key, param_key
 
 HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
