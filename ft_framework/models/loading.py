@@ -23,6 +23,7 @@ from torch import nn
 
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.hub import check_model_source
+from ft_framework.models.lora import apply_lora
 
 if TYPE_CHECKING:
     from ft_framework.config import ModelConfig
@@ -164,8 +165,6 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
     if getattr(cfg, "lora", None) is not None:
         # LoRA (ft_framework/lora.py): the pretrained weights are frozen at θ*, so the optimizer
         # anchors nothing; the forgetting distance is that of the merged weights.
-        from ft_framework.models.lora import apply_lora
-
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = apply_lora(model, cfg.lora, new_names)

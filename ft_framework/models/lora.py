@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TARGET_MODULES", "ADAPTER_SUBDIR", "LORA_INSTALL_HINT", "require_peft",
            "default_target_modules", "apply_lora", "is_lora_model", "merged_forgetting_distance",
-           "merged_copy", "save_model", "lora_incompatibilities"]
+           "merged_copy", "save_model"]
 
 ADAPTER_SUBDIR = "adapter"
 LORA_INSTALL_HINT = "pip install 'ft_framework[lora]' (or: pip install peft)"
@@ -62,20 +62,6 @@ def require_peft() -> Any:
     except ImportError as exc:  # pragma: no cover - peft is a test dependency
         raise ImportError(f"model.lora needs peft, which is not installed: {LORA_INSTALL_HINT}") from exc
     return peft
-
-
-def lora_incompatibilities(model_cfg: Any) -> list[str]:
-    """Reasons why model options cannot combine with model.lora (empty when they can)."""
-    problems = []
-    if model_cfg.init == "random":
-        problems.append("model.init: random re-initializes the pretrained weights, which LoRA then freezes "
-                        "(an adapter on random weights); use init: pretrained")
-    if model_cfg.reinit_top_layers:
-        problems.append("model.reinit_top_layers re-initializes layers that LoRA would freeze; set it to 0")
-    if model_cfg.mixout:
-        problems.append("model.mixout mixes trained weights toward θ*, but LoRA trains no pretrained weight "
-                        "(they stay θ*); set mixout: 0")
-    return problems
 
 
 def default_target_modules(model: nn.Module) -> list[str]:
