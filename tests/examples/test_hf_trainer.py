@@ -1,0 +1,97 @@
+"""examples/hf_trainer.py: our optimizer in a Hugging Face Trainer, theta* kept across a resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from ft_framework.errors import UserError
+from ft_framework.integrations.transformers import ft_optimizer
+from ft_framework.optim import RecAdam
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+pytestmark = pytest.mark.slow
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return _example("hf_trainer")
+
+
+def _anchors(opt) -> dict[int, torch.Tensor]:
+    return {i: opt.state[p]["anchor"].clone() for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+            if "anchor" in opt.state.get(p, {})}
+
+
+def test_trainer_resume_keeps_theta_star_bit_exact(hf, tmp_path):
+    torch.set_num_threads(1)
+    model, _, info = hf.load_model()
+    new = set(hf.new_parameter_names(model, info))
+    assert new == {"classifier.weight", "classifier.bias"}
+    pretrained = {n: p.detach().clone() for n, p in model.named_parameters() if n not in new}
+
+    first = hf.build_trainer(str(tmp_path / "run"), max_steps=4, save_steps=2)
+    first.train()
+    factory = first.optimizer_cls_and_kwargs[0]
+    opt = factory.optimizer
+    assert isinstance(opt, RecAdam)
+    # theta* = the pretrained weights, the head and only the head left out (named in the groups).
+    names = [n for g in opt.param_groups for n in g["param_names"]]
+    params = dict(first.model.named_parameters())
+    anchored = {names[i]: a for i, a in _anchors(opt).items()}
+    assert set(anchored) == set(pretrained) and set(factory.anchored_names) == set(pretrained)
+    for n, a in anchored.items():
+        assert torch.equal(a, pretrained[n]), n
+    # The model moved away from theta* (so a theta* re-captured at the first step of a resume,
+    # as a lazy copy does, would be the trained weights, not theta*).
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert ckpt.is_dir()
+    moved = [n for n in pretrained if not torch.equal(params[n].detach(), pretrained[n])]
+    assert len(moved) > len(pretrained) // 2
+
+    resumed = hf.build_trainer(str(tmp_path / "run"), max_steps=4, save_steps=2)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.state.global_step == 4
+    ropt = resumed.optimizer_cls_and_kwargs[0].optimizer
+    rnames = [n for g in ropt.param_groups for n in g["param_names"]]
+    ranchored = {rnames[i]: a for i, a in _anchors(ropt).items()}
+    assert set(ranchored) == set(pretrained)
+    for n, a in ranchored.items():
+        assert torch.equal(a, pretrained[n]), f"theta* of {n} changed across the resume"
+    # The resumed run continued the first one: same weights after step 4.
+    for n, p in resumed.model.named_parameters():
+        torch.testing.assert_close(p.detach(), params[n].detach(), rtol=1e-5, atol=1e-6)
+    # lambda(t) and the forgetting distance reach the Trainer's logs.
+    logged = [h for h in resumed.state.log_history if "loss" in h]
+    assert logged and all(h["forgetting_distance"] > 0 for h in logged)
+    assert any(k.startswith("lambda/anchored") for k in logged[-1])
+    assert not any(k.startswith("lambda/new") for k in logged[-1])
+
+
+def test_unknown_optimizer_names_the_valid_ones():
+    with pytest.raises(ValueError, match="available: .*recadam"):
+        ft_optimizer("recadamm", None, new_parameters=[], lr=1e-4)
+    with pytest.raises(TypeError, match="unknown hyper-parameter.*anneal_kk"):
+        ft_optimizer("recadam", None, new_parameters=[], lr=1e-4, anneal_kk=1.0)
+
+
+def test_deepspeed_and_fsdp_trainer_args_are_refused_in_one_line(tmp_path):
+    ds = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    for field, value in (("deepspeed", ds), ("fsdp", True)):
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **{field: value})
+        with pytest.raises(UserError, match=rf"^ft_optimizer: TrainingArguments\({field}=\.\.\.\) is not supported"):
+            ft_optimizer("recadam", args, new_parameters=[])
