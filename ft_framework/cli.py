@@ -198,7 +198,8 @@ def export_main(argv: list[str] | None = None) -> int:
         "ft_framework checkpoint saved under any strategy and number of ranks; one process, no GPU, offline.",
         epilog="Example: ft-export runs/rte exported/rte   (a run directory: its latest checkpoint)")
     parser.add_argument("checkpoint", type=Path, help="a run's output directory, its checkpoints/ directory, the "
-                        "checkpoints/latest pointer file, or a checkpoint directory (checkpoints/step_N)")
+                        "checkpoints/latest pointer file, or a checkpoint directory (checkpoints/step_N; checkpoints/best: "
+                        "the best evaluation's, with evaluation.select_best)")
     parser.add_argument("out", type=Path, nargs="?", help="where to write the model (optional with --verify)")
     parser.add_argument("--verify", action="store_true", help="check every file of the checkpoint against the size "
                         "and checksum its manifest records (before exporting, or alone without OUT)")

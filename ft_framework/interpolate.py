@@ -8,8 +8,8 @@ for a finished run on its eval splits, in one process, whatever strategy trained
 
 - θ is the run's reported weights (results.json's "reported": the final ones, or the best with
   evaluation.select_best): its export (checkpoint.export_dir, a save_pretrained directory; a LoRA
-  run exports its merged weights), else best/model.pt, else the last checkpoint when it is the final
-  step (single/DDP model.pt, DeepSpeed's consolidated file, FSDP's torch.distributed.checkpoint).
+  run exports its merged weights), else the best checkpoint (checkpoints/best), else the last
+  checkpoint when it is the final step (single/DDP model.pt, DeepSpeed's consolidated file, FSDP's torch.distributed.checkpoint).
   A LoRA run's checkpoint is merged first.
 - θ* is read from the anchors the checkpoint saved when θ comes from a checkpoint with fp32 anchors,
   else from the pretrained model the run's config names (model.name_or_path). The two are the same
@@ -208,12 +208,12 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
 
         loaded = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32)
         return loaded.state_dict(), None, f"export {exported}"
-    best = paths.best_model
     if reported == "best":
-        if not best.is_file():
-            raise InterpolationError(f"{run_dir} reports its best evaluation but best/model.pt is missing")
-        state = _load_tensors(best)
-        return _plain_state(state, cfg, model), None, str(best)
+        best = paths.best_checkpoint
+        if not (best / COMPLETE_MARKER).is_file():
+            raise InterpolationError(f"{run_dir} reports its best evaluation but {best} is not a complete checkpoint")
+        state, anchors = _checkpoint_model_state(best)
+        return _plain_state(state, cfg, model), anchors, str(best)
     if paths.latest_checkpoint.is_file():
         try:
             directory = resolve_latest(paths.latest_checkpoint)

@@ -38,7 +38,7 @@ from ft_framework.metrics import compute_metrics, is_failed, majority_baseline
 from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
 from ft_framework.optim import build_optimizer
-from ft_framework.optim.groups import build_param_groups
+from ft_framework.optim.groups import GROUP_HPARAMS, build_param_groups
 from ft_framework.run.preflight import check_data_not_empty, check_max_seq_length
 from ft_framework.run.files import RESULTS_FILE, RunPaths
 from ft_framework.run.start import ResumePoint, capture_rng, check_start, restore_rng
@@ -140,7 +140,9 @@ class Trainer:
                 model, loaded.pretrained_state, lr=self.base_lr, weight_decay=opt_cfg.weight_decay,
                 no_decay_bias_and_norm=opt_cfg.no_decay_bias_and_norm,
                 layerwise_lr_decay=opt_cfg.layerwise_lr_decay, attach_anchors=False)
-            return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **opt_cfg.optimizer_kwargs())
+            # lr and weight_decay reach the optimizer once: in the groups (LLRD and no-decay applied).
+            kwargs = {k: v for k, v in opt_cfg.optimizer_kwargs().items() if k not in GROUP_HPARAMS}
+            return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **kwargs)
 
         num_params = sum(p.numel() for p in loaded.model.parameters())
         num_anchored = sum(t.numel() for t in loaded.pretrained_state.values())
@@ -256,9 +258,10 @@ class Trainer:
                 # Before backward: an overlapped offloaded step runs during it (strategies/offload.py).
                 self._set_lr(st.step)
                 for micro in range(accum):
-                    out = self.strategy.forward(self._to_device(next(batches)))
+                    last = micro == accum - 1
+                    out = self.strategy.forward(self._to_device(next(batches)), last_micro_batch=last)
                     # The trainer alone counts accumulation: it divides, and tells the strategy the end.
-                    self.strategy.backward(out.loss / accum, last_micro_batch=micro == accum - 1)
+                    self.strategy.backward(out.loss / accum, last_micro_batch=last)
                     st.window_loss += float(out.loss.detach())
                     st.window_micro_batches += 1
                 grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
@@ -363,14 +366,18 @@ class Trainer:
         if st.best is None or score > st.best["metrics"][self.selection_split][main]:
             st.best = record
             if self.cfg.evaluation.select_best:
-                self.checkpoints.save_best(self.strategy)
+                self.checkpoints.save_best(st.step, self.strategy, self._checkpoint_state())
 
     # ---- checkpoints and results -------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """The trainer's part of a checkpoint (collective: every rank's random state)."""
         rng = capture_rng(self.strategy)  # collective
         self.state.examples_per_round = self.cfg.training.per_device_batch_size * self.strategy.world_size
-        extra = {"train_state": vars(self.state).copy(), "rng": rng, "config_record": config_record(self.cfg.to_dict(), self.strategy.world_size)}
-        self.checkpoints.save(self.state.step, self.strategy, extra)
+        return {"train_state": vars(self.state).copy(), "rng": rng,
+                "config_record": config_record(self.cfg.to_dict(), self.strategy.world_size)}
+
+    def _save_checkpoint(self) -> None:
+        self.checkpoints.save(self.state.step, self.strategy, self._checkpoint_state())
 
     def _interrupted(self, signum: int, *, saved: bool) -> dict[str, Any]:
         """A signal stopped the run at this step boundary (run/signals.py): a checkpoint (unless this
@@ -433,14 +440,16 @@ class Trainer:
 
     def export(self, directory: Path) -> str:
         """Writes the model as a Hugging Face model (save_pretrained) with its tokenizer, the way
-        ft-export does: rank 0 reads the sharded checkpoint of this step in one process (the last
-        checkpoint when it is of this step, else one saved for the purpose and removed after).
-        With evaluation.select_best, the best model's weights are exported. A LoRA model is
-        written merged, its adapter under adapter/."""
+        ft-export does: rank 0 reads a sharded checkpoint in one process. With evaluation.select_best
+        that is the best evaluation's (checkpoints/best); else the last checkpoint when it is of this
+        step, else one saved for the purpose and removed after. A LoRA model is written merged, its
+        adapter under adapter/."""
         latest = self.checkpoints.latest()
         source, temporary = latest, None
-        if latest is None or latest.name != self.checkpoints.name_for(self.state.step):
-            source = temporary = self.output_dir / ".export_checkpoint"
+        if self.cfg.evaluation.select_best and self.state.best is not None:
+            source = self.paths.best_checkpoint  # written at the best evaluation, by every rank
+        elif latest is None or latest.name != self.checkpoints.name_for(self.state.step):
+            source = temporary = self.paths.export_scratch
             if self.strategy.is_main_process:
                 shutil.rmtree(temporary, ignore_errors=True)
                 temporary.mkdir(parents=True)
@@ -448,9 +457,7 @@ class Trainer:
             self.strategy.save_checkpoint(temporary)  # collective: every rank writes its fragments
             self.strategy.barrier()
         if self.strategy.is_main_process:
-            best = self.paths.best_model
-            export_pretrained(source, directory, tokenizer=self.loaded.tokenizer,
-                              weights=best if self.cfg.evaluation.select_best and best.is_file() else None)
+            export_pretrained(source, directory, tokenizer=self.loaded.tokenizer)
             if temporary is not None:
                 shutil.rmtree(temporary, ignore_errors=True)
         self.strategy.barrier()

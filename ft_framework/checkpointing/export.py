@@ -101,12 +101,11 @@ def load_model_weights(model: nn.Module, checkpoint_dir: Path) -> nn.Module:
 
 
 def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = None,
-                      config_dir: Path | None = None, model_class: str | None = None,
-                      weights: Path | None = None) -> Path:
+                      config_dir: Path | None = None, model_class: str | None = None) -> Path:
     """Writes the checkpoint's model to `out_dir` with save_pretrained, and its tokenizer (the one
     stored in the checkpoint unless `tokenizer` is given). A LoRA model is written merged, its
-    adapter under adapter/ (ft_framework.models.lora.save_model). `weights`: a full state dict file
-    (a run's best/model.pt) to export instead of the checkpoint's masters."""
+    adapter under adapter/ (ft_framework.models.lora.save_model). A run's best model is the
+    checkpoint checkpoints/best."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     manifest = read_manifest(checkpoint_dir)
     damaged = check_files(checkpoint_dir)  # the sizes the manifest records (--verify: the checksums too)
@@ -114,8 +113,6 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
         raise CheckpointFormatError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(damaged)}")
     model = build_model(checkpoint_dir, manifest, config_dir=config_dir, model_class=model_class)
     load_model_weights(model, checkpoint_dir)
-    if weights is not None:
-        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
     if tokenizer is None and manifest.get("tokenizer"):
         from transformers import AutoTokenizer
 

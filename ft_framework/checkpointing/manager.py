@@ -18,7 +18,7 @@ import torch
 
 from ft_framework.checkpointing.manifest import MANIFEST_FILE, check_files, file_records, record_files
 from ft_framework.errors import UserError
-from ft_framework.run.files import (BEST_DIR, BEST_MODEL_FILE, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
+from ft_framework.run.files import (BEST_CHECKPOINT, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
                                     LATEST_FILE, TRAINER_STATE_FILE, checkpoint_name)
 
 logger = logging.getLogger(__name__)
@@ -90,8 +90,23 @@ class CheckpointManager:
         return checkpoint_name(step)
 
     def save(self, step: int, strategy, trainer_state: dict[str, Any]) -> Path:
-        """Saves strategy state (every rank writes its part) and the trainer's state, atomically."""
+        """Saves strategy state (every rank writes its part) and the trainer's state, atomically,
+        then names it in `latest` and prunes the older ones."""
         name = self.name_for(step)
+        final = self._write(name, step, strategy, trainer_state)
+        if self.is_main:
+            _write_atomic(self.root / LATEST_FILE, name)
+            self._prune(keep=name)
+        self.barrier()
+        return final
+
+    def save_best(self, step: int, strategy, trainer_state: dict[str, Any]) -> Path:
+        """Keeps the best evaluation's checkpoint in checkpoints/best, in the same sharded layout
+        (every rank writes its fragments; no rank gathers the model), replacing the previous best."""
+        return self._write(BEST_CHECKPOINT, step, strategy, trainer_state)
+
+    def _write(self, name: str, step: int, strategy, trainer_state: dict[str, Any]) -> Path:
+        """Writes checkpoint `name` through a hidden partial directory and renames it into place."""
         partial, final = self.root / f".{name}.partial", self.root / name
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -128,8 +143,6 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(partial, final)
-            _write_atomic(self.root / LATEST_FILE, name)
-            self._prune(keep=name)
         self.barrier()
         return final
 
@@ -193,14 +206,3 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {directory} is damaged: {'; '.join(damaged)}; resume from an earlier "
                                   "checkpoint (checkpoint.resume_from=<its directory>, or auto)")
         return directory
-
-    def save_best(self, strategy) -> None:
-        """Keeps the model weights of the best evaluation so far in <output_dir>/best/model.pt
-        (the checkpoints' root is <output_dir>/checkpoints)."""
-        model = strategy.consolidated_model()
-        if self.is_main:
-            best = self.root.parent / BEST_DIR
-            best.mkdir(parents=True, exist_ok=True)
-            tmp = best / (BEST_MODEL_FILE + ".tmp")
-            torch.save(model.state_dict(), tmp)
-            os.replace(tmp, best / BEST_MODEL_FILE)

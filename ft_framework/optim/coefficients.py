@@ -8,7 +8,7 @@ lambda(t)) lives in one place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -26,3 +26,23 @@ class StepCoefficients:
     @property
     def uses_anchor(self) -> bool:
         return self.pre_pull != 0.0 or self.post_pull != 0.0
+
+
+# The kernel's struct (cpp/step_args.h StepCoeffs) carries 1 - beta as well, rounded once from double
+# by the caller: 1.0f - fp32(0.999) would be off by 1.3e-5.
+_DERIVED = {
+    "one_minus_beta1": lambda c: 1.0 - c.beta1,
+    "one_minus_beta2": lambda c: 1.0 - c.beta2,
+}
+# The struct's fields in its order: the one list the binding (cpp/bindings.cpp), the Python side
+# (optim/cpu.py) and tests/unit/optim/test_kernel_fields.py, which parses the C++ sources, agree on.
+KERNEL_FIELDS = (
+    "beta1", "beta2", "eps", "one_minus_beta1", "one_minus_beta2", "denom_scale", "step_size",
+    "pre_decay", "pre_pull", "post_pull", "post_decay",
+)
+
+
+def kernel_values(c: StepCoefficients) -> dict[str, float]:
+    """Every field of the kernel's StepCoeffs for `c`, in the struct's order."""
+    own = {f.name: getattr(c, f.name) for f in fields(c)}
+    return {name: _DERIVED[name](c) if name in _DERIVED else own[name] for name in KERNEL_FIELDS}

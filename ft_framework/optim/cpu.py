@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.coefficients import StepCoefficients, kernel_values
 
 SIMD_ENV_VAR = "FT_FRAMEWORK_SIMD"
 
@@ -176,9 +176,6 @@ def _buffer(t: torch.Tensor):
 def _kernel_coefficients(c: StepCoefficients):
     """The kernel's Coefficients for `c` (cached: a rule's coefficients repeat across tensors)."""
     k = _require_kernel().Coefficients()
-    k.beta1, k.beta2, k.eps = c.beta1, c.beta2, c.eps
-    # 1 - beta rounded once from double (1.0f - fp32(0.999) would be off by 1.3e-5).
-    k.one_minus_beta1, k.one_minus_beta2 = 1.0 - c.beta1, 1.0 - c.beta2
-    k.denom_scale, k.step_size = c.denom_scale, c.step_size
-    k.pre_decay, k.pre_pull, k.post_pull, k.post_decay = c.pre_decay, c.pre_pull, c.post_pull, c.post_decay
+    for name, value in kernel_values(c).items():
+        setattr(k, name, value)
     return k

@@ -15,6 +15,10 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+# What every group of build_param_groups carries: callers give the optimizer these through the
+# groups only, not again as build_optimizer keywords (a second spelling of one value).
+GROUP_HPARAMS = ("lr", "weight_decay")
+
 _NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.RMSNorm)
 # Custom norms (T5LayerNorm, LlamaRMSNorm, ...) are not nn.LayerNorm subclasses; their class
 # names say what they are.

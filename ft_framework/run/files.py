@@ -7,9 +7,10 @@ A run's output directory (``logging.output_dir``)::
     metrics.jsonl           one JSON record per log line or evaluation
     trackers.json           the MLflow / W&B runs it logs to (a resumed run logs into the same ones)
     tensorboard/            TensorBoard events (logging.tensorboard: true)
-    best/model.pt           the best evaluation's weights (evaluation.select_best: true)
     checkpoints/latest      the name of the newest complete checkpoint
     checkpoints/step_N/     one checkpoint: the strategy's files, trainer_state.pt and a COMPLETE marker
+    checkpoints/best/       the best evaluation's checkpoint, same layout (evaluation.select_best: true)
+    .export_checkpoint/     scratch: the final step's checkpoint, saved for the export and removed after
     interpolation.json      ft-interpolate's results, and its plot interpolation.png
     overwritten-<timestamp>/  a previous run's files, moved aside by logging.overwrite=true
     .ft-train.lock(.json)   the one-writer lock rank 0 holds while the run lives, and who holds it
@@ -31,9 +32,8 @@ from pathlib import Path
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-BEST_DIR = "best"
-BEST_MODEL_FILE = "model.pt"
 CHECKPOINTS_DIR = "checkpoints"
+EXPORT_SCRATCH_DIR = ".export_checkpoint"  # the final step's checkpoint when none was saved at it
 TRACKERS_FILE = "trackers.json"
 INTERPOLATION_FILE = "interpolation.json"
 INTERPOLATION_PLOT = "interpolation.png"
@@ -48,6 +48,7 @@ MLFLOW_ARTIFACTS_DIR = "mlflow-artifacts"  # its artifacts, beside it
 # ---- inside checkpoints/ -------------------------------------------------------------------------
 LATEST_FILE = "latest"
 CHECKPOINT_PREFIX = "step_"
+BEST_CHECKPOINT = "best"  # evaluation.select_best's checkpoint (never pruned, never `latest`)
 COMPLETE_MARKER = "COMPLETE"
 TRAINER_STATE_FILE = "trainer_state.pt"
 
@@ -95,12 +96,17 @@ class RunPaths:
         return self.root / TENSORBOARD_DIR
 
     @property
-    def best_model(self) -> Path:
-        return self.root / BEST_DIR / BEST_MODEL_FILE
-
-    @property
     def checkpoints(self) -> Path:
         return self.root / CHECKPOINTS_DIR
+
+    @property
+    def best_checkpoint(self) -> Path:
+        """The best evaluation's checkpoint (evaluation.select_best), in the sharded layout."""
+        return self.checkpoints / BEST_CHECKPOINT
+
+    @property
+    def export_scratch(self) -> Path:
+        return self.root / EXPORT_SCRATCH_DIR
 
     @property
     def latest_checkpoint(self) -> Path:

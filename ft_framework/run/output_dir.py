@@ -17,13 +17,13 @@ import os
 from pathlib import Path
 
 from ft_framework.errors import UserError
-from ft_framework.run.files import (BEST_DIR, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
+from ft_framework.run.files import (CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
                                     METRICS_FILE, MOVED_ASIDE_PREFIX, RESULTS_FILE, TENSORBOARD_DIR)
 
 __all__ = ["OutputDirInUse", "OutputDirUnusable", "check_output_dir_usable", "guard_output_dir", "previous_run_files"]
 
 # Everything a run writes into its output directory; moved aside together on overwrite.
-_RUN_ENTRIES = (RESULTS_FILE, METRICS_FILE, TENSORBOARD_DIR, CHECKPOINTS_DIR, BEST_DIR)
+_RUN_ENTRIES = (RESULTS_FILE, METRICS_FILE, TENSORBOARD_DIR, CHECKPOINTS_DIR)
 
 
 class OutputDirInUse(UserError):

@@ -105,7 +105,9 @@ class Strategy(ABC):
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def forward(self, batch: dict[str, torch.Tensor]):
+    def forward(self, batch: dict[str, torch.Tensor], last_micro_batch: bool = True):
+        """One micro-batch's forward. `last_micro_batch`: whether its backward ends the
+        accumulation (DDP decides at forward time whether that backward all-reduces)."""
         with self.autocast():
             return self.model(**batch)
 
@@ -197,10 +199,6 @@ class Strategy(ABC):
         """Restores model and optimizer state from a checkpoint saved under any strategy and number
         of ranks, each rank reading only the saved fragments that overlap its own (collective)."""
         load_sharded(directory, self)
-
-    def consolidated_model(self) -> nn.Module:
-        """The full model on this process, for save_pretrained export (rank 0 writes it)."""
-        return self.unwrapped_model()
 
     def close(self) -> None:
         pass

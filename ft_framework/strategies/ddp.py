@@ -3,6 +3,7 @@ device, started by torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment)
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ft_framework.distributed.process_group import ProcessGroupMixin
@@ -24,6 +25,14 @@ class DDPStrategy(ProcessGroupMixin, SingleDeviceStrategy):
         if anchors:
             self.place_anchors(anchors)  # replicated, like the parameters
         return self.model, self.optimizer
+
+    def forward(self, batch: dict[str, torch.Tensor], last_micro_batch: bool = True):
+        # DDP prepares its all-reduce at forward time: every micro-batch but the last of an
+        # accumulation runs under no_sync, so its gradients add up locally and the step reduces once.
+        if last_micro_batch or not torch.is_grad_enabled():
+            return super().forward(batch)
+        with self.model.no_sync():
+            return super().forward(batch)
 
     def unwrapped_model(self) -> nn.Module:
         return self.model.module

@@ -144,7 +144,7 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                 self.state_map.set_full(p, "anchor", anchors[self.names[id(p)]])
 
     # ---- the step --------------------------------------------------------------------------------
-    def forward(self, batch):
+    def forward(self, batch, last_micro_batch: bool = True):  # the boundary is set in backward
         return self.engine(**batch)
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
@@ -227,14 +227,3 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     def checkpoint_info(self) -> dict[str, Any]:
         return {**super().checkpoint_info(), "zero_stage": self.zero_stage,
                 "offload_optimizer": "offload_optimizer" in self.ds_config["zero_optimization"]}
-
-    # ---- export ----------------------------------------------------------------------------------
-    def consolidated_model(self) -> nn.Module:
-        """A plain fp32 copy of the model built from the gathered master weights (collective)."""
-        masters = {name: self.state_map.get_full(p, self._adapter.MASTER) for name, p in self._named_model_params()}
-        module = self.engine.module
-        plain = type(module)(module.config)
-        missing, unexpected = plain.load_state_dict(masters, strict=False)
-        if unexpected:
-            raise RuntimeError(f"export: unexpected tensors {unexpected[:5]}")
-        return plain

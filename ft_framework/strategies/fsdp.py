@@ -19,7 +19,6 @@ missing or mis-shaped is refused before anything is loaded.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -52,19 +51,6 @@ def transformer_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]
                for child in module):
             chosen.append((name, module))
     return chosen
-
-
-def _meta_skeleton(model: nn.Module) -> nn.Module:
-    """A structural copy of `model` whose parameters and buffers live on the meta device (no
-    memory): consolidated_model() materializes it and loads the gathered full state dict."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        if id(p) not in memo:
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        if id(b) not in memo:
-            memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 class _ShardedLossScaler:
@@ -135,7 +121,6 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         self.mesh = init_device_mesh(self.device.type, (self._world_size,))
         # fp16 gradients need loss scaling (on CUDA only: the base class refuses fp16 on CPU).
         self.scaler = _ShardedLossScaler() if precision == "fp16" else None
-        self._skeleton: nn.Module | None = None
         self.sharded_module_names: list[str] = []
 
     # ---- topology --------------------------------------------------------------------------
@@ -150,7 +135,6 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         if self.mixed_precision:
             # The sharded parameters are the fp32 master weights; FSDP casts them for compute.
             model = model.to(torch.float32)
-        self._skeleton = _meta_skeleton(model)
         model = model.to(self.device)
         mp = (MixedPrecisionPolicy(param_dtype=_MP_DTYPES[self.precision], reduce_dtype=torch.float32)
               if self.mixed_precision else MixedPrecisionPolicy())
@@ -260,24 +244,3 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 value = value.full_tensor()
             out[name] = value.detach().cpu()
         return out
-
-    def consolidated_model(self) -> nn.Module:
-        """A plain (unsharded, not FSDP-wrapped) CPU copy of the model with the current weights,
-        on every rank (all ranks must call it: the gather is collective)."""
-        if self._skeleton is None:
-            raise RuntimeError("consolidated_model() needs setup() first")
-        full = self.full_state_dict()
-        plain = copy.deepcopy(self._skeleton).to_empty(device="cpu")
-        missing, unexpected = plain.load_state_dict(full, strict=False)
-        if unexpected:
-            raise RuntimeError(f"consolidated state has keys the model lacks: {unexpected[:5]}")
-        # Buffers are not sharded by FSDP: copy every one (also the non-persistent ones).
-        live = dict(self.model.named_buffers())
-        for name, buf in plain.named_buffers():
-            if name in live:
-                buf.copy_(live[name].detach().cpu())
-        still_missing = [k for k in missing if k not in live]
-        if still_missing:
-            raise RuntimeError(f"consolidated state lacks {still_missing[:5]}")
-        return plain
-

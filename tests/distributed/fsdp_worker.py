@@ -204,11 +204,6 @@ def phase_two(out: Path, res: Results):
             sorted({str(local_tensor(v).device) for st in s.optimizer.state.values() for v in st.values()
                     if v.dim() > 0}))
 
-        # Consolidated plain model and save_pretrained export.
-        plain = s.consolidated_model()
-        res[f"{tag}_consolidated_type"] = f"{type(plain).__module__}.{type(plain).__name__}"
-        res[f"{tag}_consolidated_params"] = {n: p.detach().clone() for n, p in plain.named_parameters()}
-
         # Resume on the same number of ranks equals the uninterrupted run.
         _, state, _, params = resume_from(ck, offload)
         res[f"{tag}_resumed_state_3"] = state

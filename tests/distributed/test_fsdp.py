@@ -227,17 +227,6 @@ def test_loss_scaler_skips_the_step_on_every_rank_when_one_rank_overflows_and_is
     assert runs.two["scaler_loaded"] == [{"scale": 512.0, "good_steps": 1}] * 2
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tag", ["plain", "offload"])
-def test_consolidated_model_is_a_plain_model_with_the_final_weights(runs, tag):
-    # What Trainer.export saves with save_pretrained (exercised end to end below).
-    assert runs.two[f"{tag}_consolidated_type"] == \
-        "transformers.models.albert.modeling_albert.AlbertForSequenceClassification"
-    final = runs.two[f"{tag}_params_5"]
-    assert set(runs.two[f"{tag}_consolidated_params"]) == set(final)
-    assert all(torch.equal(runs.two[f"{tag}_consolidated_params"][n], final[n]) for n in final)
-
-
 # ---- the real trainer, end to end ----------------------------------------------------------------
 def write_fsdp_run_config(path: Path, model_dir: Path, output_dir: Path, **sections) -> Path:
     from tiny_run import write_run_config
@@ -272,7 +261,8 @@ def test_trainer_with_fsdp_on_two_ranks_equals_one_process(tmp_path):
 
     model_dir = build_tiny_bert_dir(tmp_path / "tiny_bert")
     single_cfg = write_fsdp_run_config(tmp_path / "single.yaml", model_dir, tmp_path / "single",
-                                  training={"per_device_batch_size": 8})
+                                  training={"per_device_batch_size": 8},
+                                  checkpoint={"every_steps": 3, "export_dir": str(tmp_path / "export_single")})
     Trainer(load_config(single_cfg)).fit()
     fsdp_cfg = write_fsdp_run_config(tmp_path / "fsdp.yaml", model_dir, tmp_path / "fsdp",
                                 training={"per_device_batch_size": 4}, strategy={"name": "fsdp"},
@@ -290,19 +280,21 @@ def test_trainer_with_fsdp_on_two_ranks_equals_one_process(tmp_path):
     # The sharded forgetting distance (one all-reduce) and grad norm equal one process's.
     for key in ("forgetting_distance", "grad_norm"):
         assert [r[key] for r in train_b] == pytest.approx([r[key] for r in train_a], rel=1e-5), key
-    # best/model.pt comes from consolidated_model() (all ranks gather, rank 0 writes).
-    best_a = torch.load(tmp_path / "single" / "best" / "model.pt")
-    best_b = torch.load(tmp_path / "fsdp" / "best" / "model.pt")
-    assert set(best_a) == set(best_b)
-    for k in best_a:
-        torch.testing.assert_close(best_b[k], best_a[k], rtol=0, atol=ATOL)
-    # The export (consolidated_model on every rank, save_pretrained on rank 0) is a plain model
-    # holding the best weights (select_best).
+    # select_best keeps checkpoints/best in the sharded layout: both ranks wrote their own shard
+    # (no rank gathered the model), at the best evaluation's step.
+    best_dir = tmp_path / "fsdp" / "checkpoints" / "best"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "COMPLETE"} <= {p.name for p in best_dir.iterdir()}
+    assert json.loads((best_dir / "COMPLETE").read_text())["step"] == b["best"]["step"]
+    assert not (tmp_path / "fsdp" / "best").exists()
+    # The export, read from that checkpoint by rank 0, is a plain model holding the best weights:
+    # those of one process's best (its export from its own checkpoints/best).
     from transformers import AutoModelForSequenceClassification
 
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export")
     assert type(exported).__module__.startswith("transformers.")
     got = exported.state_dict()
+    best_a = AutoModelForSequenceClassification.from_pretrained(tmp_path / "export_single").state_dict()
+    assert set(got) == set(best_a)
     for k in best_a:
         torch.testing.assert_close(got[k], best_a[k], rtol=0, atol=ATOL, msg=k)
     # The step-3 checkpoint is a DCP directory written by both ranks.

@@ -113,3 +113,17 @@ def test_a_run_without_saved_weights_is_a_clear_error(tiny_bert_dir, tmp_path):
                            evaluation={"num_evals": 1})
     Trainer(load_config(cfg)).fit()
     assert interpolate_main([str(tmp_path / "r")]) == 2
+
+
+def test_select_best_interpolates_from_the_best_checkpoint(tiny_bert_dir, tmp_path):
+    # No export and no periodic checkpoint: θ is read from checkpoints/best (the sharded layout),
+    # so α = 1 scores exactly the best evaluation, and θ* comes from the anchors saved in it.
+    cfg = write_run_config(tmp_path / "b.yaml", tiny_bert_dir, tmp_path / "b", training={"max_steps": 6},
+                           data={"max_train_examples": 16}, evaluation={"num_evals": 3, "select_best": True},
+                           optimizer={"name": "adamw", "hparams": {"lr": 5e-3}})
+    results = Trainer(load_config(cfg)).fit()
+    assert results["reported"] == "best"
+    out = run_interpolation(tmp_path / "b", [0.0, 1.0], write=False)
+    assert out["theta_source"] == str(tmp_path / "b" / "checkpoints" / "best")
+    assert out["theta_star_source"].startswith("anchors")
+    assert out["rows"][-1]["metrics"] == results["best"]["metrics"]

@@ -363,7 +363,7 @@ def test_every_reader_refuses_a_pickle_that_would_run_code(finished_run, tiny_be
     assert rc == 2 and len(ft_lines(err)) == 1 and "posix.system" in err and "never unpickled" in err
     assert "Traceback" not in err
     assert not marker.exists()
-    # ft-interpolate reads best/model.pt and old single-process checkpoints.
+    # ft-interpolate reads old single-process checkpoints.
     marker = plant(tmp_path / "model.pt", "weight", "interpolate")
     with pytest.raises(InterpolationError, match="never unpickled"):
         _load_tensors(tmp_path / "model.pt")

@@ -12,8 +12,13 @@ import torch
 
 from tiny_run import write_run_config
 from ft_framework.checkpointing.dcp_io import CheckpointReadError
+from ft_framework.checkpointing.export import export_pretrained
+from ft_framework.cli import export_main
+from ft_framework.checkpointing.manager import resolve_latest
+from ft_framework.checkpointing.manifest import MANIFEST_FILE
 from ft_framework.config import load_config
 from ft_framework.errors import UserError
+from ft_framework.run.files import RunPaths, checkpoint_name
 from ft_framework.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,7 +157,8 @@ def test_best_on_validation_with_held_out_half_of_dev(tiny_bert_dir, tmp_path):
     cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out",
                            training={"max_steps": 6}, evaluation={"num_evals": 3, "select_best": True},
                            data={"split_dev_in_half": True, "max_train_examples": 16},
-                           optimizer={"name": "adamw", "hparams": {"lr": 5e-3}})
+                           optimizer={"name": "adamw", "hparams": {"lr": 5e-3}},
+                           checkpoint={"every_steps": 2, "keep_last": 3, "export_dir": str(tmp_path / "export")})
     _, results = run(cfg)
     evals = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if r["type"] == "eval"]
     assert all(set(r["metrics"]) == {"validation", "test"} for r in evals)
@@ -163,4 +169,25 @@ def test_best_on_validation_with_held_out_half_of_dev(tiny_bert_dir, tmp_path):
     assert set(results["majority_baseline"]) == {"validation", "test"}
     # With select_best the failed flag judges the best evaluation, on the validation half.
     assert results["failed"] is (best_score <= results["majority_baseline"]["validation"]["accuracy"])
-    assert (tmp_path / "out" / "best" / "model.pt").is_file()
+    # The best evaluation's checkpoint is kept in the sharded layout (no gathered model file), and
+    # it holds the weights of the step-N checkpoint of that evaluation; the export is that model.
+    paths = RunPaths(tmp_path / "out")
+    best_dir = paths.best_checkpoint
+    assert json.loads((best_dir / "COMPLETE").read_text())["step"] == first_best["step"]
+    assert (best_dir / MANIFEST_FILE).is_file() and not (tmp_path / "out" / "best").exists()
+    assert resolve_latest(paths.latest_checkpoint).name == checkpoint_name(6)  # `latest` is not the best
+    same_step = export_pretrained(paths.checkpoints / checkpoint_name(first_best["step"]), tmp_path / "step_export")
+    final = export_pretrained(paths.checkpoints / checkpoint_name(6), tmp_path / "final_export")
+    from transformers import AutoModelForSequenceClassification
+
+    def weights(directory):
+        return AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).state_dict()
+
+    assert export_main([str(best_dir), str(tmp_path / "cli_export")]) == 0  # ft-export reads it too
+    exported, expected, last = weights(tmp_path / "export"), weights(same_step), weights(final)
+    by_cli = weights(tmp_path / "cli_export")
+    assert set(exported) == set(expected) == set(by_cli)
+    for name in expected:
+        assert torch.equal(exported[name], expected[name]) and torch.equal(by_cli[name], expected[name]), name
+    if first_best["step"] != 6:  # the export is not the final model
+        assert any(not torch.equal(exported[n], last[n]) for n in expected)

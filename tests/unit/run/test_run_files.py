@@ -26,8 +26,9 @@ def test_the_names_on_disk():
 def test_run_paths_and_checkpoint_names():
     paths = RunPaths("runs/x")
     assert paths.results == Path("runs/x/results.json") and paths.metrics == Path("runs/x/metrics.jsonl")
-    assert paths.best_model == Path("runs/x/best/model.pt") and paths.tensorboard == Path("runs/x/tensorboard")
+    assert paths.best_checkpoint == Path("runs/x/checkpoints/best") and paths.tensorboard == Path("runs/x/tensorboard")
     assert paths.latest_checkpoint == Path("runs/x/checkpoints/latest")
+    assert paths.export_scratch == Path("runs/x/.export_checkpoint")
     # Zero-padded so that sorting the names sorts the checkpoints by step.
     assert checkpoint_name(7) == "step_00000007"
     assert sorted(checkpoint_name(s) for s in (100, 7, 12)) == [checkpoint_name(s) for s in (7, 12, 100)]
