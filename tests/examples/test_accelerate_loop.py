@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,21 +9,11 @@ import torch
 from ft_framework.integrations.loops import optimizer_for_model, place_anchors
 from ft_framework.optim import cpu as cpu_kernel
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.slow
-def test_accelerate_example_anchors_equal_pretrained(tmp_path):
+def test_accelerate_example_anchors_equal_pretrained(tmp_path, load_example):
     torch.set_num_threads(1)
-    ex = _example("accelerate_loop")
+    ex = load_example("accelerate_loop")
     reference, _, _ = ex.load_model()  # an independent load of the same checkpoint
     ref = dict(reference.named_parameters())
     out = ex.main(["--max-steps", "3", "--train-examples", "24"])

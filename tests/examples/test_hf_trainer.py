@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +11,12 @@ from ft_framework.errors import UserError
 from ft_framework.integrations.transformers import ft_optimizer
 from ft_framework.optim import RecAdam
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
 pytestmark = pytest.mark.slow
 
 
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def hf():
-    return _example("hf_trainer")
+def hf(load_example):
+    return load_example("hf_trainer")
 
 
 def _anchors(opt) -> dict[int, torch.Tensor]:
