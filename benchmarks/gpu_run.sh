@@ -24,6 +24,8 @@ PYDANTIC_SPEC=${FT_PYDANTIC_SPEC:-pydantic>=2,<3}
 # deepspeed's requirements besides torch/numpy/packaging/tqdm (transformers brings those), pydantic's.
 PURE_DEPS=(hjson py-cpuinfo einops nvidia-ml-py annotated-types typing-inspection typing-extensions)
 BINARY_DEPS=(pydantic-core msgpack psutil)
+# The GPU tests' runner, in case the machine has no pytest (installing one it has changes nothing).
+TEST_DEPS=(pytest iniconfig pluggy pygments)
 
 if [ "${1:-}" = "prepare" ]; then
   WHEELS=${2:-$WHEELS}
@@ -31,7 +33,7 @@ if [ "${1:-}" = "prepare" ]; then
   # deepspeed is an sdist on PyPI: build it into a pure-python wheel here (ops are JIT-built on
   # the GPU machine when used; DS_BUILD_OPS=0), without its dependencies.
   DS_BUILD_OPS=0 "$PY" -m pip wheel --no-deps --no-build-isolation -w "$WHEELS" "$DEEPSPEED_SPEC"
-  "$PY" -m pip download --no-deps --only-binary=:all: -d "$WHEELS" "$PYDANTIC_SPEC" "${PURE_DEPS[@]}"
+  "$PY" -m pip download --no-deps --only-binary=:all: -d "$WHEELS" "$PYDANTIC_SPEC" "${PURE_DEPS[@]}" "${TEST_DEPS[@]}"
   # Compiled wheels for every Python the GPU machine might have (its version is not known here).
   for v in ${PYVERS:-3.10 3.11 3.12 3.13}; do
     "$PY" -m pip download --no-deps --only-binary=:all: -d "$WHEELS" --python-version "$v" \
@@ -63,7 +65,7 @@ nvidia-smi -L 2>/dev/null || true
 # 1. what the machine lacks, from the carried wheels only (no index is reachable there)
 if [ -d "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-build-isolation \
-    "$PYDANTIC_SPEC" "$DEEPSPEED_SPEC" "${PURE_DEPS[@]}" "${BINARY_DEPS[@]}"
+    "$PYDANTIC_SPEC" "$DEEPSPEED_SPEC" "${PURE_DEPS[@]}" "${BINARY_DEPS[@]}" "${TEST_DEPS[@]}"
 else
   echo "warning: no wheel directory $WHEELS: the DeepSpeed tests and benchmarks will be skipped/fail" >&2
 fi

