@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from ft_framework.distributed.rendezvous import free_port
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ("zero2_offload", "fsdp")
@@ -236,12 +236,6 @@ def rank_main(args) -> None:
 
 
 # ---- driver ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 

@@ -36,7 +36,6 @@ import math
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from ft_framework.distributed.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "a", "b", "c", "d")
@@ -56,7 +57,8 @@ ALBERT_XXLARGE = dict(vocab_size=30000, embedding_size=128, hidden_size=4096, nu
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
 ALBERT_TINY = dict(ALBERT_XXLARGE, vocab_size=1000, embedding_size=16, hidden_size=64, num_hidden_layers=2,
                    num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)
-RECADAM_HPARAMS = dict(lr=1e-5, anneal_k=0.1, anneal_t0=1000, pretrain_cof=5000.0)
+RECADAM_LR = 1e-5  # in the param groups
+RECADAM_HPARAMS = dict(anneal_k=0.1, anneal_t0=1000, pretrain_cof=5000.0)
 
 
 def log(msg: str) -> None:
@@ -385,12 +387,6 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ==================================================================================================
 # Part a: the optimizer step
 # ==================================================================================================
@@ -419,7 +415,7 @@ def part_a(args) -> dict[str, Any]:
 
     def recadam(ps):
         anchors = [p.detach() + 1e-3 for p in ps]
-        groups = [{"params": ps, "anchors": anchors, "lr": RECADAM_HPARAMS["lr"], "weight_decay": 0.01}]
+        groups = [{"params": ps, "anchors": anchors, "lr": RECADAM_LR, "weight_decay": 0.01}]
         return build_optimizer("recadam", groups, impl="torch", **RECADAM_HPARAMS)
 
     def measure(name: str, make: Callable[[], Callable[[], Any]], note: str = "") -> None:
@@ -591,7 +587,7 @@ def optimizer_builders(name: str, *, offload: bool, tiny: bool):
     if name == "RecAdam (ours)":
         def make(model, anchors):
             # The strategy places theta* after wrapping (setup(..., anchors=)); the groups carry none.
-            groups = build_param_groups(model, anchors, lr=RECADAM_HPARAMS["lr"], weight_decay=0.01,
+            groups = build_param_groups(model, anchors, lr=RECADAM_LR, weight_decay=0.01,
                                         attach_anchors=False)
             return build_optimizer("recadam", groups, impl="auto", **RECADAM_HPARAMS)
         return make, True, ""
@@ -599,11 +595,11 @@ def optimizer_builders(name: str, *, offload: bool, tiny: bool):
         def make(model, anchors):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            return DeepSpeedCPUAdam(model.parameters(), lr=RECADAM_HPARAMS["lr"], weight_decay=0.01, adamw_mode=True)
+            return DeepSpeedCPUAdam(model.parameters(), lr=RECADAM_LR, weight_decay=0.01, adamw_mode=True)
         return make, False, ""
     if name == "torch AdamW fused":
         def make(model, anchors):
-            return torch.optim.AdamW(model.parameters(), lr=RECADAM_HPARAMS["lr"], weight_decay=0.01, fused=True)
+            return torch.optim.AdamW(model.parameters(), lr=RECADAM_LR, weight_decay=0.01, fused=True)
         return make, False, ""
     raise ValueError(name)
 

@@ -55,7 +55,7 @@ def run_candidate(name: str, args, strategy_cls, ds_cfg, training_cfg) -> dict[s
 
         def make_optimizer(m):
             groups = build_param_groups(m, anchors, lr=2e-5, no_decay_bias_and_norm=False, attach_anchors=False)
-            return build_optimizer("recadam", groups, impl="auto", lr=2e-5, anneal_k=0.5, anneal_t0=250,
+            return build_optimizer("recadam", groups, impl="auto", anneal_k=0.5, anneal_t0=250,
                                    pretrain_cof=5000.0)
 
         engine, _ = strategy.setup(model, make_optimizer, anchors=anchors)

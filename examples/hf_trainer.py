@@ -12,27 +12,29 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _quickstart import Encoded, load_model, read_split  # noqa: E402
 
-from ft_framework.integrations.transformers import ForgettingCallback, ft_optimizer, new_parameter_names  # noqa: E402
+from ft_framework.integrations.transformers import ft_optimizer, install_callbacks, new_parameter_names  # noqa: E402
 
 
 def build_trainer(output_dir: str, max_steps: int, save_steps: int = 0, optimizer: str = "recadam",
                   impl: str = "auto", train_examples: int = 64, seed: int = 0, extra_args: dict | None = None):
     model, tokenizer, info = load_model()
-    args = TrainingArguments(
+    settings = dict(
         output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=8, learning_rate=1e-4,
         logging_steps=2, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        report_to=[], seed=seed, use_cpu=True, disable_tqdm=True, **(extra_args or {}))
+        report_to=[], seed=seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    args = TrainingArguments(**{**settings, **(extra_args or {})})
     hparams = dict(anneal_fun="sigmoid", anneal_k=0.5, anneal_t0=10, pretrain_cof=5000) if optimizer == "recadam" else {}
     trainer = Trainer(
         model=model, args=args, train_dataset=Encoded(read_split("train", train_examples), tokenizer),
         optimizer_cls_and_kwargs=ft_optimizer(optimizer, args, new_parameters=new_parameter_names(model, info),
                                               impl=impl, **hparams))
-    ForgettingCallback.install(trainer)
+    install_callbacks(trainer)
     return trainer
 
 

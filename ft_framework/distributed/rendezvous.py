@@ -26,10 +26,19 @@ from ft_framework.distributed import peer_failures
 
 from ft_framework.errors import UserError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "RendezvousFailed", "join_process_group", "rendezvous_timeout_s"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "RendezvousFailed", "free_port", "join_process_group",
+           "rendezvous_timeout_s"]
 
 TIMEOUT_ENV = "FT_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a launcher's rendezvous (another process may take it
+    before the launcher binds it; single-machine runs and tests accept that race)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class RendezvousFailed(UserError):

@@ -38,6 +38,7 @@ __all__ = [
     "load_model",
     "load_model_and_tokenizer",
     "load_tokenizer",
+    "new_parameter_names",
     "reinit_top_layers",
     "reinitialize_parameters",
     "resolve_model_path",
@@ -150,7 +151,7 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"model.name_or_path: {cfg.name_or_path!r} cannot be loaded from the hub ({first})") from exc
-        new_names = _new_parameter_names(model, loading_info)
+        new_names = new_parameter_names(model, loading_info)
         pretrained_state = capture_pretrained_state(model, exclude=new_names)
         reinitialized: list[str] = []
         if cfg.init == "random":
@@ -197,7 +198,7 @@ def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regressi
     )
 
 
-def _new_parameter_names(model: nn.Module, loading_info: dict[str, Any]) -> list[str]:
+def new_parameter_names(model: nn.Module, loading_info: dict[str, Any]) -> list[str]:
     """Parameters not loaded from the checkpoint: missing keys and shape-mismatched keys."""
     missing = set(loading_info.get("missing_keys") or ())
     # mismatched entries are (name, checkpoint shape, model shape)

@@ -27,17 +27,32 @@ from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.torch_step import finite_flags, foreach_inverse_step, foreach_step
 from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
 
-__all__ = ["ANCHOR_DTYPES", "AnchoredOptimizer", "PullOvershootWarning", "check_loaded_anchors", "local_tensor"]
+__all__ = ["ANCHOR_DTYPES", "AnchoredOptimizer", "PullOvershootWarning", "anchored_parameter_names", "check_loaded_anchors",
+           "local_tensor"]
 
 IMPLS = ("auto", "torch", "cpu")
 ANCHOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Keys a param group may carry besides the optimizer's hyper-parameters.
-GROUP_META_KEYS = frozenset({"params", "anchors", "param_names", "group_name", "initial_lr"})
+GROUP_META_KEYS = frozenset({"params", "anchors", "anchored", "param_names", "group_name", "initial_lr"})
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local shard of a DTensor (FSDP2), or the tensor itself; element-wise steps run on it."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def anchored_parameter_names(optimizer: torch.optim.Optimizer) -> set[str]:
+    """Names of the parameters in `optimizer`'s anchored groups: the split ``build_param_groups``
+    made, read from each group's ``anchored`` flag and ``param_names`` (which survive DeepSpeed's
+    flattening of a group into partitions)."""
+    names: set[str] = set()
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("anchored"):
+            if "param_names" not in group:
+                raise ValueError(f"anchored param group {group.get('group_name', i)!r} has no 'param_names'; build the "
+                                 "groups with ft_framework.optim.build_param_groups")
+            names.update(group["param_names"])
+    return names
 
 
 def check_loaded_anchors(source: str, entries: Iterable[tuple[str | int, tuple[int, ...] | None,
@@ -94,6 +109,13 @@ class AnchoredOptimizer(torch.optim.Optimizer):
     # ---- construction -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         anchors = param_group.pop("anchors", None) if isinstance(param_group, dict) else None
+        # Whether the group is anchored is decided here, once, and carried by the group: every
+        # placement of theta* (strategies, integrations) and the step read this flag.
+        anchored = param_group.setdefault("anchored", anchors is not None)
+        if anchors is not None and (not anchored or any(a is None for a in anchors)):
+            raise ValueError("a param group's 'anchors' must hold theta* for every one of its parameters (and the "
+                             "group must not say 'anchored': False); put parameters without theta* in a group of "
+                             "their own")
         unknown = set(param_group) - set(self.defaults) - GROUP_META_KEYS if isinstance(param_group, dict) else set()
         if unknown:
             raise ValueError(
@@ -109,8 +131,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             if len(anchors) != len(params):
                 raise ValueError(f"'anchors' has {len(anchors)} entries but 'params' has {len(params)}")
             for p, a in zip(params, anchors):
-                if a is not None:
-                    self.set_anchor(p, a)
+                self.set_anchor(p, a)
 
     def validate_group(self, group: dict[str, Any]) -> None:
         """Checks a group's hyper-parameters (the same ranges the config checks at load)."""
@@ -213,6 +234,11 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 state["step"] += 1
                 t = int(state["step"].item())
                 anchor = state.get("anchor")
+                if anchor is None and group["anchored"]:
+                    raise ValueError(f"{type(self).__name__}: a parameter of the anchored param group "
+                                     f"{group.get('group_name', gi)!r} has no theta* (anchor); place theta* after "
+                                     "wrapping the model (Strategy.place_anchors, integrations.loops.place_anchors, "
+                                     "integrations.transformers.install_callbacks) before the first step")
                 c = self.coefficients(group, t, anchor is not None)
                 with_anchor = anchor is not None and c.uses_anchor
                 pulls = pulls or with_anchor
@@ -412,6 +438,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if len(saved_ids) != len(own_params):
             raise ValueError(f"checkpoint has {len(saved_ids)} parameters, this optimizer has {len(own_params)}")
         saved_state = state_dict["state"]
+        own_anchored = [g["anchored"] for g in self.param_groups]
+        # The load must not drop an anchor this optimizer holds (one not placed yet is not lost:
+        # Accelerate's prepare round-trips the state before place_anchors).
         check_loaded_anchors("checkpoint", (
             (idx, tuple(saved_state.get(idx, {})["anchor"].shape) if "anchor" in saved_state.get(idx, {}) else None,
              tuple(p.shape), "anchor" in self.state.get(p, {}))
@@ -422,6 +451,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             "state": {i: {k: v for k, v in s.items() if k != "anchor"} for i, s in saved_state.items()},
         }
         super().load_state_dict(stripped)
+        for group, anchored in zip(self.param_groups, own_anchored):
+            group["anchored"] = anchored  # this optimizer's split, whatever the checkpoint's groups said
         for idx, p in zip(saved_ids, own_params):
             if idx in anchors:
                 # torch would cast state to the parameter's dtype; a bf16 anchor stays bf16.

@@ -69,14 +69,15 @@ def build_param_groups(
     extra_group_options: Mapping[str, Any] | None = None,
     attach_anchors: bool = True,
 ) -> list[dict[str, Any]]:
-    """Groups ready for ``build_optimizer``: each has params, anchors (or None), lr, weight_decay,
-    param_names and group_name.
+    """Groups ready for ``build_optimizer``: each has params, anchors (or None), anchored, lr,
+    weight_decay, param_names and group_name.
 
     A parameter is anchored when ``pretrained_state`` has a tensor of the same name and shape;
     its anchor is that tensor as fp32 (so theta* is exact even if the model trains in bf16).
+    This is the one place that decides it: each group carries the decision as ``anchored``.
     With ``attach_anchors=False`` the groups are split the same way (anchored parameters never
     share a group with new ones) but carry no anchors: a strategy places theta* after wrapping
-    (Strategy.setup(..., anchors=pretrained_state)).
+    (Strategy.setup(..., anchors=pretrained_state)) into the anchored groups' parameters.
     ``layerwise_lr_decay`` = d gives a block at depth k (of top K) the rate lr * d**(K - k).
     """
     if layerwise_lr_decay is not None and not 0 < layerwise_lr_decay <= 1:
@@ -100,7 +101,8 @@ def build_param_groups(
         key = (anchored, decays, scale)
         if key not in groups:
             groups[key] = {
-                "params": [], "anchors": [] if anchored and attach_anchors else None, "param_names": [],
+                "params": [], "anchors": [] if anchored and attach_anchors else None, "anchored": anchored,
+                "param_names": [],
                 "lr": lr * scale, "weight_decay": weight_decay if decays else 0.0,
                 "group_name": f"{'anchored' if anchored else 'new'}/{'decay' if decays else 'no_decay'}"
                               + (f"/lr_x{scale:.4g}" if layerwise_lr_decay else ""),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
+from ft_framework.optim.groups import GROUP_HPARAMS
+
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 # Constructor arguments that are not hyper-parameters.
 _NON_HPARAMS = {"self", "params", "impl"}
@@ -66,6 +68,14 @@ def build_optimizer(name: str, param_groups, impl: str = "auto", **hparams):
     unknown = sorted(set(hparams) - set(valid))
     if unknown:
         raise TypeError(f"unknown hyper-parameter(s) {unknown} for optimizer {name!r}; valid: {sorted(valid)}")
+    # A keyword is the default of the groups that do not set the value; when every group sets it
+    # (build_param_groups' groups do), the keyword is a second spelling that nothing reads.
+    groups = list(param_groups) if isinstance(param_groups, (list, tuple)) else []
+    if groups and all(isinstance(g, dict) for g in groups):
+        ignored = [k for k in GROUP_HPARAMS if k in hparams and all(k in g for g in groups)]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)} given twice: every param group sets it, so "
+                             f"build_optimizer({ignored[0]}=...) would be ignored; drop the keyword")
     takes_impl = "impl" in _signature(factory).parameters
     if takes_impl:
         return factory(param_groups, impl=impl, **hparams)

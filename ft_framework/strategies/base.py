@@ -6,30 +6,45 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from ft_framework.checkpointing import load_sharded, param_info, save_sharded, whole_tensor_fragments
 from ft_framework.errors import UserError
+from ft_framework.optim.base import anchored_parameter_names
+
+
+def anchors_for(optimizer: torch.optim.Optimizer, anchors: Mapping[str, torch.Tensor],
+                known: Iterable[str]) -> set[str]:
+    """The names to anchor: those of `optimizer`'s anchored groups (decided by build_param_groups,
+    carried by each group). Every one must have theta* in `anchors`, and `anchors` must not name a
+    parameter outside `known` (the model's parameter names)."""
+    unknown = sorted(set(anchors) - set(known))
+    if unknown:
+        raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
+                         "pass the pretrained state of this model")
+    wanted = anchored_parameter_names(optimizer)
+    if anchors and not wanted:
+        raise ValueError("the optimizer has no anchored param group, so theta* has nowhere to go; build the groups "
+                         "with build_param_groups(model, pretrained_state, ..., attach_anchors=False)")
+    missing = sorted(wanted - set(anchors))
+    if missing:
+        raise ValueError(f"no theta* given for anchored parameters {missing[:5]} ({len(missing)} in all); pass the "
+                         "pretrained state the param groups were built from")
+    return wanted
 
 
 def place_anchors(model: nn.Module, optimizer: torch.optim.Optimizer, anchors: Mapping[str, torch.Tensor]) -> None:
     """theta* into `optimizer`'s state after the model was wrapped (Strategy.place_anchors; also
-    used as is after ``accelerator.prepare``): each optimized parameter of `model` (unwrapped)
-    whose name is in `anchors` gets its anchor, sharded like the parameter for DTensors."""
+    used as is after ``accelerator.prepare``): each parameter of the optimizer's anchored groups
+    gets its anchor, sharded like the parameter for DTensors."""
     named = dict(model.named_parameters())
-    unknown = sorted(set(anchors) - set(named))
-    if unknown:
-        raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
-                         "pass the pretrained state of this model")
-    name_of = {id(p): n for n, p in named.items()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = name_of.get(id(p))
-            if name in anchors:
-                optimizer.set_anchor(p, anchors[name], copy=False)
+    wanted = anchors_for(optimizer, anchors, named)
+    for name, p in named.items():  # in the model's order: the state's order fixes the order of sums over it
+        if name in wanted:
+            optimizer.set_anchor(p, anchors[name], copy=False)
 
 
 class Strategy(ABC):
@@ -92,8 +107,8 @@ class Strategy(ABC):
         rank then keeps only its own part of theta*)."""
 
     def place_anchors(self, anchors: Mapping[str, torch.Tensor]) -> None:
-        """Puts theta* into the optimizer state, once, after wrapping: each optimized parameter
-        whose name is in `anchors` gets its anchor (sharded like the parameter for DTensors).
+        """Puts theta* into the optimizer state, once, after wrapping: each parameter of the
+        optimizer's anchored groups gets its anchor (sharded like the parameter for DTensors).
         Names of parameters the optimizer does not hold (frozen ones) are skipped, as
         build_param_groups skips them."""
         place_anchors(self.unwrapped_model(), self.optimizer, anchors)
@@ -162,8 +177,7 @@ class Strategy(ABC):
     def anchored_parameter_names(self) -> set[str]:
         """Names of the parameters this run anchors; the same on every rank (a load checks the
         checkpoint's anchors against it before any rank reads anything)."""
-        state = self.optimizer.state
-        return {n for n, p in self.unwrapped_model().named_parameters() if "anchor" in state.get(p, {})}
+        return anchored_parameter_names(self.optimizer)
 
     def prepare_checkpoint_load(self) -> None:
         """Creates the lazy optimizer state (step, moments) so every load target exists."""

@@ -3,7 +3,7 @@
 Our optimizer is passed to DeepSpeed as an instance, built without anchors. Under
 ``offload_optimizer`` it receives the fp32 CPU partitions and (impl="auto") runs the C++ kernel on
 them; without offload it runs the torch implementation on the device. After
-``deepspeed.initialize``, ``place_anchors`` gives every anchored flat partition an ``anchor`` state
+``deepspeed.initialize``, ``place_zero_anchors`` gives every anchored flat partition an ``anchor`` state
 tensor and fills it with the exact fp32 pretrained values of its own elements, so each rank holds
 total/world_size of theta*.
 
@@ -26,13 +26,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from ft_framework.distributed import collectives
-from ft_framework.strategies.base import Strategy
+from ft_framework.strategies.base import Strategy, anchors_for
 from ft_framework.distributed.process_group import ProcessGroupMixin
 
 
@@ -76,6 +76,29 @@ def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
     return config
 
 
+@torch.no_grad()
+def place_zero_anchors(engine, optimizer, anchors: Mapping[str, torch.Tensor], state_map=None) -> None:
+    """theta* into a DeepSpeed engine's partitions: every partition of `optimizer`'s anchored groups
+    (ZeRO flattens each param group on its own, so a partition is anchored or not with its group)
+    gets a zero anchor of its own size, filled with the exact fp32 theta* of its elements; each
+    rank reads only its part of each full tensor. `optimizer` is ours (the one `engine` wraps);
+    `state_map` is the adapter's map of the engine when the caller has one. Used by the
+    DeepSpeed strategy and by the Hugging Face Trainer integration."""
+    named = list(engine.module.named_parameters())
+    wanted = anchors_for(optimizer, anchors, (n for n, _ in named))
+    if state_map is None:
+        from ft_framework.strategies import deepspeed_adapter  # imports deepspeed (lazily, like the strategy)
+
+        state_map = deepspeed_adapter.state_map_for(engine, optimizer, [p for _, p in named])
+    name_of = {id(p): n for n, p in named}
+    for params, flat in state_map.partitions():
+        if not params or name_of[id(params[0])] not in wanted:
+            continue
+        optimizer.init_anchor(flat)  # one anchor per partition (per parameter at stage 0), filled piece by piece
+        for p in params:
+            state_map.set_full(p, "anchor", anchors[name_of[id(p)]])
+
+
 class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     name = "deepspeed"
 
@@ -113,7 +136,6 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self.engine = engine
         self.model = engine
         self.optimizer = optimizer  # ours; ZeRO's wrapper shares its param_groups
-        self.names = {id(p): n for n, p in engine.module.named_parameters()}
         self.state_map = self._adapter.state_map_for(engine, optimizer, engine.module.parameters())
         if anchors:
             self.place_anchors(anchors)
@@ -122,26 +144,8 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     def _named_model_params(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.engine.module.named_parameters())
 
-    @torch.no_grad()
     def place_anchors(self, anchors) -> None:
-        """Gives every anchored partition a zero anchor of its own size and fills it with the exact
-        theta* of its elements (each rank reads only its part of each full tensor)."""
-        unknown = sorted(set(anchors) - set(self.names.values()))
-        if unknown:
-            raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
-                             "pass the pretrained state of this model")
-        for params, flat in self.state_map.partitions():
-            anchored = [p for p in params if self.names[id(p)] in anchors]
-            if not anchored:
-                continue
-            if len(anchored) != len(params):
-                missing = [self.names[id(p)] for p in params if self.names[id(p)] not in anchors]
-                raise ValueError(f"a DeepSpeed partition mixes anchored and new parameters ({missing[:3]}...): "
-                                 "put new (head) parameters in their own param group")
-            # One anchor per partition (per parameter at stage 0), filled piece by piece.
-            self.optimizer.init_anchor(flat)
-            for p in anchored:
-                self.state_map.set_full(p, "anchor", anchors[self.names[id(p)]])
+        place_zero_anchors(self.engine, self.optimizer, anchors, self.state_map)
 
     # ---- the step --------------------------------------------------------------------------------
     def forward(self, batch, last_micro_batch: bool = True):  # the boundary is set in backward
@@ -206,10 +210,6 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     # loads under any strategy and world size, anchors included.
     def checkpoint_fragments(self) -> list:
         return self.state_map.fragments(self._named_model_params(), self.is_main_process)
-
-    def anchored_parameter_names(self) -> set[str]:
-        return {self.names[id(p)] for params, flat in self.state_map.partitions()
-                if "anchor" in self.optimizer.state.get(flat, {}) for p in params}
 
     def prepare_checkpoint_load(self) -> None:
         for _params, flat in self.state_map.partitions():

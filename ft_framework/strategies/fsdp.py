@@ -213,10 +213,6 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
     def checkpoint_fragments(self) -> list:
         return dtensor_fragments(self._sharded_named_parameters(), self.optimizer, self.is_main_process)
 
-    def anchored_parameter_names(self) -> set[str]:
-        state = self.optimizer.state
-        return {n for n, p in self._sharded_named_parameters() if "anchor" in state.get(p, {})}
-
     def checkpoint_extra_state(self):
         return {"scaler": self.scaler.state_dict()} if self.scaler else None
 

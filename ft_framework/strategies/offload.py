@@ -41,6 +41,7 @@ from torch import nn
 from ft_framework.checkpointing.fragments import whole_tensor_fragments
 from ft_framework.errors import UserError
 from ft_framework.optim.base import AnchoredOptimizer
+from ft_framework.strategies.base import anchors_for
 from ft_framework.strategies.single import SingleDeviceStrategy
 
 __all__ = ["OffloadedSingleDeviceStrategy"]
@@ -153,13 +154,10 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         return [(self._names[id(m)], m) for _, m in self._pairs]
 
     def place_anchors(self, anchors: Mapping[str, torch.Tensor]) -> None:
-        named = dict(self.unwrapped_model().named_parameters())
-        unknown = sorted(set(anchors) - set(named))
-        if unknown:
-            raise ValueError(f"anchors for parameters the model does not have: {unknown[:5]}; "
-                             "pass the pretrained state of this model")
+        """theta* into the fp32 host masters of the anchored groups."""
+        wanted = anchors_for(self.optimizer, anchors, (n for n, _ in self.unwrapped_model().named_parameters()))
         for name, m in self._named_masters():
-            if name in anchors:
+            if name in wanted:
                 self.optimizer.set_anchor(m, anchors[name], copy=False)
 
     # ---- the overlapped step -------------------------------------------------------------------
@@ -350,10 +348,6 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
 
     def checkpoint_fragments(self) -> list:
         return whole_tensor_fragments(self._named_masters(), self.optimizer, self.is_main_process)
-
-    def anchored_parameter_names(self) -> set[str]:
-        state = self.optimizer.state
-        return {n for n, m in self._named_masters() if "anchor" in state.get(m, {})}
 
     def prepare_checkpoint_load(self) -> None:
         for _, m in self._pairs:

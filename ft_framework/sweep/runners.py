@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ft_framework.config import RunConfig
+from ft_framework.distributed.rendezvous import free_port
 from ft_framework.run.files import LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE
 
 from ft_framework.sweep.grid import PlannedRun
@@ -57,12 +58,6 @@ class SweepInterrupted(KeyboardInterrupt):
     """The sweep got SIGTERM (Ctrl-C arrives as KeyboardInterrupt, its base class)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def build_command(config_path: Path, cfg: RunConfig, spec: RunnerSpec, resume: bool) -> list[str]:
     """The command line of one run, from its strategy and the runner's launcher settings."""
     tail = ["--config", str(config_path)] + (["checkpoint.resume_from=latest"] if resume else [])
@@ -80,7 +75,7 @@ def build_command(config_path: Path, cfg: RunConfig, spec: RunnerSpec, resume: b
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
                 "-m", "ft_framework.cli", *tail]
     # DeepSpeed's launcher; note it picks GPUs itself (torchrun keeps the runner's assignment).
-    return ["deepspeed", f"--num_gpus={procs}", f"--master_port={_free_port()}", "--module",
+    return ["deepspeed", f"--num_gpus={procs}", f"--master_port={free_port()}", "--module",
             "ft_framework.cli", *tail]
 
 

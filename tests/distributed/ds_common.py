@@ -11,7 +11,8 @@ ACCUM_CASES = ("zero1_accum", "zero2_offload_accum", "zero3_accum")
 ACCUM = 2
 GLOBAL_BATCH = 8
 SEQ = 12
-HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
+LR = 1e-3  # in the param groups (build_param_groups), not again as an optimizer keyword
+HPARAMS = dict(anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
 
 
 def make_model_and_anchors():

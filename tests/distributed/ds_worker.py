@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ds_common import (ACCUM_CASES, CASES, HPARAMS, accumulation, batches_for_rank,  # noqa: E402
+from ds_common import (ACCUM_CASES, CASES, HPARAMS, LR, accumulation, batches_for_rank,  # noqa: E402
                        ds_configs, make_model_and_anchors)
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
@@ -34,7 +34,7 @@ def make_strategy(case: str):
 
     def make_optimizer(m):
         # Split into anchored and new groups, but theta* goes to setup: placed after wrapping.
-        groups = build_param_groups(m, anchors, lr=HPARAMS["lr"], weight_decay=0.01, attach_anchors=False)
+        groups = build_param_groups(m, anchors, lr=LR, weight_decay=0.01, attach_anchors=False)
         return build_optimizer("recadam", groups, impl="auto", **HPARAMS)
 
     strategy.setup(model, make_optimizer, anchors=anchors)

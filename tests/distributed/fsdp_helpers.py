@@ -11,7 +11,8 @@ GLOBAL_BATCH = 8
 SEQ_LEN = 12
 VOCAB = 100
 MAX_GRAD_NORM = 0.5  # small enough that some steps are clipped
-HPARAMS = dict(lr=1e-3, pretrain_cof=10.0, anneal_k=0.5, anneal_t0=3)
+LR = 1e-3  # in the param groups (build_param_groups), not again as an optimizer keyword
+HPARAMS = dict(pretrain_cof=10.0, anneal_k=0.5, anneal_t0=3)
 
 
 def tiny_albert():
@@ -54,7 +55,7 @@ def make_optimizer_builder(pretrained: dict[str, torch.Tensor], **kw):
     from ft_framework.optim.groups import build_param_groups
 
     def build(model):
-        groups = build_param_groups(model, pretrained, lr=HPARAMS["lr"], attach_anchors=False)
+        groups = build_param_groups(model, pretrained, lr=LR, attach_anchors=False)
         return build_optimizer("recadam", groups, **{**HPARAMS, **kw})
 
     return build

@@ -9,7 +9,8 @@ STEPS = 5
 RESUME_AT = 3
 GLOBAL_BATCH = 8
 SEQ = 12
-HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
+LR = 1e-3  # in the param groups (build_param_groups), not again as an optimizer keyword
+HPARAMS = dict(anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
 
 
 def make_model_and_anchors(mode: str):
@@ -56,7 +57,7 @@ def reference(mode: str) -> dict:
     from ft_framework.optim.groups import build_param_groups
 
     model, anchors = make_model_and_anchors(mode)
-    opt = build_optimizer("recadam", build_param_groups(model, anchors, lr=HPARAMS["lr"], weight_decay=0.01),
+    opt = build_optimizer("recadam", build_param_groups(model, anchors, lr=LR, weight_decay=0.01),
                           impl="torch", **HPARAMS)
     out = {"anchors": anchors}
     for step in range(STEPS):

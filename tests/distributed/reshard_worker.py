@@ -29,7 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from reshard_common import HPARAMS, STEPS, RESUME_AT, batch_for_rank, make_model_and_anchors  # noqa: E402
+from reshard_common import HPARAMS, LR, STEPS, RESUME_AT, batch_for_rank, make_model_and_anchors  # noqa: E402
 
 
 def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
@@ -64,7 +64,7 @@ def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
         from ft_framework.optim import build_optimizer
         from ft_framework.optim.groups import build_param_groups
 
-        groups = build_param_groups(m, anchors, lr=HPARAMS["lr"], weight_decay=0.01, attach_anchors=False)
+        groups = build_param_groups(m, anchors, lr=LR, weight_decay=0.01, attach_anchors=False)
         return build_optimizer("recadam", groups, impl="torch", **HPARAMS)
 
     strategy.setup(model, build, anchors=anchors)

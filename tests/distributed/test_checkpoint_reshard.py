@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,14 +27,9 @@ pytest.importorskip("deepspeed")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from reshard_common import HPARAMS, STEPS, make_model_and_anchors, reference  # noqa: E402
+from ft_framework.distributed.rendezvous import free_port
 
 ATOL = 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, out: Path, phase: str) -> None:

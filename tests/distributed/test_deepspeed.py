@@ -8,7 +8,6 @@ the 1-rank one) and compares. Tolerance vs single process: 1e-6 absolute on para
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,19 +18,14 @@ import torch
 pytest.importorskip("deepspeed")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from ds_common import ACCUM_CASES, CASES, HPARAMS, global_batch, make_model_and_anchors  # noqa: E402
+from ds_common import ACCUM_CASES, CASES, HPARAMS, LR, global_batch, make_model_and_anchors  # noqa: E402
 
 from ft_framework.checkpointing import read_fields  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
+from ft_framework.distributed.rendezvous import free_port
 
 PARAM_ATOL = 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, results: Path, phase: str) -> None:
@@ -55,7 +49,7 @@ def results(tmp_path_factory):
 def reference():
     """The same 5 steps in one process without DeepSpeed, and the anchors (theta*)."""
     model, anchors = make_model_and_anchors()
-    opt = build_optimizer("recadam", build_param_groups(model, anchors, lr=HPARAMS["lr"], weight_decay=0.01),
+    opt = build_optimizer("recadam", build_param_groups(model, anchors, lr=LR, weight_decay=0.01),
                           **HPARAMS)
     for step in range(5):
         model(**global_batch(step)).loss.backward()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_helpers import STEPS, pretrained_state, tiny_albert
+from ft_framework.distributed.rendezvous import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -37,12 +37,6 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 ATOL = 1e-6
 REL = 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

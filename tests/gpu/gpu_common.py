@@ -15,10 +15,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from ft_framework.distributed.rendezvous import free_port  # noqa: F401  (the tests take it from here)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -81,12 +81,6 @@ LAUNCHERS = ("python", "deepspeed", "torchrun")
 def run_device() -> str:
     """'cuda' (the real run) or 'cpu' (FT_GPU_TESTS_DEVICE=cpu: smoke test without a GPU)."""
     return os.environ.get("FT_GPU_TESTS_DEVICE", "cuda")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cuda_available() -> bool:

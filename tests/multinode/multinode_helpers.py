@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from tiny_run import write_run_config
+from ft_framework.distributed.rendezvous import free_port  # noqa: F401  (the tests take it from here)
 
 # The run every multi-node case is compared with: FSDP2 on 2 ranks, 8 steps, 2 evaluations; with
 # dropout, so each rank's random stream must continue exactly after a restart.
@@ -31,12 +31,6 @@ ZERO2_OFFLOAD = {"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_op
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "train.py"
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra: str) -> dict[str, str]:

@@ -3,7 +3,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ pytest.importorskip("peft")
 from tiny_run import write_run_config  # noqa: E402
 from ft_framework.config import load_config  # noqa: E402
 from ft_framework.trainer import Trainer  # noqa: E402
+from ft_framework.distributed.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,12 +55,6 @@ def test_lora_run_end_to_end_exports_merged_model_and_adapter(tiny_bert_dir, tmp
     x = torch.randint(0, 1000, (3, 9))
     torch.testing.assert_close(with_adapter(input_ids=x).logits, merged(input_ids=x).logits, rtol=1e-5, atol=1e-6)
     assert results["exported_to"] == str(export)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_lora_under_two_rank_fsdp2_equals_one_process(tiny_bert_dir, tmp_path):

@@ -11,6 +11,7 @@ from torch import nn
 
 from ft_framework.config.schema import StrategyConfig
 from ft_framework.optim import available_optimizers, build_optimizer
+from ft_framework.optim.groups import build_param_groups
 from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy, build_strategy
 
 HPARAMS = {
@@ -44,9 +45,11 @@ def _model():
 def _train(rule, strategy, steps=len(LOSS_SCALES)):
     model = _model()
     pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
-    strategy.setup(model, lambda m: build_optimizer(rule, [{"params": list(m.parameters())}], impl="auto",
-                                                    **HPARAMS.get(rule, dict(lr=1e-2))),
-                   anchors=pretrained)
+    hparams = dict(HPARAMS.get(rule, dict(lr=1e-2)))
+    group_hparams = dict(lr=hparams.pop("lr"), weight_decay=hparams.pop("weight_decay", 0.0))
+    strategy.setup(model, lambda m: build_optimizer(
+        rule, build_param_groups(m, pretrained, **group_hparams, no_decay_bias_and_norm=False, attach_anchors=False),
+        impl="auto", **hparams), anchors=pretrained)
     gen = torch.Generator().manual_seed(9)
     norms = []
     for step in range(steps):

@@ -15,7 +15,7 @@ from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.cli import export_main
 from ft_framework.checkpointing.fragments import fragment_key, parse_param_key, param_key
 
-HPARAMS = dict(lr=1e-3, anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
+HPARAMS = dict(anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)  # lr: in the param groups
 
 
 def tiny(seed: int = 0, classifier: int = 2):

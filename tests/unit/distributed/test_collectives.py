@@ -4,7 +4,6 @@ collectives on a real (one-process gloo) group."""
 
 import ast
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import ft_framework
 from ft_framework.distributed import collectives
 from ft_framework.distributed.collectives import communication_device
+from ft_framework.distributed.rendezvous import free_port
 
 PACKAGE = Path(ft_framework.__file__).parent  # the whole library, every subpackage
 COLLECTIVES = {
@@ -121,16 +121,10 @@ def test_no_collective_is_called_outside_the_collectives_module():
     assert not offenders, "call these through ft_framework.distributed.collectives:\n" + "\n".join(offenders)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_process_group(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -5,7 +5,6 @@ multi-node runs of the same failures are tests/multinode/test_multinode_failures
 from __future__ import annotations
 
 import os
-import socket
 import time
 from types import SimpleNamespace
 
@@ -15,12 +14,7 @@ from ft_framework.distributed.config_agreement import check_config_agreement, co
 from ft_framework.errors import UserError
 from ft_framework.distributed.rendezvous import RendezvousFailed, join_process_group, rendezvous_timeout_s
 from ft_framework.distributed.torchrun import describe_failure
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ft_framework.distributed.rendezvous import free_port
 
 
 CFG = {"training": {"max_steps": 8, "seed": 1}, "data": {"task": "sst2"}, "logging": {"output_dir": "out"}}

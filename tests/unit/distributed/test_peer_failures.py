@@ -5,7 +5,6 @@ torch's exception types, never from the error's text."""
 from __future__ import annotations
 
 import io
-import socket
 from datetime import timedelta
 
 import pytest
@@ -14,12 +13,7 @@ import torch.distributed as dist
 from ft_framework.distributed import peer_failures
 from ft_framework.run.failures import EXIT_CRASH, EXIT_USER_ERROR, report_failure
 from ft_framework.errors import UserError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ft_framework.distributed.rendezvous import free_port
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def test_no_decay_covers_biases_and_every_norm_by_module_type():
 def test_groups_feed_the_optimizer_with_head_as_plain_adam():
     model = tiny_albert()
     groups = build_param_groups(model, pretrained_part(model), lr=2e-5, weight_decay=0.01)
-    opt = build_optimizer("recadam", groups, lr=2e-5, anneal_k=0.1, anneal_t0=100, pretrain_cof=5000.0)
+    opt = build_optimizer("recadam", groups, anneal_k=0.1, anneal_t0=100, pretrain_cof=5000.0)
     anchored = [p for p in model.parameters() if "anchor" in opt.state[p]]
     assert len(anchored) == len(list(model.parameters())) - 2  # all but the classifier
     decay = {g["group_name"]: g["weight_decay"] for g in opt.param_groups}

@@ -63,12 +63,44 @@ def test_anchor_list_and_shapes_are_checked():
 def test_anchors_live_in_state_not_in_param_groups():
     p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     a = torch.full((3,), 2.0)
-    opt = build_optimizer("recadam", [{"params": [p, q], "anchors": [a, None]}], lr=1e-3, pretrain_cof=10.0)
+    opt = build_optimizer("recadam", [{"params": [p], "anchors": [a]}, {"params": [q]}], lr=1e-3, pretrain_cof=10.0)
     assert "anchors" not in opt.param_groups[0]
+    assert [g["anchored"] for g in opt.param_groups] == [True, False]  # decided here, carried by the group
     assert torch.equal(opt.state[p]["anchor"], a) and opt.state[p]["anchor"].data_ptr() != a.data_ptr()
     assert "anchor" not in opt.state[q]
     bf = build_optimizer("recadam", [{"params": [p], "anchors": [a]}], anchor_dtype="bfloat16", lr=1e-5)
     assert bf.state[p]["anchor"].dtype == torch.bfloat16
+
+
+def test_lr_and_weight_decay_are_given_once():
+    p = torch.nn.Parameter(torch.zeros(3))
+    for key in ("lr", "weight_decay"):
+        with pytest.raises(ValueError, match=rf"^{key} given twice: every param group sets it, so build_optimizer\({key}=\.\.\.\) would be ignored"):
+            build_optimizer("recadam", [{"params": [p], key: 0.01}], **{key: 0.02})
+    opt = build_optimizer("recadam", [{"params": [p], "lr": 0.01}], weight_decay=0.02)  # each given once: fine
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["weight_decay"] == 0.02
+    # A keyword as the default of the groups that leave it out is one spelling, as in torch.
+    q = torch.nn.Parameter(torch.zeros(2))
+    opt = build_optimizer("recadam", [{"params": [p]}, {"params": [q], "weight_decay": 0.0}], weight_decay=0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_a_group_is_anchored_whole_or_not_at_all():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="must hold theta\\* for every one of its parameters"):
+        build_optimizer("recadam", [{"params": [p, q], "anchors": [torch.ones(3), None]}], lr=1e-3)
+    with pytest.raises(ValueError, match="must hold theta\\* for every one of its parameters"):
+        build_optimizer("recadam", [{"params": [p], "anchors": [torch.ones(3)], "anchored": False}], lr=1e-3)
+
+
+def test_an_anchored_group_without_theta_star_refuses_to_step():
+    """A group built anchored whose theta* was never placed would otherwise run as plain Adam."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer("recadam", [{"params": [p], "anchored": True, "group_name": "anchored/decay"}], lr=1e-3)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="'anchored/decay' has no theta\\* .*before the first step"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
 
 
 def test_overshooting_pull_warns_at_build_and_at_step():

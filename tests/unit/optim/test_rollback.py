@@ -133,8 +133,8 @@ def _run(rule: str, impl: str, speculate: bool, seed: int = 3):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(33, 7), (1025,), (5,)]
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    anchors = [p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for p in params[:2]] + [None]
-    opt = build_optimizer(rule, [{"params": params, "anchors": anchors}], impl=impl,
+    anchors = [p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for p in params[:2]]
+    opt = build_optimizer(rule, [{"params": params[:2], "anchors": anchors}, {"params": params[2:]}], impl=impl,
                           **HPARAMS.get(rule, dict(lr=1e-2)))
     max_norm, rollbacks = 1.0, 0
     for step in range(8):
