@@ -33,6 +33,7 @@ from harness import (  # noqa: E402
 )
 
 from ft_framework.optim import build_optimizer  # noqa: E402
+from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
 from ft_framework.strategies import OffloadedSingleDeviceStrategy  # noqa: E402
 
@@ -55,8 +56,9 @@ def make(args, overlap: bool | None):
     anchors = {n: p.detach().clone() for n, p in model.named_parameters()}
     strategy = OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=bool(overlap), worker_threads=1)
     strategy.forward = lambda batch: strategy.model(batch["x"])  # the stack takes one tensor
-    strategy.setup(model, lambda m: build_optimizer(args.rule, [{"params": list(m.parameters())}],
-                                                    impl="cpu", lr=1e-4), anchors=anchors)
+    strategy.setup(model, lambda m: build_optimizer(
+        args.rule, build_param_groups(m, anchors, lr=1e-4, no_decay_bias_and_norm=False, attach_anchors=False),
+        impl="cpu"), anchors=anchors)
     if strategy.worker_thread is not None:
         os.sched_setaffinity(strategy.worker_thread.native_id, {args.worker_core})
     gen = torch.Generator().manual_seed(1)

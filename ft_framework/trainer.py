@@ -120,8 +120,6 @@ class Trainer:
         loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
                                           is_regression=self.task.is_regression, seed=cfg.training.seed)
         self.loaded = loaded
-        # Checkpoints carry the tokenizer (and the model's config) so that they export offline.
-        self.strategy.tokenizer = loaded.tokenizer
         check_max_seq_length(cfg.data.max_seq_length, loaded.model, cfg.model.name_or_path)
         self.data = load_glue(cfg.data.task, tokenizer=loaded.tokenizer, max_seq_length=cfg.data.max_seq_length,
                               source=cfg.data.resolved_source(), hub_id=cfg.data.hub_id,
@@ -172,7 +170,7 @@ class Trainer:
 
         self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                              is_main_process=self.strategy.is_main_process,
-                                             barrier=self.strategy.barrier)
+                                             barrier=self.strategy.barrier, tokenizer=self.loaded.tokenizer)
         self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
                                  tensorboard=cfg.logging.tensorboard,
                                  trackers=open_trackers(cfg, enabled=self.strategy.is_main_process,
@@ -454,7 +452,7 @@ class Trainer:
                 shutil.rmtree(temporary, ignore_errors=True)
                 temporary.mkdir(parents=True)
             self.strategy.barrier()
-            self.strategy.save_checkpoint(temporary)  # collective: every rank writes its fragments
+            self.strategy.save_checkpoint(temporary, tokenizer=self.loaded.tokenizer)  # collective
             self.strategy.barrier()
         if self.strategy.is_main_process:
             export_pretrained(source, directory, tokenizer=self.loaded.tokenizer)

@@ -51,9 +51,13 @@ class ParamInfo:
 
 
 class ShardedCheckpointable(Protocol):
-    """What save_sharded / load_sharded need from a strategy (Strategy implements it)."""
+    """What save_sharded / load_sharded need, all of it required: a strategy returns one from
+    ``Strategy.checkpointable()`` (ft_framework.strategies.checkpointable); the old-format
+    converter has its own."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The saving strategy's name: its extra state is restored only under the same one."""
 
     @property
     def rank(self) -> int: ...
@@ -61,11 +65,31 @@ class ShardedCheckpointable(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def checkpoint_params(self) -> list[ParamInfo]: ...
+    def model(self) -> Any:
+        """The unwrapped model (persistent buffers, config for export), or None."""
 
-    def checkpoint_fragments(self) -> list[Fragment]: ...
+    def params(self) -> list[ParamInfo]:
+        """Every model parameter's name, full shape and dtype, the same on every rank."""
 
-    def anchored_parameter_names(self) -> set[str]: ...
+    def fragments(self) -> list[Fragment]:
+        """This rank's views into its live state: what a save writes and a load fills."""
+
+    def anchored_names(self) -> set[str]:
+        """The parameters this run anchors (a load checks the checkpoint's anchors against them)."""
+
+    def prepare_load(self) -> None:
+        """Creates lazy state (step, moments) so that every load target exists."""
+
+    def after_load(self) -> None:
+        """Refreshes what derives from the loaded masters (16-bit copies, device weights)."""
+
+    def extra_state(self) -> Any:
+        """Small state that is not per parameter (a loss scaler, engine counters), or None."""
+
+    def load_extra_state(self, state: Any) -> None: ...
+
+    def info(self) -> dict[str, Any]:
+        """What the manifest records about the saving run."""
 
 
 # ---- keys ---------------------------------------------------------------------------------------

@@ -29,11 +29,12 @@ Memory: saving clones one fragment at a time to write it; loading reads one save
 into the live state. Besides its own shard, a rank holds at most about one parameter's worth
 (a saved chunk is at most one parameter) during a save or a load; no rank gathers anything.
 
-The protocol a strategy implements (see ``fragments.ShardedCheckpointable``): ``checkpoint_fragments()``
-(views into its live tensors, used for saving *and* as load targets), ``checkpoint_params()``,
-``anchored_parameter_names()``, and the optional hooks ``prepare_checkpoint_load()`` (create
-lazy state so every target exists), ``after_checkpoint_load()`` (refresh copies of the masters,
-e.g. the 16-bit weights) and ``checkpoint_extra_state()`` / ``load_checkpoint_extra_state()``.
+What is saved comes from one object (``fragments.ShardedCheckpointable``, every member required):
+``fragments()`` (views into the live tensors, used for saving *and* as load targets),
+``params()``, ``anchored_names()``, ``prepare_load()`` (create lazy state so every target exists),
+``after_load()`` (refresh copies of the masters, e.g. the 16-bit weights), ``extra_state()`` /
+``load_extra_state()``, ``model()`` and ``info()``. A strategy returns it from
+``Strategy.checkpointable()``.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ import torch
 from ft_framework.optim.base import check_loaded_anchors
 from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _no_dist, _own_storage, _planners,
                                               _quiet_dcp)
-from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo, buffer_key, checkpoint_fields,
-                        fragment_key, param_key)
+from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo,
+                                                  ShardedCheckpointable, buffer_key, checkpoint_fields, fragment_key,
+                                                  param_key)
 from ft_framework.checkpointing.manifest import CheckpointFormatError, read_manifest, write_manifest
 
 __all__ = ["check_against_model", "load_sharded", "read_buffers", "read_fields", "save_sharded"]
@@ -67,52 +69,51 @@ def _buffers(model: torch.nn.Module | None) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def save_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = None, tokenizer: Any = None,
-                 buffers: list[tuple[str, torch.Tensor]] | None = None, saved_by: dict[str, Any] | None = None) -> None:
+def save_sharded(directory: Path, source: ShardedCheckpointable, *, tokenizer: Any = None,
+                 buffers: list[tuple[str, torch.Tensor]] | None = None) -> None:
     """Every rank writes its fragments into `directory` (one DCP save); rank 0 also writes the
-    manifest, persistent buffers, the strategy's extra state and the model files for export.
-    Collective: every rank calls it."""
+    manifest, persistent buffers (`buffers`, or the model's), the extra state and the model files
+    (with `tokenizer`) for export. Collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
-    is_main = strategy.rank == 0
-    params = {p.name: p for p in strategy.checkpoint_params()}
+    is_main = source.rank == 0
+    params = {p.name: p for p in source.params()}
     state: dict[str, Any] = {}
     ranges: dict[str, tuple[str, int, int]] = {}
-    for frag in strategy.checkpoint_fragments():
+    for frag in source.fragments():
         if not frag.write or (frag.tensor.dim() > 0 and frag.tensor.numel() == 0):
             continue
         key = param_key(frag.name, frag.field)
         if frag.tensor.dim() == 0:
             if key in state:
-                raise RuntimeError(f"two values of {key} on rank {strategy.rank}: a strategy writes a step once")
+                raise RuntimeError(f"two values of {key} on rank {source.rank}: a strategy writes a step once")
             state[key] = frag.tensor.detach()
             continue
         skey = fragment_key(key, frag.offset)
         if skey in state:
-            raise RuntimeError(f"two fragments of {key} at offset {frag.offset} on rank {strategy.rank}")
+            raise RuntimeError(f"two fragments of {key} at offset {frag.offset} on rank {source.rank}")
         state[skey] = _own_storage(frag.tensor.detach())
         ranges[skey] = (key, int(frag.offset), params[frag.name].numel)
-    if model is None and hasattr(strategy, "unwrapped_model"):
-        model = strategy.unwrapped_model()
+    model = source.model()
     if is_main:
         for name, buf in (buffers if buffers is not None else _buffers(model)):
             state[buffer_key(name)] = buf.detach()
-        extra = strategy.checkpoint_extra_state() if hasattr(strategy, "checkpoint_extra_state") else None
+        extra = source.extra_state()
         if extra is not None:
-            state[EXTRA_PREFIX + strategy.name] = extra
+            state[EXTRA_PREFIX + source.name] = extra
         directory.mkdir(parents=True, exist_ok=True)
         # Before the DCP save, whose last step (the coordinator writing .metadata) every rank
         # waits for: when save_sharded returns on any rank, the whole checkpoint is there.
-        info = {"strategy": strategy.name, "world_size": strategy.world_size, "torch": torch.__version__}
-        info.update(saved_by or {})
+        info = {"strategy": source.name, "world_size": source.world_size, "torch": torch.__version__}
+        info.update(source.info())
         write_manifest(directory, list(params.values()), info, model, tokenizer)
     save_planner, _ = _planners()
     try:
         with _quiet_dcp():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True,
                                                                 thread_count=1),
-                     planner=save_planner(ranges), no_dist=_no_dist(strategy))
+                     planner=save_planner(ranges), no_dist=_no_dist(source))
     except dcp.api.CheckpointException as exc:  # a BaseException: make it an ordinary error
         raise RuntimeError(f"saving the checkpoint into {directory} failed ({_failure(exc)})") from exc
 
@@ -151,7 +152,7 @@ def check_against_model(directory: Path, manifest: dict[str, Any], metadata, par
         if p.name in anchored or ANCHOR in fields[p.name]))
 
 
-def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = None) -> dict[str, Any]:
+def load_sharded(directory: Path, target: ShardedCheckpointable) -> dict[str, Any]:
     """Fills this rank's fragments (the strategy's live state) from a checkpoint saved under any
     strategy and world size; returns the manifest. Collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
@@ -164,16 +165,15 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
     except Exception as exc:
         raise CheckpointFormatError(f"checkpoint {directory} cannot be read ({exc}); "
                                     "resume from an earlier checkpoint") from exc
-    params = strategy.checkpoint_params()
-    check_against_model(directory, manifest, metadata, params, strategy.anchored_parameter_names())
-    if hasattr(strategy, "prepare_checkpoint_load"):
-        strategy.prepare_checkpoint_load()
+    params = target.params()
+    check_against_model(directory, manifest, metadata, params, target.anchored_names())
+    target.prepare_load()
     available = metadata.state_dict_metadata
     state: dict[str, Any] = {}
     targets: dict[str, tuple[str, int]] = {}
     # A step shared by a flat partition (ZeRO) is the target of every parameter in it: each key
     # loads into it in turn, and they all hold the same count.
-    for frag in strategy.checkpoint_fragments():
+    for frag in target.fragments():
         key = param_key(frag.name, frag.field)
         if key not in available:
             continue  # a moment or step the saving run never created (no gradient yet): stays zero
@@ -189,26 +189,23 @@ def load_sharded(directory: Path, strategy, *, model: torch.nn.Module | None = N
         skey = fragment_key(key, frag.offset)
         state[skey] = frag.tensor
         targets[skey] = (key, int(frag.offset))
-    if model is None and hasattr(strategy, "unwrapped_model"):
-        model = strategy.unwrapped_model()
-    for name, buf in _buffers(model):
+    for name, buf in _buffers(target.model()):
         if buffer_key(name) in available:
             state[buffer_key(name)] = buf.detach()
-    extra_key = EXTRA_PREFIX + getattr(strategy, "name", "")
-    wants_extra = hasattr(strategy, "load_checkpoint_extra_state") and extra_key in available
+    extra_key = EXTRA_PREFIX + target.name
+    wants_extra = extra_key in available
     if wants_extra:
         state[extra_key] = None
     _, load_planner = _planners()
     try:
         with _quiet_dcp():
-            dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=_no_dist(strategy))
+            dcp.load(state, storage_reader=reader, planner=load_planner(targets), no_dist=_no_dist(target))
     except dcp.api.CheckpointException as exc:  # a BaseException; anything else: a collective failed
         raise CheckpointReadError(f"checkpoint {directory} cannot be read ({_failure(exc)}); resume from an earlier "
                            "checkpoint") from exc
-    if hasattr(strategy, "after_checkpoint_load"):
-        strategy.after_checkpoint_load()
+    target.after_load()
     if wants_extra and state[extra_key] is not None:
-        strategy.load_checkpoint_extra_state(state[extra_key])
+        target.load_extra_state(state[extra_key])
     return manifest
 
 

@@ -98,22 +98,41 @@ class _WholeState:
     rank = 0
     world_size = 1
 
-    def __init__(self, params: dict[str, dict[str, torch.Tensor]]):
-        self.params = params
+    def __init__(self, values: dict[str, dict[str, torch.Tensor]], kind: str):
+        self.values = values
+        self.kind = kind
 
-    def checkpoint_params(self) -> list[ParamInfo]:
-        return [ParamInfo(n, tuple(f[MASTER].shape), f[MASTER].dtype) for n, f in self.params.items()]
+    def model(self) -> None:
+        return None  # the converter passes the buffers it read; the model files are copied
 
-    def checkpoint_fragments(self) -> list[Fragment]:
+    def params(self) -> list[ParamInfo]:
+        return [ParamInfo(n, tuple(f[MASTER].shape), f[MASTER].dtype) for n, f in self.values.items()]
+
+    def fragments(self) -> list[Fragment]:
         out = []
-        for name, fields in self.params.items():
+        for name, fields in self.values.items():
             for field, value in fields.items():
                 t = value.detach().contiguous()
                 out.append(Fragment(name, field, t if t.dim() == 0 else t.view(-1), 0, True))
         return out
 
-    def anchored_parameter_names(self) -> set[str]:
-        return {n for n, f in self.params.items() if "anchor" in f}
+    def anchored_names(self) -> set[str]:
+        return {n for n, f in self.values.items() if "anchor" in f}
+
+    def prepare_load(self) -> None:
+        raise TypeError("the converter's state is written, never loaded into")
+
+    def after_load(self) -> None:
+        raise TypeError("the converter's state is written, never loaded into")
+
+    def extra_state(self) -> None:
+        return None
+
+    def load_extra_state(self, state) -> None:
+        raise TypeError("the converter's state is written, never loaded into")
+
+    def info(self) -> dict[str, str]:
+        return {"converted_from": self.kind}
 
 
 def convert(old: Path, new: Path) -> Path:
@@ -126,7 +145,7 @@ def convert(old: Path, new: Path) -> Path:
     if new.exists() and any(new.iterdir()):
         raise FileExistsError(f"{new} exists and is not empty")
     new.mkdir(parents=True, exist_ok=True)
-    save_sharded(new, _WholeState(params), buffers=list(buffers.items()), saved_by={"converted_from": kind})
+    save_sharded(new, _WholeState(params, kind), buffers=list(buffers.items()))
     for name in CARRIED_FILES:
         if (old / name).is_file():
             shutil.copy2(old / name, new / name)

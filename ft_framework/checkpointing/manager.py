@@ -79,8 +79,10 @@ def _os_error(exc: BaseException) -> OSError | None:
 
 class CheckpointManager:
     def __init__(self, root: Path, keep_last: int = 1, is_main_process: bool = True,
-                 barrier: Callable[[], None] = lambda: None):
+                 barrier: Callable[[], None] = lambda: None, tokenizer: Any = None):
         self.root = Path(root)
+        # Saved with the model's config in every checkpoint, so that it exports offline (ft-export).
+        self.tokenizer = tokenizer
         self.keep_last = keep_last
         self.is_main = is_main_process
         self.barrier = barrier
@@ -114,7 +116,7 @@ class CheckpointManager:
             partial.mkdir()
         self.barrier()
         try:
-            strategy.save_checkpoint(partial)
+            strategy.save_checkpoint(partial, tokenizer=self.tokenizer)
             self.barrier()
             if self.is_main:
                 torch.save(trainer_state, partial / TRAINER_STATE_FILE)

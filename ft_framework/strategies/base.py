@@ -11,9 +11,10 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from ft_framework.checkpointing import load_sharded, param_info, save_sharded, whole_tensor_fragments
+from ft_framework.checkpointing import load_sharded, save_sharded
 from ft_framework.errors import UserError
 from ft_framework.optim.base import anchored_parameter_names
+from ft_framework.strategies.checkpointable import StrategyCheckpoint
 
 
 def anchors_for(optimizer: torch.optim.Optimizer, anchors: Mapping[str, torch.Tensor],
@@ -57,6 +58,7 @@ class Strategy(ABC):
         self.device = self._pick_device(device)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: Any = None  # the fp16 loss scaler of the strategies that need one
         if precision == "fp16" and self.device.type != "cuda":
             raise UserError("training.precision fp16 needs a CUDA device (with a loss scaler); "
                             "use bf16 or fp32 on CPU")
@@ -156,63 +158,21 @@ class Strategy(ABC):
     # ---- checkpoints (atomic directory writes are the trainer's job) --------------------------
     # One layout for every strategy (ft_framework/checkpointing): per parameter name, the fp32
     # master, every optimizer-state tensor (moments, anchor) and the step, each rank writing the
-    # fragments it holds with their offsets. A strategy only says which fragments it holds; the
-    # defaults below are those of replicated whole tensors (single device, DDP).
+    # fragments it holds with their offsets. What a strategy holds is said by one object.
+    def checkpointable(self) -> StrategyCheckpoint:
+        """This strategy's side of the checkpoint layout (replicated whole tensors here)."""
+        return StrategyCheckpoint(self)
 
-    # Saved with the model's config in every checkpoint so that it exports offline (ft-export);
-    # the trainer sets it.
-    tokenizer: Any = None
-
-    def checkpoint_params(self) -> list:
-        """ParamInfo (name, full shape, dtype) of every model parameter, the same on every rank."""
-        return [param_info(n, p) for n, p in self.unwrapped_model().named_parameters()]
-
-    def checkpoint_fragments(self) -> list:
-        """This rank's Fragments: 1-D views into the live master weights and optimizer state with
-        their offsets in the flattened parameter. Saving writes those marked `write`; loading
-        copies into all of them. Here: whole tensors, written by rank 0."""
-        return whole_tensor_fragments(self.unwrapped_model().named_parameters(), self.optimizer,
-                                      self.is_main_process)
-
-    def anchored_parameter_names(self) -> set[str]:
-        """Names of the parameters this run anchors; the same on every rank (a load checks the
-        checkpoint's anchors against it before any rank reads anything)."""
-        return anchored_parameter_names(self.optimizer)
-
-    def prepare_checkpoint_load(self) -> None:
-        """Creates the lazy optimizer state (step, moments) so every load target exists."""
-        if not hasattr(self.optimizer, "init_state"):
-            raise TypeError(f"{type(self.optimizer).__name__} has no init_state: checkpoints need an "
-                            "ft_framework optimizer (ft_framework.optim)")
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self.optimizer.init_state(p)
-
-    def after_checkpoint_load(self) -> None:
-        """Refreshes what derives from the loaded masters (nothing for whole tensors)."""
-
-    def checkpoint_extra_state(self) -> Any:
-        """Small picklable engine state that is not per parameter (a loss scaler), or None. It
-        is restored only under the same strategy."""
-        return None
-
-    def load_checkpoint_extra_state(self, state: Any) -> None:
-        pass
-
-    def checkpoint_info(self) -> dict[str, Any]:
-        """What the manifest records about the saving run (informative: loading never needs it)."""
-        return {"precision": self.precision}
-
-    def save_checkpoint(self, directory: Path) -> None:
+    def save_checkpoint(self, directory: Path, tokenizer: Any = None) -> None:
         """Writes model and optimizer state into `directory`: every rank its own fragments, in
-        parallel (collective)."""
-        save_sharded(directory, self, tokenizer=self.tokenizer, saved_by=self.checkpoint_info())
+        parallel (collective). `tokenizer` is saved with the model's config so that the
+        checkpoint exports offline (ft-export)."""
+        save_sharded(directory, self.checkpointable(), tokenizer=tokenizer)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restores model and optimizer state from a checkpoint saved under any strategy and number
         of ranks, each rank reading only the saved fragments that overlap its own (collective)."""
-        load_sharded(directory, self)
+        load_sharded(directory, self.checkpointable())
 
     def close(self) -> None:
         pass

@@ -33,6 +33,7 @@ from torch import nn
 
 from ft_framework.distributed import collectives
 from ft_framework.strategies.base import Strategy, anchors_for
+from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.distributed.process_group import ProcessGroupMixin
 
 
@@ -208,22 +209,31 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     # tensors from rank 0 (stage 0 in fp32), from deepspeed_adapter. DeepSpeed's own checkpoint is
     # not written: the sharded layout saves faster and with less memory (docs/benchmarks.md) and
     # loads under any strategy and world size, anchors included.
-    def checkpoint_fragments(self) -> list:
-        return self.state_map.fragments(self._named_model_params(), self.is_main_process)
+    def checkpointable(self) -> "_ZeroCheckpoint":
+        return _ZeroCheckpoint(self)
 
-    def prepare_checkpoint_load(self) -> None:
-        for _params, flat in self.state_map.partitions():
-            self.optimizer.init_state(flat)
 
-    def after_checkpoint_load(self) -> None:
-        self.state_map.after_load()
+class _ZeroCheckpoint(StrategyCheckpoint):
+    """ZeRO's layout through the adapter's state map, and the engine's counters and loss scaler."""
 
-    def checkpoint_extra_state(self):
-        return self._adapter.engine_extra_state(self.engine)
+    def fragments(self) -> list:
+        s = self.strategy
+        return s.state_map.fragments(s._named_model_params(), s.is_main_process)
 
-    def load_checkpoint_extra_state(self, state) -> None:
-        self._adapter.load_engine_extra_state(self.engine, state)
+    def prepare_load(self) -> None:
+        for _params, flat in self.strategy.state_map.partitions():
+            self.strategy.optimizer.init_state(flat)
 
-    def checkpoint_info(self) -> dict[str, Any]:
-        return {**super().checkpoint_info(), "zero_stage": self.zero_stage,
-                "offload_optimizer": "offload_optimizer" in self.ds_config["zero_optimization"]}
+    def after_load(self) -> None:
+        self.strategy.state_map.after_load()
+
+    def extra_state(self) -> Any:
+        return self.strategy._adapter.engine_extra_state(self.strategy.engine)
+
+    def load_extra_state(self, state: Any) -> None:
+        self.strategy._adapter.load_engine_extra_state(self.strategy.engine, state)
+
+    def info(self) -> dict[str, Any]:
+        s = self.strategy
+        return {**super().info(), "zero_stage": s.zero_stage,
+                "offload_optimizer": "offload_optimizer" in s.ds_config["zero_optimization"]}

@@ -28,6 +28,7 @@ from ft_framework.checkpointing import dtensor_fragments
 from ft_framework.distributed import collectives
 from ft_framework.optim.base import local_tensor
 from ft_framework.strategies.base import Strategy
+from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.distributed.process_group import ProcessGroupMixin
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -210,19 +211,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 module.reshard()
         return list(self.model.named_parameters())
 
-    def checkpoint_fragments(self) -> list:
-        return dtensor_fragments(self._sharded_named_parameters(), self.optimizer, self.is_main_process)
-
-    def checkpoint_extra_state(self):
-        return {"scaler": self.scaler.state_dict()} if self.scaler else None
-
-    def load_checkpoint_extra_state(self, state) -> None:
-        if self.scaler and state and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
-
-    def checkpoint_info(self) -> dict[str, Any]:
-        return {**super().checkpoint_info(), "cpu_offload": self.cpu_offload,
-                "mixed_precision": self.mixed_precision}
+    def checkpointable(self) -> "_FSDPCheckpoint":
+        return _FSDPCheckpoint(self)
 
     # ---- export ------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -240,3 +230,15 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
                 value = value.full_tensor()
             out[name] = value.detach().cpu()
         return out
+
+
+class _FSDPCheckpoint(StrategyCheckpoint):
+    """Each rank's shards of the DTensor parameters and their state (and the loss scaler)."""
+
+    def fragments(self) -> list:
+        s = self.strategy
+        return dtensor_fragments(s._sharded_named_parameters(), s.optimizer, s.is_main_process)
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "cpu_offload": self.strategy.cpu_offload,
+                "mixed_precision": self.strategy.mixed_precision}

@@ -42,6 +42,7 @@ from ft_framework.checkpointing.fragments import whole_tensor_fragments
 from ft_framework.errors import UserError
 from ft_framework.optim.base import AnchoredOptimizer
 from ft_framework.strategies.base import anchors_for
+from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.strategies.single import SingleDeviceStrategy
 
 __all__ = ["OffloadedSingleDeviceStrategy"]
@@ -346,18 +347,8 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     def train_metrics(self) -> dict[str, Any]:
         return {"offload_rollbacks": self.rollbacks, "offload_skipped_steps": self.skipped_steps}
 
-    def checkpoint_fragments(self) -> list:
-        return whole_tensor_fragments(self._named_masters(), self.optimizer, self.is_main_process)
-
-    def prepare_checkpoint_load(self) -> None:
-        for _, m in self._pairs:
-            self.optimizer.init_state(m)
-
-    def after_checkpoint_load(self) -> None:
-        for dev, m in self._pairs:
-            self._copy_to_device(dev, m)
-        if self._h2d is not None:
-            self._h2d.synchronize()
+    def checkpointable(self) -> "_OffloadCheckpoint":
+        return _OffloadCheckpoint(self)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -368,3 +359,22 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             self._worker.join()
             self._worker = None
         super().close()
+
+
+class _OffloadCheckpoint(StrategyCheckpoint):
+    """The fp32 host masters and their state; a load refreshes the device weights from them."""
+
+    def fragments(self) -> list:
+        s = self.strategy
+        return whole_tensor_fragments(s._named_masters(), s.optimizer, s.is_main_process)
+
+    def prepare_load(self) -> None:
+        for _, m in self.strategy._pairs:
+            self.strategy.optimizer.init_state(m)
+
+    def after_load(self) -> None:
+        s = self.strategy
+        for dev, m in s._pairs:
+            s._copy_to_device(dev, m)
+        if s._h2d is not None:
+            s._h2d.synchronize()

@@ -42,11 +42,3 @@ class SingleDeviceStrategy(Strategy):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
-
-    # Checkpoints: the base class's (whole tensors, written by rank 0), plus the loss scaler.
-    def checkpoint_extra_state(self):
-        return {"scaler": self.scaler.state_dict()} if self.scaler else None
-
-    def load_checkpoint_extra_state(self, state) -> None:
-        if self.scaler and state and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])

@@ -43,32 +43,44 @@ class Provider:
     world_size = 1
 
     def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+        self._model, self.optimizer = model, optimizer
 
-    def unwrapped_model(self):
-        return self.model
+    def model(self):
+        return self._model
 
-    def checkpoint_params(self):
-        return [param_info(n, p) for n, p in self.model.named_parameters()]
+    def params(self):
+        return [param_info(n, p) for n, p in self._model.named_parameters()]
 
-    def checkpoint_fragments(self):
-        return whole_tensor_fragments(self.model.named_parameters(), self.optimizer, True)
+    def fragments(self):
+        return whole_tensor_fragments(self._model.named_parameters(), self.optimizer, True)
 
-    def anchored_parameter_names(self):
-        return {n for n, p in self.model.named_parameters() if "anchor" in self.optimizer.state.get(p, {})}
+    def anchored_names(self):
+        return {n for n, p in self._model.named_parameters() if "anchor" in self.optimizer.state.get(p, {})}
 
-    def prepare_checkpoint_load(self):
+    def prepare_load(self):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 self.optimizer.init_state(p)
+
+    def after_load(self):
+        pass
+
+    def extra_state(self):
+        return None
+
+    def load_extra_state(self, state):
+        raise AssertionError("no extra state was saved")
+
+    def info(self):
+        return {"precision": "fp32"}
 
 
 class HalvesProvider(Provider):
     """Every tensor in two fragments (first and second half, each at its offset)."""
 
-    def checkpoint_fragments(self):
+    def fragments(self):
         out = []
-        for f in super().checkpoint_fragments():
+        for f in super().fragments():
             n = f.tensor.numel()
             if f.tensor.dim() == 0 or n < 2:
                 out.append(f)
@@ -164,9 +176,9 @@ class WrongAnchorProvider(Provider):
 
     NAME = "albert.embeddings.word_embeddings.weight"
 
-    def checkpoint_fragments(self):
+    def fragments(self):
         return [Fragment(f.name, f.field, f.tensor.narrow(0, 0, f.tensor.numel() - 3), 0)
-                if (f.name, f.field) == (self.NAME, "anchor") else f for f in super().checkpoint_fragments()]
+                if (f.name, f.field) == (self.NAME, "anchor") else f for f in super().fragments()]
 
 
 def test_misshaped_anchor_is_refused(tmp_path, monkeypatch):
