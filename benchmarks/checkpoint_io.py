@@ -176,13 +176,12 @@ def old_fsdp_load(strategy, directory: Path) -> None:
 
 def rank_main(args) -> None:
     from ft_framework.distributed import collectives
-    from ft_framework.checkpointing import load_sharded, save_sharded
     from ft_framework.checkpointing.manifest import file_records, record_files
 
     strategy, numel = build_strategy(args.engine, args.hidden, args.layers)
     if args.engine == "fsdp":
         numel = sum(p.numel() for p in strategy.model.parameters())
-    formats = {"sharded": (lambda d: save_sharded(d, strategy), {"load": lambda d: load_sharded(d, strategy)})}
+    formats = {"sharded": (strategy.save_checkpoint, {"load": strategy.load_checkpoint})}
     if args.checksums:
         def checksums(d):
             # What CheckpointManager.save adds after the save: each rank checksums its share of
@@ -191,8 +190,7 @@ def rank_main(args) -> None:
             if strategy.rank == 0:
                 record_files(d, {k: v for part in parts for k, v in part.items()})
 
-        formats["sharded, then size/xxh3_64 into the manifest"] = (lambda d: save_sharded(d, strategy),
-                                                                  {"checksums": checksums})
+        formats["sharded, then size/xxh3_64 into the manifest"] = (strategy.save_checkpoint, {"checksums": checksums})
     if args.engine == "fsdp":
         formats["before (DCP get_state_dict)"] = (lambda d: old_fsdp_save(strategy, d),
                                                   {"load": lambda d: old_fsdp_load(strategy, d)})

