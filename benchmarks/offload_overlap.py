@@ -36,6 +36,7 @@ from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
 from ft_framework.strategies import OffloadedSingleDeviceStrategy  # noqa: E402
+from ft_framework.strategies.offload import DEFAULT_BUCKET_MB  # noqa: E402
 
 
 class Stack(nn.Module):
@@ -54,7 +55,8 @@ def make(args, overlap: bool | None):
     torch.manual_seed(0)
     model = Stack(args.width, args.layers)
     anchors = {n: p.detach().clone() for n, p in model.named_parameters()}
-    strategy = OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=bool(overlap), worker_threads=1)
+    strategy = OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=bool(overlap), worker_threads=1,
+                                             bucket_mb=args.bucket_mb)
     strategy.forward = lambda batch: strategy.model(batch["x"])  # the stack takes one tensor
     strategy.setup(model, lambda m: build_optimizer(
         args.rule, build_param_groups(m, anchors, lr=1e-4, no_decay_bias_and_norm=False, attach_anchors=False),
@@ -83,6 +85,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=12, help="rows per iteration: sets backward's share")
     ap.add_argument("--rule", default="recadam")
     ap.add_argument("--max-grad-norm", type=float, default=0.0)
+    ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
+                    help="MiB of gradients per hand-off to the worker (strategy.offload_optimizer.bucket_mb)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--main-core", type=int, default=0)
@@ -96,7 +100,8 @@ def main() -> None:
     log(f"threads: {threads}; kernel SIMD level {cpu_kernel.simd_level()}")
     num_params = args.layers * (args.width * args.width + args.width)
     log(f"model: {args.layers} x Linear({args.width}, {args.width}) = {num_params / 1e6:.1f} M parameters, "
-        f"batch {args.batch}, rule {args.rule}, max_grad_norm {args.max_grad_norm or 'none'}")
+        f"batch {args.batch}, rule {args.rule}, max_grad_norm {args.max_grad_norm or 'none'}, "
+        f"bucket {args.bucket_mb} MiB")
 
     fwd_bwd, _ = make(args, None)
     serial, serial_strategy = make(args, False)

@@ -312,6 +312,8 @@ class OffloadOptimizerConfig(_Section):
     overlap: bool = False
     # Threads of each CPU step (None: torch's intra-op thread count).
     worker_threads: int | None = Field(None, gt=0)
+    # overlap only: MiB of gradients handed to the CPU worker at a time (one step call per bucket).
+    bucket_mb: float = Field(4.0, gt=0)
 
 
 class StrategyConfig(_Section):

@@ -108,6 +108,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     # ---- construction -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._group_index = {}  # _groups_of's cache
         anchors = param_group.pop("anchors", None) if isinstance(param_group, dict) else None
         # Whether the group is anchored is decided here, once, and carried by the group: every
         # placement of theta* (strategies, integrations) and the step read this flag.
@@ -271,11 +272,16 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         return c, anchor is not None and c.uses_anchor
 
     def _groups_of(self, ps: list[torch.Tensor]) -> list[dict[str, Any]]:
-        index = {id(q): g for g in self.param_groups for q in g["params"]}
-        missing = [i for i, p in enumerate(ps) if id(p) not in index]
+        # Cached across calls (the overlapped offload calls this per bucket, many times a step);
+        # rebuilt when a tensor is not found as itself (DeepSpeed and FSDP swap tensors in).
+        index = self.__dict__.get("_group_index") or {}
+        if any(index.get(id(p), (None,))[0] is not p for p in ps):
+            index = {id(q): (q, g) for g in self.param_groups for q in g["params"]}
+            self._group_index = index
+        missing = [i for i, p in enumerate(ps) if index.get(id(p), (None,))[0] is not p]
         if missing:
             raise ValueError(f"{len(missing)} tensor(s) are not parameters of this optimizer")
-        return [index[id(p)] for p in ps]
+        return [index[id(p)][1] for p in ps]
 
     def _tensors(self, p: torch.Tensor, grad: torch.Tensor, with_anchor: bool):
         state = self.state[p]
@@ -299,15 +305,20 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if self._resolved_impl == "auto":
             self._resolved_impl = self._resolve_impl()
         used: list[StepCoefficients | None] = []
+        plans: dict[tuple, tuple[StepCoefficients, bool]] = {}  # per (group, step, anchored) in this call
         for p, g, group in zip(ps, grads, self._groups_of(ps)):
             if g is None:
                 used.append(None)
                 continue
             state = self.init_state(p)
-            c, with_anchor = self._step_plan(p, group, int(state["step"].item()) + 1)
-            if with_anchor:  # as in step(): warn once per group when a pull overshoots
-                self._warn_if_overshoot(next(i for i, q in enumerate(self.param_groups) if q is group), group,
-                                        stacklevel=4)
+            t = int(state["step"].item()) + 1
+            key = (id(group), t, "anchor" in state)
+            if key not in plans:
+                plans[key] = self._step_plan(p, group, t)
+                if plans[key][1]:  # as in step(): warn once per group when a pull overshoots
+                    self._warn_if_overshoot(next(i for i, q in enumerate(self.param_groups) if q is group), group,
+                                            stacklevel=4)
+            c, with_anchor = plans[key]
             tensors = self._tensors(p, g, with_anchor)
             if known_finite:
                 ok = True

@@ -18,7 +18,8 @@ def build_strategy(strategy_cfg, training_cfg) -> Strategy:
         offload = getattr(strategy_cfg, "offload_optimizer", None)
         if offload is not None:
             return OffloadedSingleDeviceStrategy(training_cfg.precision, training_cfg.device,
-                                                 overlap=offload.overlap, worker_threads=offload.worker_threads)
+                                                 overlap=offload.overlap, worker_threads=offload.worker_threads,
+                                                 bucket_mb=offload.bucket_mb)
         return SingleDeviceStrategy(training_cfg.precision, training_cfg.device)
     if name == "ddp":
         return DDPStrategy(training_cfg.precision, training_cfg.device)

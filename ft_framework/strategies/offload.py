@@ -7,10 +7,12 @@ CPU they are the masters themselves.
 
 Overlapped (``overlap: true``), see docs/offload.md:
 
-1. During the last micro-batch's backward, a post-accumulate-grad hook hands each parameter to a
-   worker thread as soon as its gradient is final (on CUDA after a copy to pinned host memory on
-   a side stream).
-2. The worker steps that parameter at once with its *unclipped* gradient (the kernel runs without
+1. During the last micro-batch's backward, a post-accumulate-grad hook collects each parameter as
+   soon as its gradient is final (on CUDA after a copy to pinned host memory on a side stream),
+   and hands a bucket of them to a worker thread once they hold ``bucket_mb`` of gradients (the
+   rest when backward ends): one hand-off per bucket, not per tensor, so that many small
+   tensors do not each pay a queue round trip and a GIL switch.
+2. The worker steps the bucket at once with the *unclipped* gradients (the kernel runs without
    the GIL, so backward goes on), speculating that clipping will not fire; on CUDA it copies the
    new weights back on another side stream. A gradient whose norm is not finite (a NaN or an
    infinity in it) leaves its tensor untouched: such a step could not be undone.
@@ -48,6 +50,12 @@ from ft_framework.strategies.single import SingleDeviceStrategy
 __all__ = ["OffloadedSingleDeviceStrategy"]
 
 
+# Overlapped offload: gradients handed to the CPU worker at a time. Large enough that a bucket's
+# Python overhead is small against its step, small enough that the first step starts early in
+# backward (benchmarks/offload_overlap.py measures both shapes).
+DEFAULT_BUCKET_MB = 4.0
+
+
 class _Speculation:
     """One parameter's gradient as the worker saw it: master, host gradient, the gradient's norm,
     the coefficients of the speculative step (None: not stepped) and whether the kernel refused
@@ -78,16 +86,22 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     (``overlap=False``) or during it (``overlap=True``).
 
     `worker_threads`: OpenMP threads of each kernel call (None: torch.get_num_threads()).
+    `bucket_mb`: overlapped only, the gradient megabytes (MiB) handed to the worker at a time.
     """
 
     def __init__(self, precision: str = "fp32", device: str = "auto", overlap: bool = False,
-                 worker_threads: int | None = None):
+                 worker_threads: int | None = None, bucket_mb: float = DEFAULT_BUCKET_MB):
         super().__init__(precision, device)
         if self.scaler is not None:
             raise UserError("strategy.offload_optimizer does not take training.precision fp16 (its loss "
                             "scaler skips steps the offloaded step cannot see); use bf16 or fp32")
         self.overlap = bool(overlap)
         self.worker_threads = worker_threads
+        if not bucket_mb > 0:
+            raise UserError(f"strategy.offload_optimizer.bucket_mb must be > 0, got {bucket_mb}")
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self._bucket: list[tuple] = []  # parameters whose gradients are final, not yet handed over
+        self._bucket_fill = 0
         self.rollbacks = 0        # speculative steps rolled back (clipping fired, or not finite)
         self.skipped_steps = 0    # steps skipped because a gradient was not finite
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model parameter, master)
@@ -168,22 +182,31 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self._worker.start()
 
     def _on_grad_ready(self, dev: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: hands the parameter to the worker (last micro-batch only)."""
+        """Post-accumulate-grad hook: adds the parameter to the bucket, and hands the bucket to the
+        worker once it is full (last micro-batch only)."""
         if not self._armed:
             return
         master = self._master_of[id(dev)]
         if self._d2h is None:
-            self._queue.put((master, dev.grad, None, dev))
-            return
-        host = self._host_grad[id(master)]
-        compute = torch.cuda.current_stream(self.device)
-        self._d2h.wait_stream(compute)  # the gradient, and every kernel that read the weights, first
-        with torch.cuda.stream(self._d2h):
-            host.copy_(dev.grad, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self._d2h)
-        dev.grad.record_stream(self._d2h)
-        self._queue.put((master, host, ready, dev))
+            self._bucket.append((master, dev.grad, None, dev))
+        else:
+            host = self._host_grad[id(master)]
+            compute = torch.cuda.current_stream(self.device)
+            self._d2h.wait_stream(compute)  # the gradient, and every kernel that read the weights, first
+            with torch.cuda.stream(self._d2h):
+                host.copy_(dev.grad, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._d2h)
+            dev.grad.record_stream(self._d2h)
+            self._bucket.append((master, host, ready, dev))
+        self._bucket_fill += master.numel() * master.element_size()
+        if self._bucket_fill >= self.bucket_bytes:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._bucket:
+            self._queue.put(self._bucket)
+        self._bucket, self._bucket_fill = [], 0
 
     def _work(self) -> None:
         while True:
@@ -210,22 +233,27 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             finally:
                 self._queue.task_done()
 
-    def _process(self, item) -> None:
-        master, grad, ready, dev = item
-        if ready is not None:
-            ready.synchronize()
-        norm = _tensor_norm(grad)  # here, not after backward: it overlaps too
-        if not self._speculate:
-            self._speculated.append(_Speculation(master, grad, norm))
+    def _process(self, bucket: list[tuple]) -> None:
+        """Steps a bucket's tensors whose gradients are finite, with one optimizer call."""
+        finite = []
+        for master, grad, ready, dev in bucket:
+            if ready is not None:
+                ready.synchronize()
+            norm = _tensor_norm(grad)  # here, not after backward: it overlaps too
+            if not self._speculate:
+                self._speculated.append(_Speculation(master, grad, norm))
+            elif not torch.isfinite(norm):  # a NaN or an infinity: never stepped, so never undone
+                self._speculated.append(_Speculation(master, grad, norm, refused=True))
+            else:
+                finite.append((master, grad, norm, dev))
+        if not finite:
             return
-        if not torch.isfinite(norm):  # a NaN or an infinity: never stepped, so never undone
-            self._speculated.append(_Speculation(master, grad, norm, refused=True))
-            return
-        used = self.optimizer.step_tensors([master], [grad], num_threads=self.worker_threads,
-                                           known_finite=True)[0]
-        self._speculated.append(_Speculation(master, grad, norm, used))
-        if used is not None:
-            self._copy_to_device(dev, master)
+        used = self.optimizer.step_tensors([m for m, _, _, _ in finite], [g for _, g, _, _ in finite],
+                                           num_threads=self.worker_threads, known_finite=True)
+        for (master, grad, norm, dev), c in zip(finite, used):
+            self._speculated.append(_Speculation(master, grad, norm, c))
+            if c is not None:
+                self._copy_to_device(dev, master)
 
     def _copy_to_device(self, dev: torch.Tensor, master: torch.Tensor) -> None:
         if self._h2d is None:
@@ -237,8 +265,11 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self._armed = self.overlap and last_micro_batch
         try:
             loss.backward()
+            if self._armed:
+                self._hand_over()  # the last, partly filled bucket
         finally:
             self._armed = False
+            self._bucket, self._bucket_fill = [], 0
 
     # ---- after backward ----------------------------------------------------------------------------
     def _host_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -12,7 +12,9 @@ from torch import nn
 from ft_framework.config.schema import StrategyConfig
 from ft_framework.optim import available_optimizers, build_optimizer
 from ft_framework.optim.groups import build_param_groups
+from ft_framework.errors import UserError
 from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy, build_strategy
+from ft_framework.strategies.offload import DEFAULT_BUCKET_MB
 
 HPARAMS = {
     "recadam": dict(lr=1e-2, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.5, anneal_t0=3,
@@ -78,10 +80,25 @@ def _keyword_forward(monkeypatch):
         monkeypatch.setattr(cls, "forward", _forward_kw)
 
 
+# Hand-offs to the worker: one per tensor, a few tensors each (the test model's tensors hold
+# 8 B to 792 B of gradient), and one for all of them at the end of backward (the default here).
+BUCKETS_MB = {"per_tensor": 1e-9, "a_few_tensors": 0.0005, "one_for_all": 4.0}
+
+
+@pytest.mark.parametrize("bucket", list(BUCKETS_MB))
 @pytest.mark.parametrize("rule", available_optimizers())
-def test_overlapped_equals_serial_with_clipping_and_a_nan_step(rule):
+def test_overlapped_equals_serial_with_clipping_and_a_nan_step(rule, bucket):
     serial, serial_norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=False))
-    overlap, norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1))
+    strategy = OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1, bucket_mb=BUCKETS_MB[bucket])
+    sizes = []
+    hand_over = strategy._hand_over
+    strategy._hand_over = lambda: (sizes.append(len(strategy._bucket)), hand_over())[1]
+    overlap, norms = _train(rule, strategy)
+    per_backward = [n for n in sizes if n]  # the end-of-backward call finds an empty bucket after a full one
+    tensors = len(list(overlap.model.parameters()))
+    assert sum(per_backward) == tensors * len(LOSS_SCALES)
+    expected = {"per_tensor": {1}, "one_for_all": {tensors}}.get(bucket)
+    assert set(per_backward) == expected if expected else 1 < len(per_backward) / len(LOSS_SCALES) < tensors
     fired = [i for i, n in enumerate(serial_norms) if n > MAX_NORM]
     assert fired == CLIPPED and not torch.isfinite(torch.tensor(serial_norms[NAN_STEP]))
     assert overlap.rollbacks == 3 and overlap.skipped_steps == serial.skipped_steps == 1
@@ -117,6 +134,13 @@ def test_config_selects_and_checks_the_offloaded_strategy():
         StrategyConfig(name="ddp", offload_optimizer={"overlap": True})
     with pytest.raises(ValueError, match="overlaps"):
         StrategyConfig(name="single", offload_optimizer={"overlaps": True})
+    cfg = StrategyConfig(name="single", offload_optimizer={"overlap": True, "bucket_mb": 0.5})
+    assert build_strategy(cfg, training).bucket_bytes == 2**19
+    assert StrategyConfig(name="single", offload_optimizer={}).offload_optimizer.bucket_mb == DEFAULT_BUCKET_MB
+    with pytest.raises(ValueError, match="bucket_mb"):
+        StrategyConfig(name="single", offload_optimizer={"bucket_mb": 0})
+    with pytest.raises(UserError, match="bucket_mb must be > 0, got -1"):
+        OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, bucket_mb=-1)
 
 
 def load_config_defaults_training():
