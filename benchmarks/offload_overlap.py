@@ -3,22 +3,33 @@ this CPU as a stand-in for GPU + CPU: forward and backward run with one thread o
 "GPU"), the optimizer step with one thread on core 1 (the host), so the overlap is what a GPU run
 would get when the host step is about as long as backward.
 
-    python benchmarks/offload_overlap.py [--width 1024] [--layers 16] [--batch 12] [--rule recadam]
-        [--max-grad-norm 0] [--steps 20]
+    python benchmarks/offload_overlap.py [--shape 16x1024:12 --shape 128x256:16] [--rule recadam]
+        [--max-grad-norm 0] [--bucket-mb 4] [--steps 20]
 
-The model is a stack of square Linear layers (a transformer's step/backward ratio is set by
-parameters per token, which --batch sets here). Three candidates are timed paired, one iteration
-each per cycle (benchmarks/harness.py): forward + backward alone (no step), the serial offloaded
-iteration (backward, then the step) and the overlapped one (strategy.offload_optimizer
-{overlap: true}). Printed: the machine, median times, the CPU step's exposed share of each
-iteration (serial: step / iteration; overlapped: (iteration - forward/backward) / iteration),
-the overlapped / serial ratio (the target is <= 0.7), and the rollback count.
-With --max-grad-norm > 0 clipping is in play (the default 0 keeps every speculative step).
+Each model is a stack of square Linear layers, LAYERSxWIDTH, run at BATCH rows (a transformer's
+step/backward ratio is set by parameters per token, which the batch sets here). The two default
+shapes are the documented one (16 x 1024^2, 32 tensors of 4 MiB and 4 KiB) and one of many small
+tensors (128 x 256^2, 256 tensors, where a per-tensor cost shows). For each shape three
+candidates are timed paired, one iteration each per cycle (benchmarks/harness.py): forward +
+backward alone (no step), the serial offloaded iteration (backward, then the step) and the
+overlapped one (strategy.offload_optimizer {overlap: true}). One table, one row per shape: median
+times, the step alone, the CPU step's share of each iteration (serial: (iteration - forward and
+backward) / iteration, which is the step's own share; overlapped: the same formula, the step's
+exposed share), the overlapped / serial ratio (median of paired ratios; the target is <= 0.7) and
+the rollbacks. With --max-grad-norm > 0 clipping is in play (the default 0 keeps every
+speculative step).
+
+glibc's malloc is pinned to reuse freed blocks (M_MMAP_THRESHOLD 1 GiB, as a GPU's caching
+allocator reuses its blocks): with its default, a dynamic threshold, whether each step's 4 MiB
+gradients are fresh memory mappings depends on the process's allocation history, and fresh
+mappings cost page faults and cross-core TLB flushes that doubled backward in some runs and not
+in others (--malloc-default keeps glibc's default to see it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -38,6 +49,33 @@ from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
 from ft_framework.strategies import OffloadedSingleDeviceStrategy  # noqa: E402
 from ft_framework.strategies.offload import DEFAULT_BUCKET_MB  # noqa: E402
 
+# LAYERSxWIDTH:BATCH. The documented shape (docs/benchmarks.md), then many small tensors.
+DEFAULT_SHAPES = ("16x1024:12", "128x256:16")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'LAYERSxWIDTH:BATCH' as (layers, width, batch)."""
+    try:
+        model, batch = text.split(":")
+        layers, width = model.lower().split("x")
+        values = int(layers), int(width), int(batch)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected LAYERSxWIDTH:BATCH, e.g. 16x1024:12") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: layers, width and batch must be >= 1")
+    return values
+
+
+def pin_malloc() -> str:
+    """Pins glibc's mmap threshold (see the module doc); returns what was done, for the header."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, 2**30) == 1
+    except (OSError, AttributeError):
+        ok = False
+    return "glibc M_MMAP_THRESHOLD pinned to 1 GiB" if ok else "malloc not pinned (no glibc mallopt)"
+
 
 class Stack(nn.Module):
     def __init__(self, width: int, layers: int):
@@ -50,10 +88,11 @@ class Stack(nn.Module):
         return x
 
 
-def make(args, overlap: bool | None):
+def make(args, shape: tuple[int, int, int], overlap: bool | None):
     """(run one iteration, strategy) for a fresh model: overlap None = forward/backward only."""
+    layers, width, batch = shape
     torch.manual_seed(0)
-    model = Stack(args.width, args.layers)
+    model = Stack(width, layers)
     anchors = {n: p.detach().clone() for n, p in model.named_parameters()}
     strategy = OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=bool(overlap), worker_threads=1,
                                              bucket_mb=args.bucket_mb)
@@ -64,7 +103,7 @@ def make(args, overlap: bool | None):
     if strategy.worker_thread is not None:
         os.sched_setaffinity(strategy.worker_thread.native_id, {args.worker_core})
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.width, generator=gen)
+    x = torch.randn(batch, width, generator=gen)
     max_norm = args.max_grad_norm or None
 
     def iteration():
@@ -78,36 +117,14 @@ def make(args, overlap: bool | None):
     return iteration, strategy
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=12, help="rows per iteration: sets backward's share")
-    ap.add_argument("--rule", default="recadam")
-    ap.add_argument("--max-grad-norm", type=float, default=0.0)
-    ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
-                    help="MiB of gradients per hand-off to the worker (strategy.offload_optimizer.bucket_mb)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--main-core", type=int, default=0)
-    ap.add_argument("--worker-core", type=int, default=1)
-    ap.add_argument("--quiet-wait", type=float, default=30.0, help="seconds to wait for a quiet machine")
-    args = ap.parse_args()
+def measure(args, shape: tuple[int, int, int]) -> list[str]:
+    """One table row: the three candidates of `shape` timed paired, and the step alone."""
+    layers, width, batch = shape
+    fwd_bwd, _ = make(args, shape, None)
+    serial, serial_strategy = make(args, shape, False)
+    overlapped, overlap_strategy = make(args, shape, True)
 
-    os.sched_setaffinity(0, {args.main_core})  # this (training) thread; the workers are pinned apart
-    threads = set_threads(1)
-    log(machine_line())
-    log(f"threads: {threads}; kernel SIMD level {cpu_kernel.simd_level()}")
-    num_params = args.layers * (args.width * args.width + args.width)
-    log(f"model: {args.layers} x Linear({args.width}, {args.width}) = {num_params / 1e6:.1f} M parameters, "
-        f"batch {args.batch}, rule {args.rule}, max_grad_norm {args.max_grad_norm or 'none'}, "
-        f"bucket {args.bucket_mb} MiB")
-
-    fwd_bwd, _ = make(args, None)
-    serial, serial_strategy = make(args, False)
-    overlapped, overlap_strategy = make(args, True)
-
-    # The step alone, on the main thread (one kernel thread), for the serial share.
+    # The step alone, on the main thread (one kernel thread), with its rollback to keep the state.
     masters = [m for _, m in serial_strategy._named_masters()]
     grads = [torch.randn_like(m) * 1e-3 for m in masters]
     opt = serial_strategy.optimizer
@@ -119,22 +136,51 @@ def main() -> None:
     wait_for_quiet(0.2, args.quiet_wait)
     times, bg = paired_times([fwd_bwd, serial, overlapped], steps=args.steps, warmup=args.warmup)
     step_times, _ = paired_times([step_only], steps=max(5, args.steps // 4), warmup=1)
-    med = [statistics.median(t) for t in times]
-    step_med = statistics.median(step_times[0]) / 2  # one step and its rollback, about equal
+    fb, ser, ovl = (statistics.median(t) for t in times)
+    step = statistics.median(step_times[0]) / 2  # one step and its rollback, about equal
     ratio = paired_ratio(times[2], times[1])
-    rows = [
-        ["forward + backward (no step)", f"{med[0] * 1e3:.1f}", "-"],
-        ["serial offload (backward, then step)", f"{med[1] * 1e3:.1f}", f"{(med[1] - med[0]) / med[1]:.0%}"],
-        ["overlapped offload", f"{med[2] * 1e3:.1f}", f"{max(0.0, med[2] - med[0]) / med[2]:.0%}"],
-    ]
-    print(markdown_table(["iteration", "median ms", "CPU step's exposed share"], rows))
-    print(f"\nstep alone (one kernel thread): {step_med * 1e3:.1f} ms = {step_med / med[1]:.0%} of the serial "
-          f"iteration; backward/step ratio {(med[0]) / step_med:.2f}")
-    print(f"overlapped / serial iteration time (median of paired ratios): {ratio:.3f} (target <= 0.7)")
-    print(f"rollbacks: overlapped {overlap_strategy.rollbacks} over {len(times[2]) + args.warmup} iterations; "
-          f"background load {fmt_bg(bg)} cores")
+    rollbacks = overlap_strategy.rollbacks
     for s in (serial_strategy, overlap_strategy):
         s.close()
+    return [f"{layers} x {width}² ({len(masters)} tensors, {sum(m.numel() for m in masters) / 1e6:.1f} M)",
+            str(batch), f"{fb * 1e3:.1f}", f"{ser * 1e3:.1f}", f"{ovl * 1e3:.1f}", f"{step * 1e3:.1f}",
+            f"{(ser - fb) / ser:.0%} / {max(0.0, ovl - fb) / ovl:.0%}", f"**{ratio:.3f}**",
+            f"{rollbacks} / {len(times[2]) + args.warmup}", fmt_bg(bg)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", type=parse_shape, action="append",
+                    help=f"LAYERSxWIDTH:BATCH, repeatable (default: {' and '.join(DEFAULT_SHAPES)})")
+    ap.add_argument("--rule", default="recadam")
+    ap.add_argument("--max-grad-norm", type=float, default=0.0)
+    ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
+                    help="MiB of gradients per hand-off to the worker (strategy.offload_optimizer.bucket_mb)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--main-core", type=int, default=0)
+    ap.add_argument("--worker-core", type=int, default=1)
+    ap.add_argument("--malloc-default", action="store_true", help="keep glibc's dynamic mmap threshold")
+    ap.add_argument("--quiet-wait", type=float, default=30.0, help="seconds to wait for a quiet machine")
+    args = ap.parse_args()
+    shapes = args.shape or [parse_shape(s) for s in DEFAULT_SHAPES]
+
+    os.sched_setaffinity(0, {args.main_core})  # this (training) thread; the workers are pinned apart
+    malloc = "glibc malloc default" if args.malloc_default else pin_malloc()
+    threads = set_threads(1)
+    print(machine_line())
+    print(f"threads: {threads}; kernel SIMD level {cpu_kernel.simd_level()}; {malloc}")
+    print(f"rule {args.rule}, max_grad_norm {args.max_grad_norm or 'none'}, bucket {args.bucket_mb} MiB, "
+          f"{args.steps} paired cycles; forward/backward on core {args.main_core}, the CPU worker on core "
+          f"{args.worker_core}\n")
+    rows = []
+    for shape in shapes:
+        rows.append(measure(args, shape))
+        log(f"  {rows[-1][0]}: overlapped / serial {rows[-1][7].strip('*')}")
+    print(markdown_table(
+        ["model", "batch", "fwd+bwd ms", "serial ms", "overlapped ms", "step alone ms",
+         "CPU step's share, serial / overlapped (exposed)", "overlapped / serial (target <= 0.7)",
+         "rollbacks / iterations", "background cores"], rows))
 
 
 if __name__ == "__main__":

@@ -69,8 +69,10 @@ class _Speculation:
         self.coefficients, self.refused = coefficients, refused
 
 
-def _tensor_norm(grad: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(grad)
+def _bucket_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm, in one call (on CPU the same bits as torch.linalg.vector_norm per
+    tensor, which torch.nn.utils.get_total_norm takes on a CPU)."""
+    return list(torch._foreach_norm(grads)) if grads else []
 
 
 def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
@@ -235,17 +237,22 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
 
     def _process(self, bucket: list[tuple]) -> None:
         """Steps a bucket's tensors whose gradients are finite, with one optimizer call."""
-        finite = []
-        for master, grad, ready, dev in bucket:
+        for _, _, ready, _ in bucket:
             if ready is not None:
                 ready.synchronize()
-            norm = _tensor_norm(grad)  # here, not after backward: it overlaps too
-            if not self._speculate:
-                self._speculated.append(_Speculation(master, grad, norm))
-            elif not torch.isfinite(norm):  # a NaN or an infinity: never stepped, so never undone
-                self._speculated.append(_Speculation(master, grad, norm, refused=True))
-            else:
+        # Here, not after backward: the norms overlap too. One call and one finiteness check per
+        # bucket, not per tensor (each torch call also hands the GIL to the training thread and back).
+        norms = _bucket_norms([grad for _, grad, _, _ in bucket])
+        if not self._speculate:
+            self._speculated += [_Speculation(master, grad, norm) for (master, grad, _, _), norm in zip(bucket, norms)]
+            return
+        finite = []
+        all_finite = bool(torch.isfinite(torch.stack(norms)).all())
+        for (master, grad, _, dev), norm in zip(bucket, norms):
+            if all_finite or torch.isfinite(norm):
                 finite.append((master, grad, norm, dev))
+            else:  # a NaN or an infinity: never stepped, so never undone
+                self._speculated.append(_Speculation(master, grad, norm, refused=True))
         if not finite:
             return
         used = self.optimizer.step_tensors([m for m, _, _, _ in finite], [g for _, g, _, _ in finite],
@@ -309,7 +316,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     def _serial_step(self, max_grad_norm: float | None) -> torch.Tensor:
         entries = self._host_grads()
         grads = [g for _, _, g in entries]
-        norm = _total_norm([_tensor_norm(g) for g in grads])
+        norm = _total_norm(_bucket_norms(grads))
         if not torch.isfinite(norm):
             self.skipped_steps += 1
             return norm
@@ -330,7 +337,8 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         spec, self._speculated = self._speculated, []
         seen = {id(s.master) for s in spec}
         # Gradients no hook delivered (a backward without last_micro_batch) join the unstepped ones.
-        spec += [_Speculation(m, g, _tensor_norm(g)) for _, m, g in self._host_grads() if id(m) not in seen]
+        late = [(m, g) for _, m, g in self._host_grads() if id(m) not in seen]
+        spec += [_Speculation(m, g, n) for (m, g), n in zip(late, _bucket_norms([g for _, g in late]))]
         if self._h2d is not None:
             self._h2d.synchronize()  # no copy may still read a master that a rollback rewrites
         order = {id(m): i for i, (_, m) in enumerate(self._pairs)}
@@ -341,8 +349,11 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         finite = bool(torch.isfinite(norm)) and not any(s.refused for s in spec)
         clips = finite and self._would_clip(max_grad_norm, norm)
         # A step whose coefficients changed since it ran (the lr was set after backward) is redone too.
-        current = self.optimizer.current_coefficients([s.master for s in stepped])
-        stale = any(c != s.coefficients for c, s in zip(current, stepped))
+        # The tensors one call stepped with the same coefficients object share their group, step
+        # count and anchoring, so one of them answers for all (not hundreds of coefficient plans).
+        sample = list({id(s.coefficients): s for s in stepped}.values())
+        current = self.optimizer.current_coefficients([s.master for s in sample])
+        stale = any(c != s.coefficients for c, s in zip(current, sample))
         self._speculate = finite and not clips
         if finite and not clips and not stale:
             keep = {id(s.master) for s in stepped}

@@ -7,8 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 
+from ft_framework.config.errors import format_validation_error
 from ft_framework.config.schema import StrategyConfig
 from ft_framework.optim import available_optimizers, build_optimizer
 from ft_framework.optim.groups import build_param_groups
@@ -44,7 +46,7 @@ def _model():
     return nn.Sequential(nn.Linear(6, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 2))
 
 
-def _train(rule, strategy, steps=len(LOSS_SCALES)):
+def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=NAN_STEP, max_norm=MAX_NORM):
     model = _model()
     pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
     hparams = dict(HPARAMS.get(rule, dict(lr=1e-2)))
@@ -56,14 +58,14 @@ def _train(rule, strategy, steps=len(LOSS_SCALES)):
     norms = []
     for step in range(steps):
         x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
-        loss = LOSS_SCALES[step] * nn.functional.mse_loss(strategy.forward({"input": x}), y)
+        loss = scales[step] * nn.functional.mse_loss(strategy.forward({"input": x}), y)
         handle = None
-        if step == NAN_STEP:  # one tensor's gradient turns NaN, the others stay finite
+        if step == nan_step:  # one tensor's gradient turns NaN, the others stay finite
             handle = strategy.model[2].weight.register_hook(lambda g: g.index_fill(1, torch.tensor([3]), float("nan")))
         strategy.backward(loss)
         if handle is not None:
             handle.remove()
-        norms.append(strategy.clip_and_step(MAX_NORM))
+        norms.append(strategy.clip_and_step(max_norm))
     strategy.close()
     return strategy, norms
 
@@ -116,6 +118,29 @@ def test_overlapped_equals_serial_with_clipping_and_a_nan_step(rule, bucket):
                 _close(s[key], r[key], f"{rule} {name} {key}")
 
 
+@pytest.mark.parametrize("bucket", list(BUCKETS_MB))
+def test_overlapped_equals_serial_bit_for_bit_when_every_step_is_kept(bucket):
+    """No clipping and no NaN: every speculative step stands, and each tensor's step is the
+    serial step's element program on the same gradient and coefficients, however the tensors were
+    bucketed: the same bits, with the same norms."""
+    scales = [0.2, 0.3, 0.25, 0.2]
+    for rule in available_optimizers():
+        serial, serial_norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=False),
+                                      steps=len(scales), scales=scales, nan_step=None)
+        overlap, norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1,
+                                                                    bucket_mb=BUCKETS_MB[bucket]),
+                                steps=len(scales), scales=scales, nan_step=None)
+        assert max(serial_norms) < MAX_NORM and norms == serial_norms
+        assert overlap.rollbacks == overlap.skipped_steps == 0
+        for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
+            assert torch.equal(p, q), f"{rule} {name}"
+            s, r = overlap.optimizer.state[p], serial.optimizer.state[q]
+            assert set(s) == set(r) and float(s["step"]) == float(r["step"]) == len(scales)
+            for key in ("exp_avg", "exp_avg_sq", "anchor"):
+                if key in r:
+                    assert torch.equal(s[key], r[key]), f"{rule} {name} {key}"
+
+
 def test_serial_offload_equals_the_single_device_strategy():
     steps = NAN_STEP  # the plain strategy steps with NaN; up to there they must agree bit for bit
     serial, _ = _train("recadam", OffloadedSingleDeviceStrategy("fp32", "cpu"), steps=steps)
@@ -137,8 +162,13 @@ def test_config_selects_and_checks_the_offloaded_strategy():
     cfg = StrategyConfig(name="single", offload_optimizer={"overlap": True, "bucket_mb": 0.5})
     assert build_strategy(cfg, training).bucket_bytes == 2**19
     assert StrategyConfig(name="single", offload_optimizer={}).offload_optimizer.bucket_mb == DEFAULT_BUCKET_MB
-    with pytest.raises(ValueError, match="bucket_mb"):
-        StrategyConfig(name="single", offload_optimizer={"bucket_mb": 0})
+    # The user's message names the key, the value and what is valid.
+    for bad, valid in ((0, "greater than 0"), (-1, "greater than 0"), ("big", "a valid number")):
+        with pytest.raises(ValidationError) as info:
+            StrategyConfig(name="single", offload_optimizer={"bucket_mb": bad})
+        message = format_validation_error(info.value, "")
+        assert f"offload_optimizer.bucket_mb: Input should be {valid}" in message, message
+        assert f"(got {bad!r})" in message, message
     with pytest.raises(UserError, match="bucket_mb must be > 0, got -1"):
         OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, bucket_mb=-1)
 
