@@ -31,8 +31,14 @@ def test_trainer_runs_overlapped_offload_and_logs_rollbacks(tiny_bert_dir, tmp_p
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         results[overlap] = (trainer, [r for r in records if r["type"] == "train"])
     (serial, serial_log), (overlap, overlap_log) = results[False], results[True]
-    assert [r["grad_norm"] for r in overlap_log] == [r["grad_norm"] for r in serial_log]
     clips = [r["grad_norm"] > 0.255 for r in serial_log]
+    # Up to the first step that clips, both paths took the same steps on the same gradients: the
+    # same norms, bit for bit. A rolled-back step is exact to a few ulp (docs/offload.md), so the
+    # weights after it, and the norms they give, agree within 1e-6 relative.
+    first_clip = clips.index(True)
+    overlap_norms, serial_norms = [r["grad_norm"] for r in overlap_log], [r["grad_norm"] for r in serial_log]
+    assert overlap_norms[:first_clip + 1] == serial_norms[:first_clip + 1]
+    assert overlap_norms == pytest.approx(serial_norms, rel=1e-6, abs=0)
     # A step speculates unless the one before clipped; a speculated step that clips rolls back.
     expected = sum(c and (i == 0 or not clips[i - 1]) for i, c in enumerate(clips))
     assert expected > 0 and overlap_log[-1]["offload_rollbacks"] == expected
