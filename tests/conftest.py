@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,11 @@ from tiny_run import build_tiny_bert_dir  # noqa: E402
 # process computes on one thread too (whatever test ran before). The README's test command runs
 # two pytest-xdist workers (`-n 2 --dist loadgroup`), which keep both cores busy.
 torch.set_num_threads(1)
+
+# A process that dies of a fatal signal (SIGABRT from a C++ std::terminate, SIGSEGV) prints every
+# thread's Python stack: a crash in a subprocess the tests launch (torchrun ranks, deepspeed
+# workers) then says where it happened, not only "exitcode -6". Subprocesses inherit it.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 HERE = Path(__file__).parent
 # Directories whose test files share session fixtures (reference runs): one pytest-xdist worker

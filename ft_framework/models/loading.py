@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ __all__ = [
     "reinit_top_layers",
     "reinitialize_parameters",
     "resolve_model_path",
+    "share_mixout_targets",
 ]
 
 PYPI_PREFIX = "pypi:"
@@ -352,7 +353,8 @@ class MixoutLinear(nn.Linear):
 
     In eval mode (and for p = 0) the plain weight is used. The bias is not mixed (as in Lee et
     al.'s MixLinear). Parameter names and the state dict are those of nn.Linear; the target is a
-    non-persistent buffer.
+    non-persistent buffer until :meth:`read_target_from` hands it over to the optimizer's anchor
+    of the same weight (θ* kept once: see :func:`share_mixout_targets`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, p: float = 0.0,
@@ -382,13 +384,33 @@ class MixoutLinear(nn.Linear):
         self.p = float(p)
         # θ* is only read, so the buffer may share memory with the caller's pretrained_state.
         self.register_buffer("target", target.detach().to(self.weight.device), persistent=False)
+        self._target_source: Callable[[], torch.Tensor] | None = None
+
+    def read_target_from(self, source: Callable[[], torch.Tensor]) -> None:
+        """From now on the target is `source()`, read at every forward (the optimizer's anchor of
+        this weight: a checkpoint load that replaces the anchor is followed), and the module's
+        own copy is dropped. `source()` may be a sharded DTensor (FSDP2): forward gathers it."""
+        target = source()
+        if tuple(target.shape) != tuple(self.weight.shape):
+            raise ValueError(f"mixout target shape {tuple(target.shape)} != weight shape {tuple(self.weight.shape)}")
+        self._target_source = source
+        self.target = None  # the buffer slot stays (None), its tensor is no longer held here
+
+    def target_tensor(self) -> torch.Tensor:
+        """θ* for this weight: the shared source when set, else the module's buffer."""
+        return self._target_source() if self._target_source is not None else self.target
 
     def mixed_weight(self) -> torch.Tensor:
         """The weight used by forward: a fresh Mixout sample in train mode, else the weight."""
         w = self.weight
         if not self.training or self.p == 0.0:
             return w
-        target = self.target.to(dtype=w.dtype)
+        target = self.target_tensor()
+        if hasattr(target, "full_tensor"):
+            # A sharded anchor (FSDP2) while FSDP has unsharded the weight for this forward: every
+            # rank runs the same forward, so the gather is a collective they all reach.
+            target = target.to(w.device).full_tensor()
+        target = target.to(dtype=w.dtype)
         mask = torch.rand(w.shape, device=w.device) < self.p
         # where(mask, target, w) == mask*target + (1-mask)*w, without two weight-sized temporaries
         return (torch.where(mask, target, w) - self.p * target) / (1.0 - self.p)
@@ -420,3 +442,19 @@ def apply_mixout(model: nn.Module, p: float, pretrained_state: dict[str, torch.T
         setattr(parent, child, MixoutLinear.from_linear(module, pretrained_state[f"{name}.weight"], p))
         replaced.append(name)
     return replaced
+
+
+def share_mixout_targets(model: nn.Module, source_of: Callable[[nn.Parameter], Callable[[], torch.Tensor] | None]
+                         ) -> list[str]:
+    """Points each MixoutLinear of `model` whose weight has a source (``source_of(weight)`` not
+    None: the optimizer's anchor of that weight) at it, dropping the module's own copy of θ*.
+    Returns the names of the modules that now share. Called once the anchors are placed, so a
+    sharded anchor (FSDP2) or an fp32 anchor under a 16-bit model is the only copy of θ*."""
+    shared = []
+    for name, module in model.named_modules():
+        if isinstance(module, MixoutLinear):
+            source = source_of(module.weight)
+            if source is not None:
+                module.read_target_from(source)
+                shared.append(name)
+    return shared

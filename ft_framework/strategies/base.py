@@ -13,6 +13,7 @@ from torch import nn
 
 from ft_framework.checkpointing import load_sharded, save_sharded
 from ft_framework.errors import UserError
+from ft_framework.models.loading import share_mixout_targets
 from ft_framework.optim.base import anchored_parameter_names
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
 
@@ -46,6 +47,17 @@ def place_anchors(model: nn.Module, optimizer: torch.optim.Optimizer, anchors: M
     for name, p in named.items():  # in the model's order: the state's order fixes the order of sums over it
         if name in wanted:
             optimizer.set_anchor(p, anchors[name], copy=False)
+    # Mixout mixes toward θ* too: its modules read the anchors from now on, so θ* is kept once
+    # (sharded under FSDP2, fp32 under a 16-bit model) instead of again in each module.
+    share_mixout_targets(model, lambda p: anchor_reader(optimizer, p))
+
+
+def anchor_reader(optimizer: torch.optim.Optimizer, p: torch.Tensor):
+    """A function returning p's current anchor in `optimizer` (a checkpoint load may replace the
+    tensor), or None when p has none."""
+    if "anchor" not in optimizer.state.get(p, {}):
+        return None
+    return lambda: optimizer.state[p]["anchor"]
 
 
 class Strategy(ABC):

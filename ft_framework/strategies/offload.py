@@ -42,8 +42,9 @@ from torch import nn
 
 from ft_framework.checkpointing.fragments import whole_tensor_fragments
 from ft_framework.errors import UserError
+from ft_framework.models.loading import share_mixout_targets
 from ft_framework.optim.base import AnchoredOptimizer
-from ft_framework.strategies.base import anchors_for
+from ft_framework.strategies.base import anchor_reader, anchors_for
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.strategies.single import SingleDeviceStrategy
 
@@ -176,6 +177,9 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         for name, m in self._named_masters():
             if name in wanted:
                 self.optimizer.set_anchor(m, anchors[name], copy=False)
+        # On a CPU the masters are the model's parameters, so Mixout can read their anchors; on a
+        # GPU the model holds device copies (no anchor of their own) and Mixout keeps its copy.
+        share_mixout_targets(self.model, lambda p: anchor_reader(self.optimizer, p))
 
     # ---- the overlapped step -------------------------------------------------------------------
     def _start_worker(self) -> None:

@@ -3,7 +3,7 @@ measured to files; the pytest side compares them. Phases (each a separate launch
 
     one    (1 rank):  the plain single-process reference (SingleDeviceStrategy) and a 1-rank FSDP
                       run that saves a checkpoint after step 3
-    two    (2 ranks): FSDP2 and FSDP2 + CPU offload (straight run, save/resume, 1 -> 2 resume,
+    two    (2 ranks): FSDP2 and FSDP2 + CPU offload (straight run, save/resume, 1 -> 2 resume, Mixout,
                       bad checkpoints, mixed precision, loss scaler, consolidated export)
     three  (1 rank):  2 -> 1 resume of phase two's checkpoint
 
@@ -24,7 +24,12 @@ from fsdp_helpers import (MAX_GRAD_NORM, RESUME_AT, STEPS, global_batches, make_
                           pretrained_state, rank_slice, tiny_albert)
 
 from ft_framework.config import FSDPConfig
+from ft_framework.models.loading import MixoutLinear, apply_mixout
 from ft_framework.optim.base import local_tensor
+
+
+MIXOUT_P = 0.3
+MIXOUT_STEPS = 2
 
 
 def fsdp_strategy(offload=False, mixed_precision=False, precision="fp32"):
@@ -34,9 +39,11 @@ def fsdp_strategy(offload=False, mixed_precision=False, precision="fp32"):
                         SimpleNamespace(precision=precision, device="cpu"))
 
 
-def set_up(strategy, **opt_kw):
+def set_up(strategy, mixout=0.0, **opt_kw):
     model = tiny_albert()
     pre = pretrained_state(model)
+    if mixout:
+        apply_mixout(model, mixout, pre)
     # The strategy keeps (a shard of) the tensors it is given: hand it copies, the test keeps `pre`.
     strategy.setup(model, make_optimizer_builder(pre, **opt_kw),
                    anchors={n: t.clone() for n, t in pre.items()})
@@ -47,6 +54,7 @@ def train_steps(strategy, steps, log=None):
     """Optimizer steps `steps` (0-based indices into the global batches) on this rank's half."""
     batches = global_batches()
     for i in steps:
+        torch.manual_seed(100 + i)  # Mixout's masks: the same draws on every rank and in one process
         strategy.model.train()
         batch = rank_slice(batches[i], strategy.rank, strategy.world_size)
         loss = strategy.forward(batch).loss
@@ -112,6 +120,16 @@ def phase_one(out: Path, res: Results):
     res["ref_params_5"] = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
     res["ref_log"] = log
     res["ref_impl"] = ref.optimizer.impl
+
+    # Mixout (mixing toward theta*) in one process, the reference for the sharded run.
+    ref = SingleDeviceStrategy("fp32", "cpu")
+    set_up(ref, mixout=MIXOUT_P)
+    train_steps(ref, range(MIXOUT_STEPS))
+    res["mixout_ref_params"] = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
+    plain = SingleDeviceStrategy("fp32", "cpu")  # the same steps without Mixout: it must matter
+    set_up(plain)
+    train_steps(plain, range(MIXOUT_STEPS))
+    res["mixout_plain_params"] = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
 
     # FSDP on one rank: 3 steps, checkpoint (for the 1 -> 2 resume), 2 more steps.
     s = fsdp_strategy()
@@ -215,6 +233,18 @@ def phase_two(out: Path, res: Results):
     _, state, _, params = resume_from(out / "ck_1rank")
     res["from1_state_3"] = state
     res["from1_params_5"] = params
+
+    # Mixout under FSDP2: each MixoutLinear reads the sharded anchor (gathered in its forward)
+    # instead of keeping a full copy of theta*, and training equals the one-process run.
+    s = fsdp_strategy()
+    set_up(s, mixout=MIXOUT_P)
+    mixouts = {n: m for n, m in s.model.named_modules() if isinstance(m, MixoutLinear)}
+    res["mixout_modules"] = sorted(mixouts)
+    res["mixout_buffers_dropped"] = all(m.target is None for m in mixouts.values())
+    res["mixout_target_local_numel"] = s.gather_objects(
+        {n: (local_tensor(m.target_tensor()).numel(), m.weight.numel()) for n, m in mixouts.items()})
+    train_steps(s, range(MIXOUT_STEPS))
+    res["mixout_params"] = full_params(s)
 
     # Mixed precision (bf16 compute, fp32 sharded master weights): theta* stays exact.
     s = fsdp_strategy(mixed_precision=True, precision="bf16")

@@ -44,7 +44,7 @@ def torchrun(nproc: int, args: list[str], cwd: Path, timeout: int = 300) -> subp
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                           "--master_port", str(free_port()), *args],
                          capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
-    assert out.returncode == 0, f"torchrun {args} failed:\n{out.stdout[-2000:]}\n{out.stderr[-5000:]}"
+    assert out.returncode == 0, f"torchrun {args} failed:\n{out.stdout[-2000:]}\n{out.stderr[-12000:]}"
     return out
 
 
@@ -197,6 +197,21 @@ def test_all_reduced_forgetting_distance_equals_one_process(runs, tag):
     assert len(got) == STEPS and got == pytest.approx(want, rel=REL)
     assert runs.one["fsdp1_log"]["forgetting"] == pytest.approx(want, rel=REL)
     assert all(b > a for a, b in zip(want, want[1:]))
+
+
+@pytest.mark.slow
+def test_mixout_reads_the_sharded_anchors_and_equals_one_process(runs):
+    """Mixout's target is the sharded anchor (no full copy of theta* in any module), gathered in
+    forward; with the same masks on every rank, two ranks train to the one-process weights."""
+    two = runs.two
+    assert two["mixout_modules"] and two["mixout_buffers_dropped"]
+    for rank_view in two["mixout_target_local_numel"]:
+        for name, (local, full) in rank_view.items():
+            assert local < full, f"{name}: the target on a rank holds {local} of {full} elements"
+    # Mixout must change the training for the comparison to mean anything.
+    plain, mixed = runs.one["mixout_plain_params"], runs.one["mixout_ref_params"]
+    assert any(not torch.allclose(mixed[n], plain[n], atol=1e-5) for n in plain)
+    assert_close_params(two["mixout_params"], runs.one["mixout_ref_params"])
 
 
 @pytest.mark.slow
