@@ -3,13 +3,15 @@
 // memory; bf16 as 16-bit integers, which the buffer protocol has no type for) and the step's
 // coefficients as one Coefficients object, so no torch headers are needed here. The Python wrapper
 // (ft_framework/optim/cpu.py) checks device, dtype and contiguity first and says what to change;
-// the checks here keep a direct caller from writing out of bounds.
+// the checks here keep a direct caller from writing out of bounds. The one exception is the
+// private _fused_step_many, which takes addresses (see there).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <omp.h>
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -228,6 +230,40 @@ void fused_inverse(const py::buffer& param, const py::buffer& grad, const py::bu
     run_step(s, numel, num_threads);
 }
 
+// Many tensors' steps with one set of coefficients, in one call that releases the GIL once. A
+// bucket of hundreds of small tensors (biases, LayerNorms) through fused_step paid a Python call,
+// five buffer requests and a GIL hand-off per tensor: more than their arithmetic, and the GIL
+// then stalled the thread running backward. Each tensor arrives as the addresses of its five
+// arrays and its element count: the Python wrapper (cpu.fused_step_many) checks every tensor's
+// device, dtype, contiguity and sizes first and holds the tensors for the call, which is why this
+// entry point is private to it (a direct caller gets no bounds check).
+void fused_step_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+                     const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
+                     const std::vector<uintptr_t>& anchors, const std::vector<int64_t>& numels,
+                     const std::vector<bool>& grad_bf16, const std::vector<bool>& anchor_bf16,
+                     const ftk::StepCoeffs& coeffs, int num_threads) {
+    const size_t n = params.size();
+    if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || anchors.size() != n ||
+        numels.size() != n || grad_bf16.size() != n || anchor_bf16.size() != n)
+        throw std::invalid_argument("fused_step_many: every list must have one entry per tensor");
+    std::vector<ftk::StepArgs> args(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (numels[i] < 0 || (numels[i] > 0 && (!params[i] || !grads[i] || !exp_avgs[i] || !exp_avg_sqs[i])))
+            throw std::invalid_argument("fused_step_many: a null address or a negative size");
+        ftk::StepArgs& s = args[i];
+        s.param = reinterpret_cast<float*>(params[i]);
+        s.grad = reinterpret_cast<const void*>(grads[i]);
+        s.exp_avg = reinterpret_cast<float*>(exp_avgs[i]);
+        s.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sqs[i]);
+        s.anchor = reinterpret_cast<const void*>(anchors[i]);  // 0: no anchor terms
+        s.grad_type = grad_bf16[i] ? ftk::ElemType::BF16 : ftk::ElemType::F32;
+        s.anchor_type = anchor_bf16[i] ? ftk::ElemType::BF16 : ftk::ElemType::F32;
+        s.c = coeffs;
+    }
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < n; ++i) run_step(args[i], numels[i], num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_kernel, m) {
@@ -260,6 +296,11 @@ PYBIND11_MODULE(_cpu_kernel, m) {
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
           py::arg("coeffs"), py::arg("num_threads") = 0,
           "One fused step in place over 1-D buffers of equal length; anchor=None means none.");
+    m.def("_fused_step_many", &fused_step_many, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+          py::arg("exp_avg_sqs"), py::arg("anchors"), py::arg("numels"), py::arg("grad_bf16"), py::arg("anchor_bf16"),
+          py::arg("coeffs"), py::arg("num_threads") = 0,
+          "fused_step over many tensors given by address (0: no anchor); private to ft_framework.optim.cpu, "
+          "which checks every tensor first.");
     m.def("guarded_step",
           [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
              const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {

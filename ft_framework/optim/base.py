@@ -259,9 +259,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
         anchors = [local_tensor(s["anchor"]) for s in states] if with_anchor else None
         if self._resolved_impl == "cpu":
-            for i in range(len(params)):
-                cpu_kernel.fused_step(params[i], grads[i], ms[i], vs[i],
-                                      anchors[i] if anchors else None, c)
+            cpu_kernel.fused_step_many(list(zip(params, grads, ms, vs, anchors or [None] * len(params))), c)
         else:
             foreach_step(params, grads, ms, vs, anchors, c)
 
@@ -306,6 +304,10 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             self._resolved_impl = self._resolve_impl()
         used: list[StepCoefficients | None] = []
         plans: dict[tuple, tuple[StepCoefficients, bool]] = {}  # per (group, step, anchored) in this call
+        # Known-finite steps on the kernel go in one call per set of coefficients (after the loop),
+        # and their step counts move once those calls succeed.
+        batched: dict[tuple, list] = defaultdict(list)
+        batched_states = []
         for p, g, group in zip(ps, grads, self._groups_of(ps)):
             if g is None:
                 used.append(None)
@@ -320,12 +322,14 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                                             stacklevel=4)
             c, with_anchor = plans[key]
             tensors = self._tensors(p, g, with_anchor)
+            if known_finite and self._resolved_impl == "cpu":
+                batched[key].append(tensors)
+                batched_states.append(state)
+                used.append(c)
+                continue
             if known_finite:
                 ok = True
-                if self._resolved_impl == "cpu":
-                    cpu_kernel.fused_step(*tensors, c, num_threads=num_threads)
-                else:
-                    foreach_step(*[[x] if x is not None else None for x in tensors], c)
+                foreach_step(*[[x] if x is not None else None for x in tensors], c)
             elif self._resolved_impl == "cpu":
                 ok = cpu_kernel.guarded_step(*tensors, c, num_threads=num_threads)
             else:
@@ -335,6 +339,10 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             if ok:
                 state["step"] += 1
             used.append(c if ok else None)
+        for key, tensors in batched.items():
+            cpu_kernel.fused_step_many(tensors, plans[key][0], num_threads=num_threads)
+        for state in batched_states:
+            state["step"] += 1
         return used
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Sequence
 
 import torch
 
@@ -127,6 +128,42 @@ def fused_step(
     buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
     if buffers is not None:
         kernel.fused_step(*buffers, _kernel_coefficients(coeffs), _threads(num_threads))
+
+
+def fused_step_many(
+    tensors: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    coeffs: StepCoefficients,
+    num_threads: int | None = None,
+) -> None:
+    """fused_step on each (param, grad, exp_avg, exp_avg_sq, anchor) of `tensors`, all with
+    `coeffs`, in one kernel call: the same arithmetic, bit for bit, with the GIL released once
+    instead of once per tensor (a bucket of small tensors cost more in Python than in the kernel).
+    Every tensor is checked before any is touched; raises TypeError/ValueError as fused_step."""
+    kernel = _require_kernel()
+    columns: tuple[list, ...] = ([], [], [], [], [], [], [], [])
+    for param, grad, exp_avg, exp_avg_sq, anchor in tensors:
+        n = param.numel()
+        if not (_fast_ok(param, False) and _fast_ok(grad, True) and _fast_ok(exp_avg, False)
+                and _fast_ok(exp_avg_sq, False) and (anchor is None or _fast_ok(anchor, True))
+                and grad.numel() == n and exp_avg.numel() == n and exp_avg_sq.numel() == n
+                and (anchor is None or anchor.numel() == n)):
+            _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)  # raises with what is wrong
+        if n == 0:
+            continue
+        for column, value in zip(columns, (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                                           exp_avg_sq.data_ptr(), 0 if anchor is None else anchor.data_ptr(), n,
+                                           grad.dtype is torch.bfloat16,
+                                           anchor is not None and anchor.dtype is torch.bfloat16)):
+            column.append(value)
+    if columns[0]:
+        kernel._fused_step_many(*columns, _kernel_coefficients(coeffs), _threads(num_threads))
+
+
+def _fast_ok(t: torch.Tensor, bf16_allowed: bool) -> bool:
+    """What tensor_problem checks, in one expression (the per-tensor cost of fused_step_many);
+    False sends the caller to the checks that say what is wrong."""
+    return (t.is_cpu and not t.is_sparse and t.is_contiguous()
+            and t.dtype in (_INPUT_DTYPES if bf16_allowed else _PARAM_DTYPES))
 
 
 def guarded_step(

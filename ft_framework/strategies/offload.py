@@ -326,7 +326,9 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             return norm
         self._clip(grads, max_grad_norm, norm)
         masters = [m for _, m, _ in entries]
-        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads)
+        # A finite global norm means every element is finite: the kernel need not check again
+        # (as after the decision below), and the tensors go to it in one call.
+        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads, known_finite=True)
         for dev, m, _ in entries:
             self._copy_to_device(dev, m)
         return norm
@@ -363,7 +365,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             keep = {id(s.master) for s in stepped}
             todo = [s for s in spec if id(s.master) not in keep]  # not speculated: step them now
             self.optimizer.step_tensors([s.master for s in todo], [s.grad for s in todo],
-                                        num_threads=self.worker_threads)
+                                        num_threads=self.worker_threads, known_finite=True)
             self._copy_all_to_device([s.master for s in todo])
             return norm
         if stepped:
@@ -376,7 +378,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             return norm
         self._clip(grads, max_grad_norm, norm)
         masters = [s.master for s in spec]
-        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads)
+        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads, known_finite=True)
         self._copy_all_to_device(masters)
         return norm
 

@@ -29,13 +29,6 @@ CASES = [(rule, gd, ad) for rule in HPARAMS for gd in ("float32", "bfloat16")
          for ad in ("float32", "bfloat16") if ad == "float32" or rule in ("recadam", "prior_wd")]
 
 
-@pytest.fixture
-def restore_level():
-    level = cpu_kernel.simd_level()
-    yield
-    cpu_kernel.set_simd_level(level)
-
-
 @pytest.mark.parametrize("rule,grad_dtype,anchor_dtype", CASES)
 def test_kernel_matches_reference_every_level(rule, grad_dtype, anchor_dtype, restore_level):
     levels = cpu_kernel.supported_simd_levels()

@@ -10,6 +10,7 @@ from ft_framework.optim import available_optimizers, build_optimizer
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.torch_step import foreach_inverse_step, foreach_step
+from simd_levels import SIMD_LEVELS, level_or_skip
 
 # Hyper-parameters that switch on every stage a rule has (decay, pulls, annealing). A rule
 # registered without an entry here runs with its defaults (and a larger lr, to move).
@@ -21,23 +22,8 @@ HPARAMS = {
     "prior_wd": dict(lr=1e-2, weight_decay=0.5),
 }
 RULES = available_optimizers()
-LEVELS = ["scalar", "avx2", "avx512"]
+LEVELS = SIMD_LEVELS
 SIZES = (1, 15, 17, 1023, (1 << 15) + 33)  # tails, vector bodies, the multi-threaded chunks
-
-
-def _levels_or_skip(level: str) -> None:
-    if not cpu_kernel.kernel_available():
-        pytest.skip("C++ kernel not built")
-    if level not in cpu_kernel.supported_simd_levels():
-        pytest.skip(f"this CPU does not run {level} (it runs {cpu_kernel.supported_simd_levels()})")
-
-
-@pytest.fixture
-def restore_level():
-    level = cpu_kernel.simd_level() if cpu_kernel.kernel_available() else None
-    yield
-    if level is not None:
-        cpu_kernel.set_simd_level(level)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str,
@@ -63,7 +49,7 @@ COEFFS = [
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_inverse_restores_one_step(level, grad_dtype, restore_level):
-    _levels_or_skip(level)
+    level_or_skip(level)
     cpu_kernel.set_simd_level(level)
     gen = torch.Generator().manual_seed(7)
     for n in SIZES:
@@ -103,7 +89,7 @@ def test_torch_inverse_restores_one_step(ci):
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_guarded_step_leaves_a_nonfinite_tensor_untouched(level, restore_level):
-    _levels_or_skip(level)
+    level_or_skip(level)
     cpu_kernel.set_simd_level(level)
     c = COEFFS[0]
     for n, bad in ((17, 16), ((1 << 15) + 33, 20000), (1023, 3)):
@@ -168,7 +154,7 @@ def _run(rule: str, impl: str, speculate: bool, seed: int = 3):
 def test_speculative_run_equals_clip_then_step(rule, impl_level, restore_level):
     impl, _, level = impl_level.partition("-")
     if impl == "cpu":
-        _levels_or_skip(level)
+        level_or_skip(level)
         cpu_kernel.set_simd_level(level)
     ref_params, ref_opt, _ = _run(rule, impl, speculate=False)
     params, opt, rollbacks = _run(rule, impl, speculate=True)
