@@ -410,7 +410,7 @@ class MixoutLinear(nn.Linear):
             # A sharded anchor (FSDP2) while FSDP has unsharded the weight for this forward: every
             # rank runs the same forward, so the gather is a collective they all reach.
             target = target.to(w.device).full_tensor()
-        target = target.to(dtype=w.dtype)
+        target = target.to(device=w.device, dtype=w.dtype)
         mask = torch.rand(w.shape, device=w.device) < self.p
         # where(mask, target, w) == mask*target + (1-mask)*w, without two weight-sized temporaries
         return (torch.where(mask, target, w) - self.p * target) / (1.0 - self.p)
