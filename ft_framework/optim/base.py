@@ -225,27 +225,35 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             self._resolved_impl = self._resolve_impl()
         for gi, group in enumerate(self.param_groups):
             buckets: dict[tuple, list] = defaultdict(list)
-            pulls = False
+            # A group's coefficients depend on (step, anchored) only: computed once per pair, not
+            # per tensor (a model's hundreds of small tensors made that a cost of its own).
+            plans: dict[tuple[int, bool], StepCoefficients] = {}
+            steps = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self.init_state(p)
-                state["step"] += 1
-                t = int(state["step"].item())
+                t = int(state["step"].item()) + 1
                 anchor = state.get("anchor")
                 if anchor is None and group["anchored"]:
                     raise ValueError(f"{type(self).__name__}: a parameter of the anchored param group "
                                      f"{group.get('group_name', gi)!r} has no theta* (anchor); place theta* after "
                                      "wrapping the model (Strategy.place_anchors, integrations.loops.place_anchors, "
                                      "integrations.transformers.install_callbacks) before the first step")
-                c = self.coefficients(group, t, anchor is not None)
+                plan = (t, anchor is not None)
+                if plan not in plans:
+                    plans[plan] = self.coefficients(group, t, anchor is not None)
+                c = plans[plan]
                 with_anchor = anchor is not None and c.uses_anchor
-                pulls = pulls or with_anchor
                 key = (c, local_tensor(p).device, p.dtype, with_anchor)
                 buckets[key].append(p)
-            if pulls:  # a schedule (or the user) may have raised lr since the group was checked
+                steps.append(state["step"])
+            if steps:
+                torch._foreach_add_(steps, 1)
+            if any(with_anchor for *_, with_anchor in buckets):
+                # a schedule (or the user) may have raised lr since the group was checked
                 self._warn_if_overshoot(gi, group, stacklevel=4)
             for (c, _device, _dtype, with_anchor), ps in buckets.items():
                 self._apply(ps, c, with_anchor)
