@@ -68,7 +68,7 @@ def set_simd_level(level: str) -> None:
 
 def tensor_problem(t: torch.Tensor, role: str, dtypes: tuple[torch.dtype, ...]) -> str | None:
     """Why the kernel cannot take `t` in place, or None when it can."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return f"{role} is on {t.device}, the CPU kernel needs CPU tensors"
     if t.dtype not in dtypes:
         return f"{role} has dtype {t.dtype}, the CPU kernel takes {' or '.join(map(str, dtypes))}"
@@ -83,9 +83,9 @@ def check_param(p: torch.Tensor) -> str | None:
     return tensor_problem(p, "parameter", _PARAM_DTYPES)
 
 
-def _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor) -> tuple | None:
-    """The kernel's buffers for one tensor's step (None when it is empty); raises TypeError /
-    ValueError on inputs the kernel cannot update in place."""
+def _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor) -> int:
+    """The element count of one tensor's step; raises TypeError / ValueError on inputs the kernel
+    cannot update in place."""
     checks = [
         tensor_problem(param, "parameter", _PARAM_DTYPES),
         tensor_problem(grad, "gradient", _INPUT_DTYPES),
@@ -104,7 +104,13 @@ def _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor) -> tuple | None:
     wrong = {k: v for k, v in sizes.items() if v != n}
     if wrong:
         raise ValueError(f"size mismatch with the parameter's {n} elements: {wrong}")
-    if n == 0:
+    return n
+
+
+def _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor) -> tuple | None:
+    """The kernel's buffers for one tensor's step (None when it is empty), after
+    _check_step_tensors."""
+    if _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor) == 0:
         return None
     return (_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
             None if anchor is None else _buffer(anchor))
@@ -142,12 +148,7 @@ def fused_step_many(
     kernel = _require_kernel()
     columns: tuple[list, ...] = ([], [], [], [], [], [], [], [])
     for param, grad, exp_avg, exp_avg_sq, anchor in tensors:
-        n = param.numel()
-        if not (_fast_ok(param, False) and _fast_ok(grad, True) and _fast_ok(exp_avg, False)
-                and _fast_ok(exp_avg_sq, False) and (anchor is None or _fast_ok(anchor, True))
-                and grad.numel() == n and exp_avg.numel() == n and exp_avg_sq.numel() == n
-                and (anchor is None or anchor.numel() == n)):
-            _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)  # raises with what is wrong
+        n = _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor)
         if n == 0:
             continue
         for column, value in zip(columns, (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
@@ -157,13 +158,6 @@ def fused_step_many(
             column.append(value)
     if columns[0]:
         kernel._fused_step_many(*columns, _kernel_coefficients(coeffs), _threads(num_threads))
-
-
-def _fast_ok(t: torch.Tensor, bf16_allowed: bool) -> bool:
-    """What tensor_problem checks, in one expression (the per-tensor cost of fused_step_many);
-    False sends the caller to the checks that say what is wrong."""
-    return (t.is_cpu and not t.is_sparse and t.is_contiguous()
-            and t.dtype in (_INPUT_DTYPES if bf16_allowed else _PARAM_DTYPES))
 
 
 def guarded_step(
