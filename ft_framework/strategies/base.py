@@ -47,17 +47,20 @@ def place_anchors(model: nn.Module, optimizer: torch.optim.Optimizer, anchors: M
     for name, p in named.items():  # in the model's order: the state's order fixes the order of sums over it
         if name in wanted:
             optimizer.set_anchor(p, anchors[name], copy=False)
-    # Mixout mixes toward θ* too: its modules read the anchors from now on, so θ* is kept once
-    # (sharded under FSDP2, fp32 under a 16-bit model) instead of again in each module.
-    share_mixout_targets(model, lambda p: anchor_reader(optimizer, p))
+    mixout_reads_anchors(model, optimizer)
 
 
-def anchor_reader(optimizer: torch.optim.Optimizer, p: torch.Tensor):
-    """A function returning p's current anchor in `optimizer` (a checkpoint load may replace the
-    tensor), or None when p has none."""
-    if "anchor" not in optimizer.state.get(p, {}):
-        return None
-    return lambda: optimizer.state[p]["anchor"]
+def mixout_reads_anchors(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Mixout mixes toward θ* too: each Mixout module whose weight has an anchor in `optimizer`
+    reads it from now on (the current one: a checkpoint load may replace the tensor), so θ* is
+    kept once (sharded under FSDP2, fp32 under a 16-bit model) instead of again in each module."""
+
+    def reader(p: torch.Tensor):
+        if "anchor" not in optimizer.state.get(p, {}):
+            return None
+        return lambda: optimizer.state[p]["anchor"]
+
+    share_mixout_targets(model, reader)
 
 
 class Strategy(ABC):

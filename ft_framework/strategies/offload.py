@@ -42,9 +42,8 @@ from torch import nn
 
 from ft_framework.checkpointing.fragments import whole_tensor_fragments
 from ft_framework.errors import UserError
-from ft_framework.models.loading import share_mixout_targets
 from ft_framework.optim.base import AnchoredOptimizer
-from ft_framework.strategies.base import anchor_reader, anchors_for
+from ft_framework.strategies.base import anchors_for, mixout_reads_anchors
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.strategies.single import SingleDeviceStrategy
 
@@ -179,7 +178,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
                 self.optimizer.set_anchor(m, anchors[name], copy=False)
         # On a CPU the masters are the model's parameters, so Mixout can read their anchors; on a
         # GPU the model holds device copies (no anchor of their own) and Mixout keeps its copy.
-        share_mixout_targets(self.model, lambda p: anchor_reader(self.optimizer, p))
+        mixout_reads_anchors(self.model, self.optimizer)
 
     # ---- the overlapped step -------------------------------------------------------------------
     def _start_worker(self) -> None:
