@@ -25,6 +25,7 @@ from ds_common import (ACCUM_CASES, CASES, HPARAMS, LR, accumulation, batches_fo
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
+from worker_exit import finish  # noqa: E402
 
 
 def make_strategy(case: str):
@@ -186,3 +187,4 @@ if __name__ == "__main__":
     except Exception:
         traceback.print_exc()
         raise
+    finish()

@@ -26,6 +26,7 @@ from fsdp_helpers import (MAX_GRAD_NORM, RESUME_AT, STEPS, global_batches, make_
 from ft_framework.config import FSDPConfig
 from ft_framework.models.loading import MixoutLinear, apply_mixout
 from ft_framework.optim.base import local_tensor
+from worker_exit import finish
 
 
 MIXOUT_P = 0.3
@@ -317,6 +318,7 @@ def main():
     res.write()
     dist.barrier()
     probe.close()
+    finish()
 
 
 if __name__ == "__main__":

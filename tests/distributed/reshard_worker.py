@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from reshard_common import HPARAMS, LR, STEPS, RESUME_AT, batch_for_rank, make_model_and_anchors  # noqa: E402
+from worker_exit import finish  # noqa: E402
 
 
 def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
@@ -168,3 +169,4 @@ if __name__ == "__main__":
         raise
     if int(os.environ.get("RANK", "0")) == 0:
         (out / f"errors_{phase}.json").write_text(json.dumps(errors))
+    finish()
