@@ -12,7 +12,11 @@ shapes are the documented one (16 x 1024^2, 32 tensors of 4 MiB and 4 KiB) and o
 tensors (128 x 256^2, 256 tensors, where a per-tensor cost shows). For each shape three
 candidates are timed paired, one iteration each per cycle (benchmarks/harness.py): forward +
 backward alone (no step), the serial offloaded iteration (backward, then the step) and the
-overlapped one (strategy.offload_optimizer {overlap: true}). One table, one row per shape: median
+overlapped one (strategy.offload_optimizer {overlap: true}). Each timed iteration follows an
+untimed one of its own kind (--lead-in 1), as in a training run: timed right after a serial
+iteration, whose step leaves 200 MB of fresh writes behind on the training core, the next
+forward was 1-1.3 ms slower, and the rotation put the overlapped iteration there in two cycles
+of three (--lead-in 0 shows it). One table, one row per shape: median
 times, the step alone, the CPU step's share of each iteration (serial: (iteration - forward and
 backward) / iteration, which is the step's own share; overlapped: the same formula, the step's
 exposed share), the overlapped / serial ratio (median of paired ratios; the target is <= 0.7) and
@@ -139,7 +143,8 @@ def measure(args, shape: tuple[int, int, int]) -> list[str]:
         opt.rollback_tensors(masters, grads, used, num_threads=1)
 
     wait_for_quiet(0.2, args.quiet_wait)
-    times, bg = paired_times([fwd_bwd, serial, overlapped], steps=args.steps, warmup=args.warmup)
+    times, bg = paired_times([fwd_bwd, serial, overlapped], steps=args.steps, warmup=args.warmup,
+                             lead_in=args.lead_in)
     paired_times([step_only], steps=max(5, args.steps // 4), warmup=1)
     fb, ser, ovl = (statistics.median(t) for t in times)
     step = statistics.median(step_seconds[1:])  # the first call is paired_times' warm-up
@@ -150,7 +155,7 @@ def measure(args, shape: tuple[int, int, int]) -> list[str]:
     return [f"{layers} x {width}² ({len(masters)} tensors, {sum(m.numel() for m in masters) / 1e6:.1f} M)",
             str(batch), f"{fb * 1e3:.1f}", f"{ser * 1e3:.1f}", f"{ovl * 1e3:.1f}", f"{step * 1e3:.1f}",
             f"{(ser - fb) / ser:.0%} / {max(0.0, ovl - fb) / ovl:.0%}", f"**{ratio:.3f}**",
-            f"{rollbacks} / {len(times[2]) + args.warmup}", fmt_bg(bg)]
+            f"{rollbacks} / {len(times[2]) * (1 + args.lead_in) + args.warmup}", fmt_bg(bg)]
 
 
 def main() -> None:
@@ -163,6 +168,8 @@ def main() -> None:
                     help="MiB of gradients per hand-off to the worker (strategy.offload_optimizer.bucket_mb)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lead-in", type=int, default=1,
+                    help="untimed iterations of the same kind before each timed one (0: after the previous candidate)")
     ap.add_argument("--main-core", type=int, default=0)
     ap.add_argument("--worker-core", type=int, default=1)
     ap.add_argument("--malloc-default", action="store_true", help="keep glibc's dynamic mmap threshold")
@@ -176,7 +183,7 @@ def main() -> None:
     print(machine_line())
     print(f"threads: {threads}; kernel SIMD level {cpu_kernel.simd_level()}; {malloc}")
     print(f"rule {args.rule}, max_grad_norm {args.max_grad_norm or 'none'}, bucket {args.bucket_mb} MiB, "
-          f"{args.steps} paired cycles; forward/backward on core {args.main_core}, the CPU worker on core "
+          f"{args.steps} paired cycles, lead-in {args.lead_in}; forward/backward on core {args.main_core}, the CPU worker on core "
           f"{args.worker_core}\n")
     rows = []
     for shape in shapes:

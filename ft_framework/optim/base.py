@@ -370,12 +370,17 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 foreach_inverse_step(*[[x] if x is not None else None for x in tensors], c)
             state["step"] -= 1
 
-    def current_coefficients(self, ps: list[torch.Tensor]) -> list[StepCoefficients]:
-        """The coefficients each parameter's last step would have now (its group's current
-        hyper-parameters at its current step count): a speculative step whose coefficients differ
-        (the lr changed after it ran) must be redone."""
-        return [self._step_plan(p, g, int(self.state[p]["step"].item()))[0]
-                for p, g in zip(ps, self._groups_of(ps))]
+    def coefficients_changed(self, ps: list[torch.Tensor], used: list[StepCoefficients]) -> bool:
+        """Whether the last step of any parameter of `ps`, taken with `used` (what step_tensors
+        returned), would have other coefficients now (its group's current hyper-parameters at its
+        current step count): a speculative step whose lr changed after it ran must be redone.
+        One parameter answers for all of its group that stepped with equal coefficients (a step
+        of hundreds of tensors needs one coefficient plan per group, not one per tensor)."""
+        sample: dict[tuple, tuple[torch.Tensor, dict[str, Any]]] = {}
+        for p, g, c in zip(ps, self._groups_of(ps), used):
+            sample.setdefault((id(g), c, "anchor" in self.state[p]), (p, g))
+        return any(self._step_plan(p, g, int(self.state[p]["step"].item()))[0] != c
+                   for (_, c, _), (p, g) in sample.items())
 
     def _warn_if_overshoot(self, group_index: int, group: dict[str, Any], stacklevel: int) -> None:
         """Warns once per group when the rule's strongest pull (its `max_pull`, the formula the

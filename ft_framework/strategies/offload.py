@@ -119,6 +119,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._hooks: list = []
+        self._model_params: list[nn.Parameter] = []
         cuda = self.device.type == "cuda"
         self._d2h = torch.cuda.Stream(self.device) if cuda else None
         self._h2d = torch.cuda.Stream(self.device) if cuda else None
@@ -153,6 +154,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             self._host_grad = {id(m): torch.empty_like(m, pin_memory=True) for m in masters}
         self._master_of = {id(dev): m for dev, m in self._pairs}
         self.model = model.to(self.device)
+        self._model_params = list(self.model.parameters())
         self.optimizer = optimizer
         if anchors:
             self.place_anchors(anchors)
@@ -312,8 +314,10 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         norm = self._overlapped_step(max_grad_norm) if self.overlap else self._serial_step(max_grad_norm)
         if self._h2d is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._h2d)  # the next forward reads them
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        # The model's parameters hold every gradient (on a CPU they are the masters; on a GPU the
+        # masters have none): model.zero_grad, with the module walk done once at set-up.
+        for p in self._model_params:
+            p.grad = None
         return float(norm)
 
     def _serial_step(self, max_grad_norm: float | None) -> torch.Tensor:
@@ -354,11 +358,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         finite = bool(torch.isfinite(norm)) and not any(s.refused for s in spec)
         clips = finite and self._would_clip(max_grad_norm, norm)
         # A step whose coefficients changed since it ran (the lr was set after backward) is redone too.
-        # The tensors one call stepped with the same coefficients object share their group, step
-        # count and anchoring, so one of them answers for all (not hundreds of coefficient plans).
-        sample = list({id(s.coefficients): s for s in stepped}.values())
-        current = self.optimizer.current_coefficients([s.master for s in sample])
-        stale = any(c != s.coefficients for c, s in zip(current, sample))
+        stale = self.optimizer.coefficients_changed([s.master for s in stepped], [s.coefficients for s in stepped])
         self._speculate = finite and not clips
         if finite and not clips and not stale:
             keep = {id(s.master) for s in stepped}

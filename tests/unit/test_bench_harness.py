@@ -62,6 +62,20 @@ def test_paired_times_interleaves_and_aligns_cycles():
     assert all(t >= 0 for ts in times for t in ts)
 
 
+def test_paired_times_lead_in_times_each_call_after_itself():
+    calls = []
+
+    def make(i):
+        def f():
+            calls.append(i)
+        return f
+
+    fns = [make(i) for i in range(2)]
+    times, _ = harness.paired_times(fns, steps=2, warmup=1, lead_in=1)
+    assert calls == [0, 1, 0, 0, 1, 1, 1, 1, 0, 0]  # warm-up; then each timed call after itself
+    assert [len(t) for t in times] == [2, 2]
+
+
 def test_size_and_load_formatting():
     assert [harness.fmt_size(n) for n in (999, 1500, 10**6, 5 * 10**7, 2 * 10**8, 1_230_000_000)] == \
         ["999", "1.5k", "1M", "50M", "200M", "1.23G"]

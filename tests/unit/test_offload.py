@@ -175,3 +175,33 @@ def test_config_selects_and_checks_the_offloaded_strategy():
 
 def load_config_defaults_training():
     return SimpleNamespace(precision="fp32", device="cpu")
+
+
+def test_an_lr_set_after_backward_redoes_the_speculative_step():
+    """The speculative step ran with the lr of backward's time; a schedule (or the user) that
+    sets another before clip_and_step gets the serial result: the step is rolled back and redone."""
+    def train(strategy):
+        model = _model()
+        anchors = {n: p.detach() + 0.05 for n, p in model.named_parameters()}
+        strategy.setup(model, lambda m: build_optimizer(
+            "recadam", build_param_groups(m, anchors, lr=1e-2, weight_decay=0.01, no_decay_bias_and_norm=False,
+                                          attach_anchors=False), impl="cpu", anneal_fun="sigmoid", anneal_k=0.5,
+            anneal_t0=3, pretrain_cof=5.0), anchors=anchors)
+        gen = torch.Generator().manual_seed(9)
+        for step in range(3):
+            x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
+            strategy.backward(0.2 * nn.functional.mse_loss(strategy.forward({"input": x}), y))
+            if step == 1:
+                if strategy.overlap:
+                    strategy._queue.join()  # every speculative step has run, with the old lr
+                for group in strategy.optimizer.param_groups:
+                    group["lr"] = 3e-3
+            strategy.clip_and_step(None)
+        strategy.close()
+        return strategy
+
+    serial = train(OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=False))
+    overlap = train(OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1, bucket_mb=0.0005))
+    assert overlap.rollbacks == 1 and overlap.skipped_steps == 0
+    for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
+        _close(p.detach(), q.detach(), name)

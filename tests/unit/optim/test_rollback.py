@@ -167,3 +167,23 @@ def test_speculative_run_equals_clip_then_step(rule, impl_level, restore_level):
         for key in ("exp_avg", "exp_avg_sq", "anchor"):
             if key in r:
                 _close(s[key], r[key], 1e-6, f"{rule} {impl_level} {key} {i}")
+
+
+def test_coefficients_changed_sees_each_group_whose_lr_moved_after_its_step():
+    """The overlapped offload asks once per step whether any speculative step's coefficients went
+    stale; one tensor per (group, coefficients) answers, so a change in any group must show, also
+    in a group whose coefficients were equal to another group's when they stepped."""
+    torch.manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (5, 7, 9, 11)]
+    groups = [dict(params=ps[:2], lr=1e-2, weight_decay=0.0), dict(params=ps[2:], lr=1e-2, weight_decay=0.0)]
+    opt = build_optimizer("adamw", groups, impl="cpu")
+    grads = [torch.randn_like(p) for p in ps]
+    used = opt.step_tensors(ps, grads, known_finite=True)
+    assert len({id(c) for c in used}) == 2 and used[0] == used[2]  # equal values, two groups
+    assert not opt.coefficients_changed(ps, used)
+    opt.param_groups[1]["lr"] = 5e-3
+    assert opt.coefficients_changed(ps, used)
+    assert not opt.coefficients_changed(ps[:2], used[:2])
+    opt.param_groups[1]["lr"] = 1e-2
+    opt.param_groups[0]["lr"] = 2e-2
+    assert opt.coefficients_changed(ps, used) and not opt.coefficients_changed(ps[2:], used[2:])
