@@ -349,8 +349,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             used.append(c if ok else None)
         for key, tensors in batched.items():
             cpu_kernel.fused_step_many(tensors, plans[key][0], num_threads=num_threads)
-        for state in batched_states:
-            state["step"] += 1
+        if batched_states:  # as in step(): the counts in one foreach op, not one add per tensor
+            torch._foreach_add_([state["step"] for state in batched_states], 1)
         return used
 
     @torch.no_grad()
