@@ -21,6 +21,9 @@ Parts:
          (strategy.offload_optimizer {overlap: true}) against our serial offload and DeepSpeed ZeRO-2
          offload with DeepSpeedCPUAdam: samples/s, peak GPU memory, rollbacks; then the same under
          the --cap-gb GPU memory cap (docs/offload.md).
+  e      ALBERT-xxlarge, bf16, overlapped offload and DeepSpeed ZeRO-2 offload: the memory plan
+         (ft-plan, made before anything is built) against torch.cuda.max_memory_allocated, target
+         within 10% (docs/memory.md).
 
 --tiny: toy sizes on the CPU (DS_ACCELERATOR=cpu, gloo; tests run with FT_GPU_TESTS_DEVICE=cpu),
 so every line of the suite can be smoke-tested without a GPU. Its numbers mean nothing.
@@ -48,7 +51,7 @@ from typing import Any, Callable, Sequence
 from ft_framework.distributed.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "a", "b", "c", "d")
+PARTS = ("tests", "a", "b", "c", "d", "e")
 TARGET_RATIO = 1.5  # RecAdam step <= 1.5 x fused AdamW (issue 9)
 
 ALBERT_XXLARGE = dict(vocab_size=30000, embedding_size=128, hidden_size=4096, num_hidden_layers=12,
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_results.md", help="markdown report path (default gpu_results.md)")
     p.add_argument("--only", type=parse_only, default=list(PARTS), metavar="PARTS",
-                   help="comma-separated subset of: tests,a,b,c (default all)")
+                   help="comma-separated subset of: tests,a,b,c,d,e (default all)")
     p.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test of the suite)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per candidate (default 20 for a, 8 for b/c)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per candidate (default 5 for a, 3 for b/c)")
@@ -95,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=None, help="part b: upper end of the batch search (default 1024; tiny 64)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched worker / pytest (default 900)")
     # internal: this file re-launched as a worker
-    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp", "d", "d_cap"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp", "d", "d_cap", "e"), help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
@@ -512,7 +515,8 @@ def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> d
 # ==================================================================================================
 # Parts b and c: workers under a launcher (world size 1)
 # ==================================================================================================
-def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch: int, device: str):
+def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch: int, device: str,
+                     seq: int | None = None):
     """A RunConfig through the public loader (its model/data sections are not used here)."""
     import yaml
 
@@ -522,7 +526,7 @@ def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch:
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text("{}")
     cfg = {"model": {"name_or_path": str(model_dir)},
-           "data": {"task": "sst2", "source": "builtin:quickstart"},
+           "data": {"task": "sst2", "source": "builtin:quickstart", **({"max_seq_length": seq} if seq else {})},
            "schedule": {"name": "constant", "warmup_steps": 0},
            "training": {"max_steps": 10, "per_device_batch_size": batch, "precision": precision,
                         "device": device, "max_grad_norm": 1.0},
@@ -691,6 +695,8 @@ def worker(args) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="gpu_suite_"))
     if args.worker in ("d", "d_cap"):
         return worker_d(args, cuda, device, steps, warmup, tmp)
+    if args.worker == "e":
+        return worker_e(args, cuda, device, steps=2, warmup=1, tmp=tmp)
     offload = args.worker in ("b", "b_cap")
     precision = "bf16"
     if args.worker.startswith("c_fsdp"):
@@ -773,16 +779,93 @@ def worker_d(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) 
             release(strat)  # before close(): a DeepSpeed engine's destroy() still needs the process group
             strat.close()
         except Exception as exc:  # noqa: BLE001 - reported in the table
-            import traceback
-
-            traceback.print_exc()
-            entry = {"name": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}", "iter_ms": None}
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            entry = {"name": name, "error": failure(exc, cuda), "iter_ms": None}
         out["candidates"].append(entry)
         log(f"{args.worker}: {name}: {entry.get('iter_ms')} ms/iter")
     return out
+
+
+def failure(exc: BaseException, cuda: bool) -> str:
+    """A case's error for its table row, after printing the traceback and freeing what it held."""
+    import traceback
+
+    import torch
+
+    traceback.print_exc()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+# Part e's cases: the plan (ft-plan's, strategies/memory_plan.py) against the measured peak.
+E_CASES = {
+    "overlapped offload (single)": {"name": "single", "offload_optimizer": {"overlap": True}},
+    "DeepSpeed ZeRO-2 offload": {"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
+}
+E_TARGET = 0.10  # the plan within +-10% of the measured peak (issue 25)
+
+
+def worker_e(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) -> dict[str, Any]:
+    """Part e: for each case, the planned live tensor bytes of the device (before anything is built)
+    against torch.cuda.max_memory_allocated of a few real steps (on the CPU, --tiny: the live
+    tensor bytes the plan's own counter sees, a plumbing check only)."""
+    import torch
+    from transformers import AlbertConfig
+
+    from ft_framework.strategies.memory_plan import plan_peak
+    from ft_framework.strategies.memory_trace import live_bytes
+
+    out: dict[str, Any] = {"model": "ALBERT-xxlarge" if not args.tiny else "ALBERT (tiny)", "seq": args.seq,
+                           "batch": args.batch, "precision": "bf16", "cases": []}
+    arch = AlbertConfig(**(ALBERT_TINY if args.tiny else ALBERT_XXLARGE))
+    for name, strategy_section in E_CASES.items():
+        entry: dict[str, Any] = {"name": name}
+        try:
+            cfg = write_min_config(tmp, strategy_section, "bf16", args.batch, device, seq=args.seq)
+            plan = plan_peak(cfg, arch, world_size=1, num_labels=2, on_gpu=cuda)
+            entry.update(planned_gb=plan.live_bytes / 1e9, planned_reserved_gb=plan.device_peak / 1e9)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                _, strat = train_candidate(cfg, "RecAdam (ours)", args, batch=args.batch, offload=True,
+                                           steps=steps, warmup=warmup)
+                entry.update(measured_gb=torch.cuda.max_memory_allocated() / 1e9,
+                             measured_reserved_gb=torch.cuda.max_memory_reserved() / 1e9)
+            else:
+                with live_bytes() as counter:
+                    _, strat = train_candidate(cfg, "RecAdam (ours)", args, batch=args.batch, offload=True,
+                                               steps=steps, warmup=warmup)
+                entry["measured_gb"] = counter.peak / 1e9
+            release(strat)
+            strat.close()
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            entry["error"] = failure(exc, cuda)
+        out["cases"].append(entry)
+        log(f"e: {name}: planned {entry.get('planned_gb')} GB, measured {entry.get('measured_gb')} GB")
+    return out
+
+
+def format_e(r: dict[str, Any]) -> str:
+    out = ["## e. The memory plan against the measured peak: ALBERT-xxlarge, bf16, optimizer offloaded", ""]
+    if r.get("error") and not r.get("cases"):
+        return "\n".join(out + [f"failed: {r['error']}"])
+    out += [f"{r.get('model')}, seq {r.get('seq')}, batch {r.get('batch')}, {r.get('precision')}, world size 1. "
+            "Planned: the live tensor bytes of ft-plan's plan (without the CUDA context and allocator slack), "
+            "before anything is built; measured: torch.cuda.max_memory_allocated over 2 steps after 1 warm-up "
+            f"(with --tiny, on the CPU: live tensor bytes, a plumbing check). Target: within ±{E_TARGET:.0%}.", ""]
+    rows = []
+    for c in r.get("cases", []):
+        if c.get("error"):
+            rows.append([c["name"], fmt(c.get("planned_gb")), "failed", "", "", "", c["error"][:300]])
+            continue
+        rel = c["planned_gb"] / c["measured_gb"] - 1 if c.get("measured_gb") else None
+        verdict = "" if rel is None else ("yes" if abs(rel) <= E_TARGET else "NO")
+        rows.append([c["name"], fmt(c.get("planned_gb")), fmt(c.get("measured_gb")),
+                     "" if rel is None else f"{rel:+.1%}", verdict, fmt(c.get("planned_reserved_gb")),
+                     fmt(c.get("measured_reserved_gb"))])
+    out.append(markdown_table(["case", "planned GB", "measured GB", "plan vs measured", "within target",
+                               "planned peak with context + slack GB", "max reserved GB"], rows))
+    return "\n".join(out)
 
 
 def batch_search(cfg, args, steps: int, cuda: bool) -> dict[str, Any]:
@@ -965,6 +1048,11 @@ def main(argv: list[str] | None = None) -> int:
         d_cap = None if args.tiny else launch_worker("d_cap", args, "deepspeed")
         raw["d"], raw["d_cap"] = d, d_cap
         sections.append(format_d(d, d_cap))
+        write()
+    if "e" in args.only:
+        e = launch_worker("e", args, "deepspeed")
+        raw["e"] = e
+        sections.append(format_e(e))
         write()
     text = write()
     print(text)

@@ -1,4 +1,13 @@
-"""Console scripts. The only place (with launch/) that reads argv."""
+"""Console scripts. The only place (with launch/) that reads argv.
+
+Each command answers ``--help`` and a usage error before it imports anything else of ours, and a
+config error before it imports the modules that do its work: those import torch (seconds); the
+config layer does not (pydantic and the schema: a few tenths of a second, which --help need not
+pay). So this module imports at its top only what the parsers and the ends of a run need, and each
+command imports the rest inside its function, after its arguments (and its config) are good. It is
+the one module of ours allowed to do that (docs/design.md, "Layers"): nothing imports it, so no
+cycle can hide there, and import-linter still checks those imports against the layers.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +16,17 @@ import logging
 import sys
 from pathlib import Path
 
-from ft_framework.checkpointing.export import export_pretrained, verify_checkpoint
-from ft_framework.checkpointing.manager import resolve_latest
-from ft_framework.config import ConfigError, load_config
 from ft_framework.errors import UserError
-from ft_framework.interpolate import format_table, run_interpolation
 from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, report_failure
 from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, RunPaths
 from ft_framework.run.results import format_results_table
-from ft_framework.run.tracking import log_artifacts_to_run
-from ft_framework.sweep import (SweepInterrupted, SweepLockedError, build_report, format_plan, load_sweep, make_runner,
-                                plan_sweep, run_sweep)
-from ft_framework.sweep.plots import write_plots
-from ft_framework.trainer import Trainer
+
+
+def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config FILE and the key.sub=value overrides, as ft-train and ft-plan read them."""
+    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="override config values; the value is parsed as YAML")
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -31,19 +38,20 @@ def train_main(argv: list[str] | None = None) -> int:
         "1 crashed, 2 a config or data error (one line; --debug adds the traceback), 3 diverged (results.json "
         "says where), 128+N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).",
         epilog="Example: ft-train --config configs/quickstart.yaml training.num_epochs=2")
-    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="override config values; the value is parsed as YAML")
+    add_run_config_arguments(parser)
     # DeepSpeed's launcher appends --local_rank=N; the rank also arrives in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug", action="store_true", help="print the traceback of a config or data error too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ft_framework.config import load_config  # after --help (module docstring)
 
     try:
         cfg = load_config(args.config, args.overrides)
     except Exception as exc:  # every rank reads the same file: rank 0 alone reports it
         return report_failure(exc, prog="ft-train", debug=args.debug, same_on_every_rank=True)
+    from ft_framework.trainer import Trainer  # the config is good: now torch (module docstring)
+
     trainer = None
     try:
         trainer = Trainer(cfg)
@@ -90,6 +98,9 @@ def sweep_main(argv: list[str] | None = None) -> int:
                         help="set a config value in every run (parsed as YAML); changes the run ids")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ft_framework.config import ConfigError  # after --help (module docstring)
+    from ft_framework.sweep import (SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner,
+                                    plan_sweep, run_sweep)
 
     try:
         spec = load_sweep(args.config)
@@ -142,6 +153,9 @@ def report_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap-samples", type=int, default=10_000,
                         help="bootstrap draws for the expected best score of n trials")
     args = parser.parse_args(argv)
+    from ft_framework.run.tracking import log_artifacts_to_run  # after --help (module docstring)
+    from ft_framework.sweep import build_report
+    from ft_framework.sweep.plots import write_plots
 
     try:
         report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples)
@@ -178,6 +192,7 @@ def interpolate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true", help="no PNG")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from ft_framework.interpolate import format_table, run_interpolation  # after --help (module docstring)
 
     try:
         out = run_interpolation(args.run_dir, args.alphas, device=args.device, theta_star=args.theta_star,
@@ -211,6 +226,8 @@ def export_main(argv: list[str] | None = None) -> int:
     if args.out is None and not args.verify:
         parser.error("OUT is required (or pass --verify alone to check the checkpoint)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from ft_framework.checkpointing.export import export_pretrained, verify_checkpoint  # after --help
+    from ft_framework.checkpointing.manager import resolve_latest  # (module docstring)
 
     try:
         checkpoint = resolve_latest(args.checkpoint)
@@ -224,6 +241,69 @@ def export_main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"ft-export: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """ft-plan --config FILE [key.sub=value ...] [--gpu-memory SIZE] [--fit] [--json]: each rank's
+    planned memory peak, from the model's config.json alone (no weights)."""
+    parser = argparse.ArgumentParser(
+        prog="ft-plan", description="Plan each rank's memory peak of a run (model states, activations traced on "
+        "fake tensors, buckets, CUDA context) without loading weights; with a budget and --fit, find the largest "
+        "micro-batch, then checkpointing, then offload that fit, keeping the global batch (docs/memory.md).",
+        epilog="Example: ft-plan --config configs/albert_xxl_recadam.yaml --gpu-memory 16GiB --fit")
+    add_run_config_arguments(parser)
+    parser.add_argument("--ranks", type=int, default=1, help="number of ranks (processes) of the run (default 1)")
+    parser.add_argument("--gpu-memory", help="the budget per device, e.g. 16GiB or 40GB (default: "
+                        "training.memory_budget_gib)")
+    parser.add_argument("--fit", action="store_true", help="search overrides that fit the budget")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error too")
+    args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error(f"--ranks must be at least 1, got {args.ranks}")
+    from ft_framework.config import load_config  # after --help (module docstring)
+
+    try:
+        cfg = load_config(args.config, args.overrides, check_paths=False)
+    except Exception as exc:
+        return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)
+    import json
+
+    from ft_framework.strategies.memory_fit import fit_to_budget, load_architecture, parse_size, plan_run
+    from ft_framework.strategies.memory_plan import GIB, format_peak_plan, peak_plan_json
+
+    try:
+        budget = (parse_size(args.gpu_memory) if args.gpu_memory else
+                  cfg.training.memory_budget_gib * GIB if cfg.training.memory_budget_gib else None)
+        if args.fit and budget is None:
+            raise UserError("--fit needs a budget: --gpu-memory SIZE or training.memory_budget_gib")
+        on_gpu = cfg.training.device != "cpu"
+        arch = load_architecture(cfg.model)
+        plan = plan_run(cfg, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
+        fit = (fit_to_budget(cfg, budget_bytes=budget, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
+               if args.fit and plan.device_peak > budget else None)
+    except Exception as exc:
+        return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)
+    fits = budget is None or plan.device_peak <= budget
+    if args.json:
+        answer = {"ranks": args.ranks, "model_source": arch.source, "budget_bytes": budget, "fits": fits,
+                  "per_rank": [peak_plan_json(plan)] * args.ranks}
+        if args.fit:
+            answer["fit"] = None if fits else ({"overrides": fit.overrides, "plan": peak_plan_json(fit.plan)}
+                                               if fit else None)
+        print(json.dumps(answer, indent=2))
+        return 0
+    where = "GPU" if on_gpu else "CPU (training.device: cpu)"
+    print(f"model: {arch.source}")
+    print(format_peak_plan(plan, title=f"memory plan per rank ({cfg.strategy.name}, {args.ranks} rank(s), "
+                                       f"batch {cfg.training.per_device_batch_size} x {cfg.data.max_seq_length} "
+                                       f"tokens, {cfg.training.precision}, {where}; every rank the same)"))
+    if budget is not None:
+        print(f"budget {budget / GIB:.1f} GiB: {'fits' if fits else 'does NOT fit'}")
+    if args.fit and not fits:
+        print(f"fits with: {' '.join(fit.overrides)}  (peak {fit.plan.device_peak / GIB:.1f} GiB)" if fit else
+              "nothing fits: not even batch 1 with checkpointing and offload")
     return 0
 
 

@@ -40,15 +40,16 @@ import torch
 from torch import nn
 
 from ft_framework.checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
+from ft_framework.checkpointing.dcp_read import DCP_METADATA, read_whole_checkpoint
 from ft_framework.checkpointing.layout import read_buffers
 from ft_framework.checkpointing.manager import CheckpointError, resolve_latest
 from ft_framework.checkpointing.manifest import check_files
 from ft_framework.checkpointing.old_formats import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
 from ft_framework.config import validate_config
-from ft_framework.data import load_glue, make_collator
-from ft_framework.data.glue import get_task
+from ft_framework.data import TaskSpec, load_task_data, make_collator
 from ft_framework.errors import UserError
 from ft_framework.metrics import compute_metrics
+from ft_framework.models.forgetting import build_probe
 from ft_framework.models.loading import load_model, load_tokenizer
 from ft_framework.models.lora import apply_lora, merged_copy
 from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
@@ -159,15 +160,8 @@ def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], d
         model = {name: entry["fp32"] for name, entry in saved["params"].items()}
         anchors = {name: entry["anchor"] for name, entry in saved["params"].items() if "anchor" in entry}
         return model, anchors or None
-    if (directory / ".metadata").is_file():  # FSDP: torch.distributed.checkpoint
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "full.pt"
-            dcp_to_torch_save(str(directory), str(out))
-            full = _load_tensors(out)
+    if (directory / DCP_METADATA).is_file():  # FSDP: torch.distributed.checkpoint
+        full = read_whole_checkpoint(directory)  # .metadata and non-tensor entries read as data
         model = full["model"]
         states = (full.get("optimizer") or {}).get("state") or {}
         anchors = {fqn: s["anchor"] for fqn, s in states.items() if isinstance(s, dict) and "anchor" in s}
@@ -272,7 +266,7 @@ def distance(theta: dict[str, torch.Tensor], theta_star: dict[str, torch.Tensor]
 
 @dataclass
 class _EvalSet:
-    task: str
+    task: TaskSpec
     data: Any
     collate: Any
     batch_size: int
@@ -304,7 +298,7 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
     run_dir = run_dir_of(run_dir)
     alphas = parse_alphas(alphas)
     cfg, results = load_run(run_dir)
-    task = get_task(cfg.data.task)
+    task = cfg.data.task_spec()
     # The pretrained model as the config names it: θ* (and the architecture to evaluate with).
     plain_cfg = cfg.model.model_copy(update={"init": "pretrained", "reinit_top_layers": 0, "mixout": 0.0,
                                              "dtype": "float32", **({"lora": None} if "lora" in type(cfg.model).model_fields else {})})
@@ -326,13 +320,13 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         raise InterpolationError(f"θ ({source}) lacks parameters that have a θ*: {missing[:5]}")
 
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
-    data = load_glue(cfg.data.task, tokenizer=tokenizer, max_seq_length=cfg.data.max_seq_length,
-                     source=cfg.data.resolved_source(), hub_id=cfg.data.hub_id,
-                     split_dev_in_half=cfg.data.split_dev_in_half, split_seed=cfg.data.split_seed,
-                     max_train_examples=cfg.data.max_train_examples, max_eval_examples=cfg.data.max_eval_examples)
-    ev = _EvalSet(cfg.data.task, data, make_collator(tokenizer), cfg.evaluation.batch_size)
+    data = load_task_data(task, tokenizer=tokenizer, **cfg.data.loader_arguments())
+    ev = _EvalSet(task, data, make_collator(tokenizer), cfg.evaluation.batch_size)
     dev = torch.device(device)
     model.to(dev)
+    # The run's own probe settings: θ_α's forgetting reads like the run's evaluations.
+    probe = build_probe(cfg.evaluation.forgetting, model_name_or_path=cfg.model.name_or_path, tokenizer=tokenizer,
+                        batch_size=cfg.evaluation.batch_size, device=dev)
     full = distance(theta, star)
     rows = []
     for alpha in alphas:
@@ -340,15 +334,18 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         model.load_state_dict(state, strict=True)
         metrics = _evaluate(model, ev, dev)
         rows.append({"alpha": alpha, "metrics": metrics, "distance": alpha * full})
+        if probe is not None:
+            rows[-1]["forgetting"] = probe.measure(lambda batch: model(**batch))
         logger.info("alpha=%g %s", alpha, metrics)
     selection = results.get("selection_split", task.eval_splits[0])
     main = results.get("main_metric", task.main_metric)
     best = max(rows, key=lambda r: (r["metrics"][selection][main], -abs(r["alpha"] - 1.0)))
     out = {
-        "run_dir": str(run_dir), "task": cfg.data.task, "main_metric": main, "selection_split": selection,
+        "run_dir": str(run_dir), "task": task.name, "main_metric": main, "selection_split": selection,
         "theta_source": source, "theta_star_source": star_source, "distance_full": full,
         "reported_metrics": results[results.get("reported", "final")]["metrics"],
         "method": _method_label(cfg), "alphas": alphas, "rows": rows, "best_alpha": best["alpha"],
+        **({"forgetting_probe": probe.describe()} if probe is not None else {}),
     }
     if write:
         (run_dir / INTERPOLATION_FILE).write_text(json.dumps(out, indent=2, allow_nan=True))
@@ -369,14 +366,17 @@ def _method_label(cfg: Any) -> str:
 
 
 def format_table(out: dict[str, Any]) -> str:
-    """α, the metrics of every eval split, ‖θ_α − θ*‖₂: one row per α (the best on dev marked)."""
+    """α, the metrics of every eval split, ‖θ_α − θ*‖₂ and the functional forgetting: one row per α
+    (the best on dev marked)."""
     columns = [(split, name) for split, metrics in out["rows"][0]["metrics"].items() for name in metrics]
-    header = ["alpha", *[f"{s}/{n}" for s, n in columns], "||theta_a - theta*||"]
+    forgetting = [name for name in ("cka_drift_last", "cka_drift_mean", "mlm_forgetting")
+                  if name in out["rows"][0].get("forgetting", {})]
+    header = ["alpha", *[f"{s}/{n}" for s, n in columns], "||theta_a - theta*||", *forgetting]
     rows = []
     for r in out["rows"]:
         mark = " *" if r["alpha"] == out["best_alpha"] else ""
         rows.append([f"{r['alpha']:g}{mark}", *[f"{r['metrics'][s][n]:.4f}" for s, n in columns],
-                     f"{r['distance']:.4f}"])
+                     f"{r['distance']:.4f}", *[f"{r['forgetting'][n]:.4g}" for n in forgetting]])
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

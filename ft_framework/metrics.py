@@ -1,4 +1,5 @@
-"""GLUE metrics, the majority-class baseline and the failed-run test of Mosbach et al. (2020).
+"""Task metrics, the majority-class (regression: mean) baseline and the failed-run test of Mosbach et
+al. (2020), for GLUE tasks and a user's own data alike: each function takes a TaskSpec or a GLUE name.
 
 The formulas are written out with numpy (no scikit-learn/scipy at run time); degenerate inputs such as
 constant predictions give 0 for correlation-type metrics instead of NaN.
@@ -10,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ft_framework.data.tasks import get_task
+from ft_framework.data.tasks import TaskSpec, get_task
 
 # --------------------------------------------------------------------------------------------------
 # Elementary metrics
@@ -72,6 +73,12 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.clip(np.dot(xc, yc) / denom, -1.0, 1.0))
 
 
+def mean_squared_error(preds: np.ndarray, labels: np.ndarray) -> float:
+    """Mean of the squared differences; 0 for no examples."""
+    diff = np.asarray(preds, dtype=np.float64) - np.asarray(labels, dtype=np.float64)
+    return float(np.mean(diff * diff)) if len(diff) else 0.0
+
+
 def rankdata_average(x: np.ndarray) -> np.ndarray:
     """1-based ranks, ties given the average of the ranks they span (scipy's ``method="average"``)."""
     x = np.asarray(x)
@@ -123,6 +130,7 @@ METRICS: dict[str, Any] = {
     "mcc": matthews_corrcoef,
     "pearson": pearson,
     "spearmanr": spearman,
+    "mse": mean_squared_error,
 }
 # Metrics that are the mean of two others (GLUE's combined scores), computed from those two.
 AVERAGED_METRICS: dict[str, tuple[str, str]] = {
@@ -131,14 +139,18 @@ AVERAGED_METRICS: dict[str, tuple[str, str]] = {
 }
 
 
-def compute_metrics(task: str, predictions: Any, labels: Any) -> dict[str, float]:
+def _spec(task: TaskSpec | str) -> TaskSpec:
+    return task if isinstance(task, TaskSpec) else get_task(task)
+
+
+def compute_metrics(task: TaskSpec | str, predictions: Any, labels: Any) -> dict[str, float]:
     """The metrics the task's spec lists (``get_task(task).metrics``, in that order) of
     ``predictions`` (logits, or scores for STS-B) against ``labels``.
 
     CoLA: mcc, accuracy. STS-B: pearson, spearmanr, pearson_spearman_avg. MRPC/QQP: f1, accuracy,
-    accuracy_f1_avg. Other tasks: accuracy.
+    accuracy_f1_avg. Other tasks: accuracy. Own data: tasks.own_data_task's.
     """
-    spec = get_task(task)
+    spec = _spec(task)
     predictions = _to_numpy(predictions)
     labels = _to_numpy(labels).reshape(-1)
     if len(predictions) != len(labels):
@@ -167,36 +179,37 @@ def compute_metrics(task: str, predictions: Any, labels: Any) -> dict[str, float
     return {name: value(name) for name in spec.metrics}
 
 
-def main_metric(task: str) -> str:
-    """Name of the task's headline GLUE metric (its TaskSpec's main_metric)."""
-    return get_task(task).main_metric
+def main_metric(task: TaskSpec | str) -> str:
+    """Name of the task's headline metric (its TaskSpec's main_metric)."""
+    return _spec(task).main_metric
 
 
-def majority_baseline(task: str, train_labels: Any, eval_labels: Any) -> dict[str, float]:
+def majority_baseline(task: TaskSpec | str, train_labels: Any, eval_labels: Any) -> dict[str, float]:
     """Metrics on ``eval_labels`` (one split) of always predicting the TRAIN majority class.
 
-    For regression (STS-B) the constant prediction is the train mean. Ties between classes go to the
-    smallest label id.
+    For regression (STS-B, own data) the constant prediction is the train mean. Ties between classes go
+    to the smallest label id.
     """
     if isinstance(eval_labels, Mapping):
         raise TypeError("majority_baseline takes the labels of one eval split, not a dict of splits")
-    spec = get_task(task)
+    spec = _spec(task)
     train_labels = _to_numpy(train_labels).reshape(-1)
     eval_labels = _to_numpy(eval_labels).reshape(-1)
     if len(train_labels) == 0:
         raise ValueError("majority_baseline needs at least one train label")
     if spec.is_regression:
         constant = np.full(len(eval_labels), float(np.mean(train_labels)))
-        return compute_metrics(task, constant, eval_labels)
+        return compute_metrics(spec, constant, eval_labels)
     majority = int(np.bincount(train_labels.astype(np.int64), minlength=spec.num_labels).argmax())
-    return compute_metrics(task, np.full(len(eval_labels), majority, dtype=np.int64), eval_labels)
+    return compute_metrics(spec, np.full(len(eval_labels), majority, dtype=np.int64), eval_labels)
 
 
-def is_failed(task: str, metrics: Mapping[str, float], baseline: Mapping[str, float]) -> bool:
+def is_failed(task: TaskSpec | str, metrics: Mapping[str, float], baseline: Mapping[str, float]) -> bool:
     """Mosbach et al.'s failed run: the main metric is at or below the majority baseline's (NaN fails)."""
-    name = main_metric(task)
+    spec = _spec(task)
+    name = spec.main_metric
     for what, values in (("metrics", metrics), ("baseline", baseline)):
         if name not in values:
-            raise KeyError(f"{what} lack the main metric {name!r} of task {task!r}; got {sorted(values)}")
+            raise KeyError(f"{what} lack the main metric {name!r} of task {spec.name!r}; got {sorted(values)}")
     value = float(metrics[name])
     return bool(np.isnan(value) or value <= float(baseline[name]))

@@ -27,14 +27,16 @@ from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.distributed.config_agreement import check_config_agreement
 from ft_framework.config import RunConfig
-from ft_framework.data import load_glue, make_collator
-from ft_framework.data.glue import get_task
+from ft_framework.data import load_task_data, make_collator
 from ft_framework.data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
 from ft_framework.run.divergence import DivergenceGuard
 from ft_framework.errors import UserError
 from ft_framework.run.fingerprint import config_record
+from ft_framework.strategies.memory_fit import check_memory_budget
 from ft_framework.strategies.memory_plan import format_memory_plan, plan_memory
 from ft_framework.metrics import compute_metrics, is_failed, majority_baseline
+from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
+from ft_framework.models.forgetting import build_probe
 from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
 from ft_framework.optim import build_optimizer
@@ -108,26 +110,29 @@ class Trainer:
     # ---- set-up ---------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        self.task = get_task(cfg.data.task)
+        self.task = cfg.data.task_spec()
         # The first collective: every rank (every node) must train the same resolved config.
         check_config_agreement(cfg.to_dict())
         # One writer per output directory: rank 0 holds its lock until the run ends (run/lock.py).
         self._run_lock = hold_run_lock(self.strategy, self.paths)
         # Before anything is loaded: a resume must match its checkpoint, a fresh run must not mix with an old one.
         self._resume_point = check_start(cfg, self.strategy, self.paths)
+        # Before any weight loads: a run planned over training.memory_budget_gib stops here, in one line.
+        check_memory_budget(cfg, world_size=self.strategy.world_size, on_gpu=self.strategy.device.type == "cuda")
         # The init seed drives everything random in the model (head, RI, re-init); the data seed
         # drives data order and dropout, so the two can be varied separately (Dodge et al.).
         loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
                                           is_regression=self.task.is_regression, seed=cfg.training.seed)
         self.loaded = loaded
         check_max_seq_length(cfg.data.max_seq_length, loaded.model, cfg.model.name_or_path)
-        self.data = load_glue(cfg.data.task, tokenizer=loaded.tokenizer, max_seq_length=cfg.data.max_seq_length,
-                              source=cfg.data.resolved_source(), hub_id=cfg.data.hub_id,
-                              split_dev_in_half=cfg.data.split_dev_in_half, split_seed=cfg.data.split_seed,
-                              max_train_examples=cfg.data.max_train_examples,
-                              max_eval_examples=cfg.data.max_eval_examples)
-        check_data_not_empty(self.data, task=cfg.data.task, source=cfg.data.source)
+        self.data = load_task_data(self.task, tokenizer=loaded.tokenizer, **cfg.data.loader_arguments())
+        check_data_not_empty(self.data, task=self.task.name, source=cfg.data.source)
         self.collate = make_collator(loaded.tokenizer)
+        # θ*'s side of the forgetting metrics, from the checkpoint (on resume too: it is θ* again).
+        self.forgetting = build_probe(cfg.evaluation.forgetting, model_name_or_path=cfg.model.name_or_path,
+                                      tokenizer=loaded.tokenizer, batch_size=cfg.evaluation.batch_size,
+                                      rank=self.strategy.rank, world_size=self.strategy.world_size,
+                                      device=self.strategy.device, gather=self.strategy.gather_objects)
         seed_everything(self.data_seed)
 
         opt_cfg = cfg.optimizer
@@ -144,6 +149,11 @@ class Trainer:
 
         num_params = sum(p.numel() for p in loaded.model.parameters())
         num_anchored = sum(t.numel() for t in loaded.pretrained_state.values())
+        if cfg.training.activation_checkpointing:
+            # Before any strategy wraps the model: FSDP2 shards the blocks as they are then.
+            num_blocks = apply_activation_checkpointing(loaded.model)
+            logger.info("activation checkpointing: %d transformer block module(s) recompute their "
+                        "activations in backward", num_blocks)
         # The strategy places theta* once, after wrapping (sharded under ZeRO/FSDP, each rank its part).
         self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer,
                                                          anchors=loaded.pretrained_state)
@@ -165,7 +175,7 @@ class Trainer:
         self.warmup_steps = cfg.schedule.warmup_for(self.total_steps)
         self.eval_at = set(eval_steps(self.total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps))
         self.selection_split = self.data.task.eval_splits[0]
-        self.baselines = {split: majority_baseline(cfg.data.task, self.data.train_labels, labels)
+        self.baselines = {split: majority_baseline(self.task, self.data.train_labels, labels)
                           for split, labels in self.data.eval_labels.items()}
 
         self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
@@ -307,7 +317,7 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.state.step, desc=f"{self.cfg.data.task}",
+        return tqdm(total=self.total_steps, initial=self.state.step, desc=self.task.name,
                     unit="step", dynamic_ncols=True)
 
     def _log_train(self, grad_norm: float, progress) -> None:
@@ -350,13 +360,16 @@ class Trainer:
             local = (torch.cat(preds) if preds else torch.empty(0))[:shard.num_real]
             gathered = self.strategy.gather_objects((shard.indices, local))
             logits = torch.cat([t for _, t in gathered])[torch.tensor(restore_order([idx for idx, _ in gathered]))]
-            out[split] = compute_metrics(self.cfg.data.task, logits.numpy(), self.data.eval_labels[split])
+            out[split] = compute_metrics(self.task, logits.numpy(), self.data.eval_labels[split])
         return out
 
     def _evaluate_and_select(self) -> None:
         st = self.state
         metrics = self.evaluate()
         record = {"step": st.step, "metrics": metrics}
+        if self.forgetting is not None:  # collective: every rank runs its share of the probe
+            self.model.eval()
+            record["forgetting"] = self.forgetting.measure(lambda batch: self.strategy.forward(batch))
         st.evals.append(record)
         self.log.write({"type": "eval", **record})
         main = self.task.main_metric
@@ -387,7 +400,7 @@ class Trainer:
         checkpoint = self.checkpoints.latest()
         name = signal.Signals(signum).name
         results = {"status": "interrupted", "signal": name, "exit_code": 128 + signum, "steps": st.step,
-                   "total_steps": self.total_steps, "checkpoint": str(checkpoint), "task": self.cfg.data.task,
+                   "total_steps": self.total_steps, "checkpoint": str(checkpoint), "task": self.task.name,
                    "evals": st.evals, "config": self.cfg.to_dict()}
         if self.strategy.is_main_process:
             self._write_results(results)
@@ -411,7 +424,7 @@ class Trainer:
         reported = st.best if self.cfg.evaluation.select_best else final
         main = self.task.main_metric
         results = {
-            "task": self.cfg.data.task,
+            "task": self.task.name,
             "main_metric": main,
             "selection_split": self.selection_split,
             "steps": st.step,
@@ -421,10 +434,11 @@ class Trainer:
             "reported": "best" if self.cfg.evaluation.select_best else "final",
             "majority_baseline": self.baselines,
             "failed": diverged is not None or bool(is_failed(
-                self.cfg.data.task, reported["metrics"][self.selection_split], self.baselines[self.selection_split])),
+                self.task, reported["metrics"][self.selection_split], self.baselines[self.selection_split])),
             **({"diverged": diverged} if diverged is not None else {}),
             # The size this run trained on (ft-report groups tasks by it, not by the nominal GLUE size).
             "train_examples": len(self.data.train),
+            **({"forgetting_probe": self.forgetting.describe()} if self.forgetting is not None else {}),
             "config_changes": st.config_changes,
             "config": self.cfg.to_dict(),
         }

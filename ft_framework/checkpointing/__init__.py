@@ -1,7 +1,7 @@
 """Checkpoints: one sharded layout for every strategy (layout.py; what it stores in fragments.py,
-its manifest in manifest.py, its use of torch.distributed.checkpoint in dcp_io.py), export to a
-Hugging Face model without a training world (export.py), and the converter of the formats before
-it (legacy.py)."""
+its manifest in manifest.py, its use of torch.distributed.checkpoint in dcp_io.py, whose files
+dcp_read.py reads as data), export to a Hugging Face model without a training world (export.py),
+and the converter of the formats before it (legacy.py)."""
 
 from ft_framework.checkpointing.fragments import (ANCHOR, MASTER, STEP, Fragment, ParamInfo, ShardedCheckpointable, dtensor_fragments, param_info,
                         whole_tensor_fragments)

@@ -9,6 +9,8 @@ import warnings
 
 import torch
 
+from ft_framework.checkpointing.dcp_read import read_bytes_as_data
+
 
 # ---- DCP planners -----------------------------------------------------------------------------
 def _planners():
@@ -83,7 +85,7 @@ def _planners():
         def load_bytes(self, read_item, value):
             # DCP's own planner unpickles a non-tensor entry with weights_only=False: code could
             # run. Ours are plain data (a loss scaler's numbers), read as data only.
-            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+            self.state_dict[read_item.dest_index.fqn] = read_bytes_as_data(value)
 
     return FragmentSavePlanner, FragmentLoadPlanner
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ft_framework.models.lora import save_model
 from ft_framework.checkpointing.dcp_io import _planners, _quiet_dcp
+from ft_framework.checkpointing.dcp_read import checkpoint_reader
 from ft_framework.checkpointing.fragments import MASTER, buffer_key, fragment_key, param_key
 from ft_framework.checkpointing.manifest import MODEL_SUBDIR, CheckpointFormatError, check_files, read_manifest
 
@@ -28,11 +29,24 @@ logger = logging.getLogger(__name__)
 __all__ = ["build_model", "export_pretrained", "load_model_weights", "verify_checkpoint"]
 
 
-def _import(path: str) -> Any:
+# A checkpoint names its model's class as data; only these packages' classes are imported from it
+# (a manifest could otherwise name any module, and importing a module runs its code). A class given
+# on the command line (--model-class) is the user's own choice and may come from anywhere.
+MANIFEST_CLASS_PACKAGES = ("transformers", "peft")
+
+
+def _import(path: str, *, from_manifest: bool, checkpoint_dir: Path) -> Any:
     module, _, name = path.partition(":")
+    if from_manifest and module.split(".")[0] not in MANIFEST_CLASS_PACKAGES:
+        raise CheckpointFormatError(
+            f"checkpoint {checkpoint_dir} names the model class {path!r}, outside "
+            f"{', '.join(MANIFEST_CLASS_PACKAGES)}: not imported (importing a module runs its code); if you trust "
+            "it, pass --model-class with that class yourself")
     obj = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
+    if not isinstance(obj, type) or not (issubclass(obj, nn.Module) or obj.__name__.startswith("Auto")):
+        raise CheckpointFormatError(f"model class {path!r} (checkpoint {checkpoint_dir}) is not a torch module")
     return obj
 
 
@@ -55,7 +69,7 @@ def build_model(checkpoint_dir: Path, manifest: dict[str, Any] | None = None, *,
             "(a directory with the model's config.json) and --model-class (e.g. "
             "transformers:AutoModelForSequenceClassification)")
     config = AutoConfig.from_pretrained(config_path)
-    cls = _import(class_path)
+    cls = _import(class_path, from_manifest=model_class is None, checkpoint_dir=checkpoint_dir)
     with torch.device("meta"):
         # An Auto class builds through from_config; a model class from its config.
         model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
@@ -81,7 +95,7 @@ def load_model_weights(model: nn.Module, checkpoint_dir: Path) -> nn.Module:
     saved chunk at a time, in one process."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(str(checkpoint_dir))
+    reader = checkpoint_reader(checkpoint_dir)
     available = reader.read_metadata().state_dict_metadata
     state: dict[str, torch.Tensor] = {}
     targets: dict[str, tuple[str, int]] = {}

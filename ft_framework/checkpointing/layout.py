@@ -48,6 +48,7 @@ import torch
 from ft_framework.optim.base import check_loaded_anchors
 from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _no_dist, _own_storage, _planners,
                                               _quiet_dcp)
+from ft_framework.checkpointing.dcp_read import checkpoint_reader
 from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo,
                                                   ShardedCheckpointable, buffer_key, checkpoint_fields, fragment_key,
                                                   param_key)
@@ -159,12 +160,8 @@ def load_sharded(directory: Path, target: ShardedCheckpointable) -> dict[str, An
 
     directory = Path(directory)
     manifest = read_manifest(directory)
-    reader = dcp.FileSystemReader(str(directory))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as exc:
-        raise CheckpointFormatError(f"checkpoint {directory} cannot be read ({exc}); "
-                                    "resume from an earlier checkpoint") from exc
+    reader = checkpoint_reader(directory)
+    metadata = reader.read_metadata()  # as data; a refusal or a damaged file is one line
     params = target.params()
     check_against_model(directory, manifest, metadata, params, target.anchored_names())
     target.prepare_load()
@@ -218,7 +215,7 @@ def read_fields(directory: Path, fields: Iterable[str] | None = None,
 
     directory = Path(directory)
     manifest = read_manifest(directory)
-    reader = dcp.FileSystemReader(str(directory))
+    reader = checkpoint_reader(directory)
     saved = checkpoint_fields(reader.read_metadata())
     wanted_fields = set(fields) if fields is not None else None
     wanted_names = set(names) if names is not None else None
@@ -257,7 +254,7 @@ def read_buffers(directory: Path) -> dict[str, torch.Tensor]:
     """The persistent buffers a checkpoint holds (model state besides the parameters), by name."""
     import torch.distributed.checkpoint as dcp
 
-    reader = dcp.FileSystemReader(str(directory))
+    reader = checkpoint_reader(directory)
     available = reader.read_metadata().state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for key, md in available.items() if key.startswith(BUFFER_PREFIX)}

@@ -23,11 +23,11 @@ import pickle
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ft_framework.run.files import COMPLETE_MARKER, TRAINER_STATE_FILE
+from ft_framework.checkpointing.dcp_read import read_whole_checkpoint
 from ft_framework.checkpointing.fragments import MASTER, STEP, Fragment, ParamInfo
 from ft_framework.checkpointing.layout import save_sharded
 from ft_framework.checkpointing.old_formats import (CONVERTER, DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER,
@@ -53,13 +53,7 @@ def _read_deepspeed(directory: Path) -> tuple[dict, dict]:
 
 
 def _read_fsdp(directory: Path) -> tuple[dict, dict]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(directory)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    state = read_whole_checkpoint(directory)  # .metadata and non-tensor entries read as data
     model, optim = state["model"], state.get("optimizer", {}).get("state", {})
     # Entries with optimizer state are the (trained) parameters; the rest of the model state are
     # buffers (a frozen parameter would land there too: the old format does not tell them apart).

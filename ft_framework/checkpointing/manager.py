@@ -7,6 +7,7 @@ therefore leaves the previous checkpoint intact and still marked as the latest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,7 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from ft_framework.checkpointing.manifest import MANIFEST_FILE, check_files, file_records, record_files
+from ft_framework.checkpointing.dcp_read import DCP_METADATA, read_metadata
+from ft_framework.checkpointing.manifest import (MANIFEST_FILE, CheckpointFormatError, check_files, file_records,
+                                                 record_files)
 from ft_framework.errors import UserError
 from ft_framework.run.files import (BEST_CHECKPOINT, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
                                     LATEST_FILE, TRAINER_STATE_FILE, checkpoint_name)
@@ -26,7 +29,11 @@ logger = logging.getLogger(__name__)
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.write_text(text)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -62,18 +69,71 @@ def resolve_latest(path: str | Path) -> Path:
     return directory
 
 
+# A write that failed without an errno (torch's zip writer raises a RuntimeError for a full disk) is
+# a full disk when its file system has less than this left: a write that runs out of space fills it.
+FULL_DISK_BYTES = 16 << 20
+
+
+def _metadata_problems(directory: Path) -> list[str]:
+    """What reading the checkpoint's DCP index as data refuses (empty: it reads). A directory of
+    the sharded layout only: an old format's reader says what it is."""
+    if not (directory / MANIFEST_FILE).is_file() or not (directory / DCP_METADATA).is_file():
+        return []
+    try:
+        read_metadata(directory / DCP_METADATA)
+    except CheckpointFormatError as exc:
+        return [str(exc)]
+    return []
+
+
 def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError behind a failed save: `exc` itself, its cause, or a rank's failure inside DCP's
-    CheckpointException (which torch.distributed.checkpoint raises for a writer's error)."""
-    seen = 0
-    while exc is not None and seen < 8:
+    """The OSError behind a failed save, wherever it is in the chain: `exc` itself, what it was
+    raised from or while handling (torch's writer raises a RuntimeError while handling the
+    stream's OSError), or a rank's failure inside DCP's CheckpointException."""
+    pending, seen = [exc], set()
+    while pending and len(seen) < 32:
+        exc = pending.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
         if isinstance(exc, OSError):
             return exc
         for failure in (getattr(exc, "failures", None) or {}).values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, OSError):
-                return inner
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+        pending += [exc.__cause__, exc.__context__]
+    return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes free to this user on the file system holding `path` (or its nearest existing parent)."""
+    for candidate in [path, *path.parents]:
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _save_failure(exc: BaseException, root: Path) -> str | None:
+    """Why a save into `root` failed when the file system is the cause (an OSError anywhere in the
+    chain, or no errno and a full file system), with the space left; None for anything else."""
+    free = _free_bytes(root)
+    left = f"{_size(free)} free on the file system of {root}" if free is not None else f"free space of {root} unknown"
+    os_error = _os_error(exc)
+    if os_error is not None:
+        where = f": {os_error.filename}" if os_error.filename else ""
+        return f"{os_error.strerror or os_error}{where}; {left}"
+    if free is not None and free < FULL_DISK_BYTES:
+        return f"the file system is full: {left}"
     return None
 
 
@@ -97,7 +157,8 @@ class CheckpointManager:
         name = self.name_for(step)
         final = self._write(name, step, strategy, trainer_state)
         if self.is_main:
-            _write_atomic(self.root / LATEST_FILE, name)
+            with self._failures(name, partial=None):
+                _write_atomic(self.root / LATEST_FILE, name)
             self._prune(keep=name)
         self.barrier()
         return final
@@ -107,15 +168,35 @@ class CheckpointManager:
         (every rank writes its fragments; no rank gathers the model), replacing the previous best."""
         return self._write(BEST_CHECKPOINT, step, strategy, trainer_state)
 
+    @contextlib.contextmanager
+    def _failures(self, name: str, partial: Path | None):
+        """A save that the file system fails (a full disk, a quota, a lost mount), whichever layer
+        raised it, becomes one line naming the directory and its free space; `partial` is removed
+        and the previous checkpoint, still named in `latest`, stays. Any other error is raised as is."""
+        try:
+            yield
+        except (OSError, RuntimeError) as raised:
+            why = _save_failure(raised, self.root)
+            if why is None:
+                raise
+            if self.is_main and partial is not None:
+                shutil.rmtree(partial, ignore_errors=True)
+            previous = self.latest()
+            raise CheckpointError(
+                f"saving checkpoint {name} into {self.root} failed ({why}); "
+                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+                + ". Free space or choose another logging.output_dir, then resume (checkpoint.resume_from=auto)"
+            ) from raised
+
     def _write(self, name: str, step: int, strategy, trainer_state: dict[str, Any]) -> Path:
         """Writes checkpoint `name` through a hidden partial directory and renames it into place."""
         partial, final = self.root / f".{name}.partial", self.root / name
-        if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-        self.barrier()
-        try:
+        with self._failures(name, partial):
+            if self.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir()
+            self.barrier()
             strategy.save_checkpoint(partial, tokenizer=self.tokenizer)
             self.barrier()
             if self.is_main:
@@ -127,24 +208,11 @@ class CheckpointManager:
             gathered = strategy.gather_objects(records) if strategy.world_size > 1 else [records]
             if self.is_main and sharded:
                 record_files(partial, {k: v for part in gathered for k, v in part.items()})
-        except (OSError, RuntimeError) as raised:  # a full disk, a quota, a lost mount: one line
-            exc = _os_error(raised)
-            if exc is None:
-                raise
             if self.is_main:
-                shutil.rmtree(partial, ignore_errors=True)
-            previous = self.latest()
-            raise CheckpointError(
-                f"saving checkpoint {name} into {self.root} failed ({exc.strerror or exc}"
-                f"{': ' + str(exc.filename) if exc.filename else ''}); "
-                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
-                + ". Free space or choose another logging.output_dir, then resume (checkpoint.resume_from=auto)"
-            ) from exc
-        if self.is_main:
-            (partial / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
+                (partial / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(partial, final)
         self.barrier()
         return final
 
@@ -178,8 +246,10 @@ class CheckpointManager:
         steps = sorted(self.root.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True) if self.root.is_dir() else []
         for directory in dict.fromkeys(([pointed] if pointed is not None else []) + steps):
             if (directory / COMPLETE_MARKER).is_file() and (directory / TRAINER_STATE_FILE).is_file():
-                damaged = check_files(directory)
-                if damaged:  # the sizes the manifest records: cheap, and what a crash or a full disk breaks
+                # The sizes the manifest records (cheap, and what a crash or a full disk breaks), and DCP's
+                # index read as data (a planted one is refused before anything loads it).
+                damaged = check_files(directory) or _metadata_problems(directory)
+                if damaged:
                     logger.warning("checkpoint.resume_from=auto: skipping %s: %s", directory, "; ".join(damaged))
                     continue
                 return directory
@@ -207,4 +277,7 @@ class CheckpointManager:
         if damaged:
             raise CheckpointError(f"checkpoint {directory} is damaged: {'; '.join(damaged)}; resume from an earlier "
                                   "checkpoint (checkpoint.resume_from=<its directory>, or auto)")
+        refused = _metadata_problems(directory)
+        if refused:
+            raise CheckpointError(f"{refused[0]} (checkpoint.resume_from=<its directory>, or auto)")
         return directory

@@ -19,7 +19,7 @@ from ft_framework.run.fingerprint import check_allow_list
 from ft_framework.config.errors import ConfigError, check_keys, format_validation_error
 from ft_framework.config.overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
                         resolve_task_overrides, set_path)
-from ft_framework.config.schema import RunConfig
+from ft_framework.config.schema import FILES_SOURCE, RunConfig
 
 __all__ = ["validate_config", "load_config"]
 
@@ -68,9 +68,13 @@ def _validate_model(data: dict[str, Any], where: str) -> RunConfig:
 def _check_paths(cfg: RunConfig) -> None:
     """Checks that files the config points to exist (relative paths: from the current directory)."""
     source = cfg.data.source
-    if source != "hub" and not source.startswith("builtin:") and not Path(source).is_dir():
+    if source not in ("hub", FILES_SOURCE) and not source.startswith("builtin:") and not Path(source).is_dir():
         raise ConfigError(f"data.source: directory {source!r} not found; use 'hub', "
-                          f"'builtin:quickstart' or a directory in the GLUE layout")
+                          f"'builtin:quickstart', {FILES_SOURCE!r} (your own data) or a directory in the GLUE layout")
+    for split, path in (cfg.data.files or {}).items():
+        if not Path(path).expanduser().exists():
+            raise ConfigError(f"data.files.{split}: {path!r} not found (relative paths start at the current "
+                              f"directory, {Path.cwd()})")
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
         raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")

@@ -8,20 +8,23 @@ errors, `to_dict()` and the sweep's run identity pick it up without further chan
 from __future__ import annotations
 
 import importlib.util
+import typing
 import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ft_framework import optim, resources
-from ft_framework.data.tasks import GLUE_TASK_NAMES
+from ft_framework.data.tasks import GLUE_TASK_NAMES, OWN_DATA_SPLITS, TaskSpec, get_task, own_data_task
+from ft_framework.errors import did_you_mean
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
 
 from ft_framework.config.overrides import resolve_task_overrides
 
 __all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
-           "TrainingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
+           "TrainingConfig",
+           "ForgettingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
            "CheckpointConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig"]
 
 # The valid data.task values, from the task specs (ft_framework/data/tasks.py).
@@ -29,6 +32,10 @@ GlueTask = Literal[GLUE_TASK_NAMES]  # type: ignore[valid-type]
 
 # data.source values of the form "builtin:<name>": data sets shipped inside the package.
 BUILTIN_DATA_SOURCES: tuple[str, ...] = ("quickstart",)
+# data.source for your own data, which the data.files, text_columns, label_column, problem, labels
+# and name keys describe (and only then may differ from their defaults).
+FILES_SOURCE = "files"
+_OWN_DATA_KEYS = ("files", "text_columns", "label_column", "problem", "labels", "name")
 
 # Keys of the optimizer's hyper-parameters that are set as section fields instead of in
 # `optimizer.hparams`, because the parameter grouping (not the optimizer) decides their value.
@@ -116,10 +123,12 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Which GLUE task and where its data comes from."""
+    """Which task and where its data comes from: a GLUE task, or your own files (source: files)."""
 
-    task: GlueTask
-    # "hub", "builtin:<name>" (a data set shipped in the package) or a local GLUE-format directory.
+    # A GLUE task; leave it unset with source: files.
+    task: GlueTask | None = None
+    # "hub", "builtin:<name>" (a data set shipped in the package), a local GLUE-format directory, or
+    # "files": your own data, described by the keys below.
     source: str = "hub"
     hub_id: str = "nyu-mll/glue"
     max_seq_length: int = Field(128, gt=0)
@@ -128,6 +137,19 @@ class DataConfig(_Section):
     split_seed: int = 0
     max_train_examples: int | None = Field(None, gt=0)
     max_eval_examples: int | None = Field(None, gt=0)
+    # ---- own data (source: files); docs/training.md describes the formats -----------------------
+    # Split -> a .csv, .tsv or .jsonl file, or a directory saved with datasets' save_to_disk. train
+    # and validation (which selects models) are required, test (held out) is optional. Relative
+    # paths start at the current directory, like every path of a config.
+    files: dict[str, str] | None = None
+    # The column of the text, or two columns of a text pair, in the order the model reads them.
+    text_columns: list[str] | None = None
+    label_column: str = "label"
+    problem: Literal["classification", "regression"] = "classification"
+    # The classes as the files write them (the label id is the position); unset for regression.
+    labels: list[Any] | None = None
+    # The task's name in results.json, logs and sweep reports.
+    name: str = "custom"
 
     @field_validator("source")
     @classmethod
@@ -138,14 +160,93 @@ class DataConfig(_Section):
                 valid = ", ".join(f"builtin:{n}" for n in BUILTIN_DATA_SOURCES)
                 raise ValueError(f"unknown built-in data set {value!r}; valid: {valid}")
         elif not value:
-            raise ValueError("empty data source; use 'hub', 'builtin:quickstart' or a GLUE-format directory")
+            raise ValueError(f"empty data source; use 'hub', 'builtin:quickstart', {FILES_SOURCE!r} (your own data) "
+                             "or a GLUE-format directory")
         return value
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_as_text(cls, value: list[Any] | None) -> list[str] | None:
+        """Labels as the files' text: YAML's 0 and 1 are the files' "0" and "1"."""
+        if value is None:
+            return None
+        for label in value:
+            if isinstance(label, bool) or not isinstance(label, (str, int)):
+                raise ValueError(f"label {label!r} is not text or an integer (YAML reads yes/no/true/false "
+                                 "as booleans: quote them)")
+        labels = [str(label) for label in value]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"label {duplicates[0]!r} is listed more than once")
+        return labels
+
+    @model_validator(mode="after")
+    def _check_task_or_files(self) -> "DataConfig":
+        if self.source != FILES_SOURCE:
+            fields = type(self).model_fields
+            own = [key for key in _OWN_DATA_KEYS if getattr(self, key) != fields[key].default]
+            if own:
+                raise ValueError(f"data.{own[0]} describes your own data: set data.source: {FILES_SOURCE} with it, "
+                                 f"or remove it for GLUE (data.source: {self.source})")
+            if self.task is None:
+                raise ValueError(f"set data.task (a GLUE task: {', '.join(GLUE_TASK_NAMES)}), or "
+                                 f"data.source: {FILES_SOURCE} with data.files for your own data")
+            return self
+        if self.task is not None:
+            raise ValueError(f"data.task names a GLUE task; with data.source: {FILES_SOURCE} leave it unset "
+                             "(data.name names your data)")
+        if self.name in GLUE_TASK_NAMES:
+            raise ValueError(f"data.name {self.name!r} is a GLUE task's name; choose another for your own data")
+        self._check_files()
+        if not self.text_columns or len(self.text_columns) > 2 or len(set(self.text_columns)) != len(self.text_columns):
+            raise ValueError(f"data.text_columns must name one text column or two different ones (a text pair); "
+                             f"got {self.text_columns}")
+        if self.label_column in self.text_columns:
+            raise ValueError(f"data.label_column {self.label_column!r} is also in data.text_columns")
+        if self.problem == "regression" and self.labels is not None:
+            raise ValueError("data.labels lists classes; a regression problem has none: remove data.labels")
+        if self.problem == "classification" and (self.labels is None or len(self.labels) < 2):
+            raise ValueError("data.labels must list at least two classes as your files write them (e.g. "
+                             "[negative, positive]), or set data.problem: regression")
+        return self
+
+    def _check_files(self) -> None:
+        if not self.files:
+            raise ValueError(f"data.source: {FILES_SOURCE} needs data.files, e.g. "
+                             "{train: data/train.csv, validation: data/dev.csv}")
+        for split in self.files:
+            if split not in OWN_DATA_SPLITS:
+                raise ValueError(f"unknown split data.files.{split}{did_you_mean(split, OWN_DATA_SPLITS)}; valid: "
+                                 f"{', '.join(OWN_DATA_SPLITS)}")
+        for split in ("train", "validation"):
+            if split not in self.files:
+                raise ValueError(f"data.files.{split} is required (the {split} file)")
+        if "test" in self.files and self.split_dev_in_half:
+            raise ValueError("data.split_dev_in_half makes the test split from half of validation, but data.files.test "
+                             "is set too: use one of them")
+
+    def task_spec(self) -> TaskSpec:
+        """The run's task: a GLUE task's spec, or the spec of your own data."""
+        if self.source != FILES_SOURCE:
+            return get_task(self.task)
+        eval_splits = ("validation", "test") if "test" in self.files else ("validation",)
+        labels = None if self.problem == "regression" else tuple(self.labels)
+        return own_data_task(self.name, text_columns=tuple(self.text_columns), label_column=self.label_column,
+                             labels=labels, eval_splits=eval_splits)
 
     def resolved_source(self) -> str:
         """The `source` argument for `load_glue`: "hub" or a directory path."""
         if self.source.startswith("builtin:"):
             return str(resources.quickstart_glue_dir())
         return self.source
+
+    def loader_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of `data.load_task_data(self.task_spec(), tokenizer=..., **these)`."""
+        own = self.source == FILES_SOURCE
+        return {"max_seq_length": self.max_seq_length, "source": "hub" if own else self.resolved_source(),
+                "hub_id": self.hub_id, "files": dict(self.files) if own else None,
+                "split_dev_in_half": self.split_dev_in_half, "split_seed": self.split_seed,
+                "max_train_examples": self.max_train_examples, "max_eval_examples": self.max_eval_examples}
 
 
 class OptimizerConfig(_Section):
@@ -245,6 +346,12 @@ class TrainingConfig(_Section):
     # ...from data order and dropout. None: same as seed (filled in on validation).
     data_seed: int | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Recompute each transformer block's activations in backward instead of keeping them: less
+    # activation memory for one more forward per step; the gradients are the same.
+    activation_checkpointing: bool = False
+    # Refuse, before anything loads, a run whose planned peak per rank (ft-plan; on a CPU run, its
+    # memory) exceeds this many GiB of the device; the error names overrides that fit.
+    memory_budget_gib: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":
@@ -252,6 +359,22 @@ class TrainingConfig(_Section):
         if self.data_seed is None:
             self.data_seed = self.seed
         return self
+
+
+class ForgettingConfig(_Section):
+    """Functional forgetting, measured at each evaluation on held-out probe text
+    (ft_framework/models/forgetting.py, docs/forgetting_methods.md)."""
+
+    enabled: bool = True
+    # A UTF-8 text file, one sentence per line; null: the first num_sentences prose sentences of
+    # Python's documentation topics (pydoc_data.topics).
+    probe_file: str | None = None
+    # 32 × 32 tokens keeps the quickstart's measurements under 10% of its training time
+    # (docs/benchmarks.md); more sentences give a less noisy CKA at a proportional cost.
+    num_sentences: int = Field(32, ge=4)
+    max_length: int = Field(32, ge=8)
+    # Seeds the MLM masks: token j of sentence i is masked or not whatever the rank or batch.
+    mask_seed: int = 0
 
 
 class EvaluationConfig(_Section):
@@ -263,6 +386,7 @@ class EvaluationConfig(_Section):
     batch_size: int = Field(64, gt=0)
     # Report (and keep) the best evaluation instead of the last one (early stopping).
     select_best: bool = False
+    forgetting: ForgettingConfig = Field(default_factory=ForgettingConfig)
 
     @model_validator(mode="after")
     def _at_most_one(self) -> "EvaluationConfig":
@@ -513,3 +637,23 @@ def _require_exactly_one(model: BaseModel, a: str, b: str, hint: str = "") -> No
         # Hint at the usual cause: a task override sets one while the base config sets the other.
         raise ValueError(f"set exactly one of {a} and {b}; {what}{tail}. To replace one by the "
                          f"other in an override, set the old one to null")
+
+
+def schema_default(dotted_key: str) -> tuple[bool, Any]:
+    """(whether the schema declares `dotted_key`, its default in JSON form). A resume lets a key that
+    its checkpoint's config lacks pass at this default (run/fingerprint.py): the key was added to
+    the schema after the checkpoint was written, and its default is what that run did."""
+    section: type[BaseModel] | None = RunConfig
+    parts = dotted_key.split(".")
+    for i, part in enumerate(parts):
+        field = section.model_fields.get(part) if section is not None else None
+        if field is None:
+            return False, None
+        if i == len(parts) - 1:
+            if field.is_required():
+                return False, None
+            value = field.get_default(call_default_factory=True)
+            return True, value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        section = next((t for t in (field.annotation, *typing.get_args(field.annotation))
+                        if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return False, None

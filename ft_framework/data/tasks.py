@@ -1,6 +1,6 @@
-"""The nine GLUE tasks: every fact about a task lives in its :class:`TaskSpec` here, and the config
-(valid task names), the data loader (texts, labels, splits), the metrics (which ones, the main one)
-and the sweep report (titles, sizes, order) read it from here.
+"""The nine GLUE tasks, and a user's own data as a task: every fact about a task lives in its
+:class:`TaskSpec` here, and the config (valid task names), the data loader (texts, labels, splits),
+the metrics (which ones, the main one) and the sweep report (titles, sizes, order) read it from here.
 
 This module imports nothing heavy (no torch, numpy or datasets), so the config can use it cheaply.
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ft_framework.errors import UserError, did_you_mean
 
-__all__ = ["TaskSpec", "GLUE_TASKS", "GLUE_TASK_NAMES", "LARGE_TASK_MIN_TRAIN_SIZE", "get_task"]
+__all__ = ["TaskSpec", "GLUE_TASKS", "GLUE_TASK_NAMES", "LARGE_TASK_MIN_TRAIN_SIZE", "get_task", "own_data_task",
+           "OWN_DATA_SPLITS"]
 
 # Chen et al. 2020 and Mosbach et al. 2020 group the tasks by training-set size at 10k examples.
 LARGE_TASK_MIN_TRAIN_SIZE = 10_000
@@ -22,24 +23,26 @@ LARGE_TASK_MIN_TRAIN_SIZE = 10_000
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Static description of one GLUE task.
+    """Static description of one task: a GLUE task, or a user's own data (:func:`own_data_task`).
 
-    ``label_list[i]`` is the label string used in the original TSV files for hub label id ``i``.
+    ``label_list[i]`` is the label string used in the original TSV files for hub label id ``i`` (own
+    data: the label as the user's files write it).
     """
 
     name: str                          # config and hub name: "sst2"
     # The task's name in the GLUE paper ("SST-2"); the GLUE distribution also names each task's
     # directory by it (glue_data/SST-2/train.tsv), so the local loader looks for this directory.
     title: str
-    text_keys: tuple[str, ...]         # hub column names of the input texts, in model order
+    text_keys: tuple[str, ...]         # hub (own data: file) column names of the input texts, in model order
     label_list: tuple[str, ...] | None  # None for regression (STS-B)
     eval_splits: tuple[str, ...]       # hub split names of the dev set(s); the first selects models
     # Metrics reported for the task, in report order (names as computed by ft_framework.metrics).
     metrics: tuple[str, ...]
     main_metric: str                   # the GLUE headline metric: model selection and "failed" runs
     # Nominal size of the full GLUE training set (the GLUE paper; Chen et al. 2020, Table 1),
-    # not the size of whatever data a run loads.
+    # not the size of whatever data a run loads; 0 for own data, which has no nominal size.
     train_size: int
+    label_key: str = "label"           # hub (own data: file) column name of the label
 
     def __post_init__(self) -> None:
         if self.main_metric not in self.metrics:
@@ -108,3 +111,21 @@ def get_task(name: str) -> TaskSpec:
         raise UserError(f"unknown GLUE task {name!r}{did_you_mean(key, GLUE_TASK_NAMES)}; "
                         f"valid tasks: {', '.join(GLUE_TASK_NAMES)}")
     return GLUE_TASKS[key]
+
+
+# The keys of data.files: the train split, the split that selects models, and an optional held-out one.
+OWN_DATA_SPLITS: tuple[str, ...] = ("train", "validation", "test")
+# Own data's metrics, in report order, the first the main one. Classification: accuracy, and MCC,
+# which stays informative when the classes are imbalanced. Regression: as STS-B, plus the mean
+# squared error, which the mean baseline makes concrete (its correlations are 0 by definition).
+_OWN_CLASSIFICATION_METRICS = ("accuracy", "mcc")
+_OWN_REGRESSION_METRICS = ("pearson", "spearmanr", "mse")
+
+
+def own_data_task(name: str, *, text_columns: tuple[str, ...], label_column: str,
+                  labels: tuple[str, ...] | None, eval_splits: tuple[str, ...]) -> TaskSpec:
+    """The TaskSpec of a user's own data: ``labels`` lists the classes (label id = position), None
+    for regression."""
+    metrics = _OWN_REGRESSION_METRICS if labels is None else _OWN_CLASSIFICATION_METRICS
+    return TaskSpec(name, name, tuple(text_columns), labels, tuple(eval_splits), metrics, metrics[0], 0,
+                    label_key=label_column)

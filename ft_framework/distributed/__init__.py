@@ -1,1 +1,1 @@
-"""Everything between processes: the process group and a bounded rendezvous, every collective, the check that all ranks train one config, and torchrun with one-line failures."""
+"""Everything between processes: the process group and a bounded rendezvous, every collective, the check that all ranks train one config, which rank failed first or died without a word, and torchrun with one-line failures."""

@@ -135,4 +135,5 @@ def join_process_group(backend: str, timeout_s: float | None = None, **init_kwar
             f"rank {rank} of {world} met the others at {where} but could not connect to them "
             f"({_first_line(exc)}): check that the nodes reach each other on the interface of their hostname "
             "(or name it with GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)") from None
-    peer_failures.register_store(store, world_size=world, store_host_rank=None if agent else 0)
+    peer_failures.register_store(store, world_size=world, store_host_rank=None if agent else 0, rank=rank,
+                                 rendezvous=(addr, int(port)))

@@ -6,7 +6,8 @@ for a socket that timed out) and its failure table, one line saying what happene
 
 - this node cannot reach the rendezvous (``--rdzv-endpoint``; ``read_timeout``, default 60 s),
 - the rendezvous did not fill up: another node never joined (``join_timeout``, default 600 s),
-- a worker failed: which ranks, with which exit code (the worker's own error line is above);
+- a worker failed: which ranks, with which exit code or signal, which failed first (the worker's
+  own error line is above; one killed by a signal, SIGKILL or the out-of-memory killer, has none);
 - a signal stopped it (SIGTERM from SLURM or Kubernetes): exit code 128 + its number, no traceback.
 
 Both timeouts are torchrun's ``--rdzv-conf join_timeout=S,read_timeout=S``. The exit code is
@@ -78,15 +79,30 @@ def describe_failure(exc: BaseException, args) -> str | None:
     if isinstance(exc, RendezvousError):
         return f"{PROG}: rendezvous at {endpoint} failed: {type(exc).__name__}{_cause(exc)}: {same}"
     if isinstance(exc, ChildFailedError):
+        first, first_failure = exc.get_first_failure()
         parts = []
         for rank, failure in sorted(exc.failures.items()):
             code = failure.exitcode
-            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-            parts.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}")
-        return (f"{PROG}: workers failed on this node: {'; '.join(parts)}; their own error lines are above"
+            how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+            order = " first" if rank == first and len(exc.failures) > 1 else ""
+            parts.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{order}")
+        if first_failure.exitcode < 0:  # a signal ended it before it could print anything
+            told = (f"rank {first} printed nothing: {_signal_name(-first_failure.exitcode)} ended it (kill -9, or "
+                    "the kernel's out-of-memory killer, which the node's kernel log records: dmesg); the other "
+                    "ranks' lines are above")
+        else:
+            told = "their own error lines are above"
+        return (f"{PROG}: workers failed on this node: {'; '.join(parts)}; {told}"
                 + (" (after the restarts --max-restarts allowed)" if int(getattr(args, 'max_restarts', 0) or 0)
                    else ""))
     return None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _quiet_cpp_logs_here():

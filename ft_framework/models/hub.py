@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 from ft_framework.errors import UserError
 
-__all__ = ["HUB_PROBE_TIMEOUT_S", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
+__all__ = ["HUB_PROBE_TIMEOUT_S", "cached_config_file", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
            "probe_hub"]
 
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -96,6 +96,19 @@ def _in_cache(repo_id: str, key: str) -> bool:
                         f"({type(exc).__name__}: {why}); repair or remove its models--* directory, or set "
                         "HF_HUB_CACHE to another cache") from exc
     return isinstance(found, str)
+
+
+def cached_config_file(repo_id: str) -> Path | None:
+    """The config.json of hub model `repo_id` in the local Hugging Face cache, or None (never the
+    network: the memory plan reads a model's architecture without its weights)."""
+    from huggingface_hub import try_to_load_from_cache  # lazy: transformers' dependency
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except (HFValidationError, OSError, UnicodeDecodeError):
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def check_model_source(name: str, *, key: str = "model.name_or_path") -> bool:

@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LoadedModel",
     "MixoutLinear",
+    "apply_dropout",
     "apply_mixout",
     "capture_pretrained_state",
+    "fp32_load_argument",
     "load_model",
     "load_model_and_tokenizer",
     "load_tokenizer",
@@ -176,27 +178,37 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
                        mixout_module_names=mixout_names)
 
 
+def apply_dropout(config: Any, dropout: float | None) -> None:
+    """model.dropout on a transformers config: its hidden and attention dropout (None: the model's own)."""
+    if dropout is not None:
+        for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if hasattr(config, attr):
+                setattr(config, attr, dropout)
+
+
 def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regression: bool,
                      local_files_only: bool = False):
     """AutoModelForSequenceClassification.from_pretrained in fp32, with the loading report."""
-    import transformers
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(
         path, local_files_only=local_files_only, num_labels=1 if is_regression else num_labels,
         problem_type="regression" if is_regression else "single_label_classification",
     )
-    if cfg.dropout is not None:
-        for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if hasattr(config, attr):
-                setattr(config, attr, cfg.dropout)
-    # transformers renamed torch_dtype to dtype in 4.56; always load fp32 so θ* is exact.
-    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-    dtype_kw = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    apply_dropout(config, cfg.dropout)
     return AutoModelForSequenceClassification.from_pretrained(
         path, config=config, local_files_only=local_files_only, output_loading_info=True, ignore_mismatched_sizes=True,
-        **{dtype_kw: torch.float32},
+        **fp32_load_argument(),
     )
+
+
+def fp32_load_argument() -> dict[str, torch.dtype]:
+    """from_pretrained's argument that loads in fp32 (θ* exact), whatever the checkpoint's dtype:
+    transformers renamed torch_dtype to dtype in 4.56."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
 
 
 def new_parameter_names(model: nn.Module, loading_info: dict[str, Any]) -> list[str]:

@@ -1,16 +1,21 @@
-"""The two Adam baselines of Mosbach et al. / Zhang et al.: debiased AdamW and BERTAdam."""
+"""The two Adam baselines of Mosbach et al. / Zhang et al.: debiased AdamW and BERTAdam.
+
+Each class is a rule without torch: its ``__init__`` signature holds the hyper-parameters and their
+defaults (the registry and the config read them), ``coefficients`` the step. optim/optimizers.py
+makes the optimizers of them, ``class AdamW(AdamWRule, AnchoredOptimizer)``, so the
+``super().__init__`` of a rule's ``__init__`` is AnchoredOptimizer's.
+"""
 
 from __future__ import annotations
 
 import math
 
-from ft_framework.optim.base import AnchoredOptimizer
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.registry import register_optimizer
 
 
 @register_optimizer("adamw")
-class AdamW(AnchoredOptimizer):
+class AdamWRule:
     """Debiased Adam with decoupled weight decay, exactly ``torch.optim.AdamW``'s rule.
 
     Anchors, if given, are kept only for telemetry (the forgetting distance); the rule ignores them.
@@ -33,7 +38,7 @@ class AdamW(AnchoredOptimizer):
 
 
 @register_optimizer("bertadam")
-class BertAdam(AnchoredOptimizer):
+class BertAdamRule:
     """Devlin et al.'s BERTAdam / HF ``transformers.AdamW``: eps on the uncorrected sqrt(v), decay
     after the step. ``correct_bias=False`` (the default) is the "no bias correction" variant that
     Mosbach et al. and Zhang et al. show to be unstable; True is HF's debiased variant."""

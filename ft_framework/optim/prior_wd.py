@@ -1,18 +1,20 @@
 """Weight decay toward the pretrained weights (Lee et al. 2020; Zhang et al. 2021 §7.1):
 a decoupled pull lr * weight_decay * (theta - theta*) first, then debiased Adam without decay.
-Parameters without an anchor decay toward zero instead."""
+Parameters without an anchor decay toward zero instead.
+
+The rule without torch; optim/optimizers.py puts it on AnchoredOptimizer (the optimizer PriorWD)."""
 
 from __future__ import annotations
 
 import math
 
-from ft_framework.optim.adam import AdamW
+from ft_framework.optim.adam import AdamWRule
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.registry import register_optimizer
 
 
 @register_optimizer("prior_wd")
-class PriorWD(AdamW):
+class PriorWDRule(AdamWRule):
     """AdamW's hyper-parameters and defaults; only where the decay pulls to differs."""
 
     @staticmethod

@@ -1,18 +1,20 @@
 """RecAdam (Chen et al. 2020) with the semantics of the authors' released code rather than the
 paper's Algorithm 1: Adam step scaled by lambda(t), then a decoupled pull
-lr * (anneal_w - lambda(t)) * pretrain_cof toward theta*, then weight decay."""
+lr * (anneal_w - lambda(t)) * pretrain_cof toward theta*, then weight decay.
+
+The rule without torch (hyper-parameters, coefficients, the pull's bound); optim/optimizers.py puts
+it on AnchoredOptimizer (the optimizer RecAdam)."""
 
 from __future__ import annotations
 
 from ft_framework.optim.adam import hf_step_size
 from ft_framework.optim.anneal import anneal_lambda
-from ft_framework.optim.base import AnchoredOptimizer
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.registry import register_optimizer
 
 
 @register_optimizer("recadam")
-class RecAdam(AnchoredOptimizer):
+class RecAdamRule:
     """Parameters with an anchor and ``anneal_w > 0`` get the RecAdam rule; others (the new
     classifier head) plain Adam. Defaults are those of the authors' release."""
 

@@ -9,3 +9,18 @@ def quickstart_glue_dir() -> Path:
     Pass it as ``load_glue("sst2", source=str(quickstart_glue_dir()), ...)``.
     """
     return Path(__file__).resolve().parent / "quickstart_glue"
+
+
+# Hub ids whose published architecture (config.json only, no weights) ships in architectures/, so
+# that the memory plan answers for them without the Hugging Face cache.
+PUBLISHED_ARCHITECTURES = {
+    "albert/albert-xxlarge-v2": "albert-xxlarge-v2.json", "albert-xxlarge-v2": "albert-xxlarge-v2.json",
+    "google-bert/bert-base-uncased": "bert-base-uncased.json", "bert-base-uncased": "bert-base-uncased.json",
+    "google-bert/bert-large-uncased": "bert-large-uncased.json", "bert-large-uncased": "bert-large-uncased.json",
+}
+
+
+def published_architecture_file(hub_id: str) -> Path | None:
+    """The shipped config.json of `hub_id`'s architecture, or None when none ships."""
+    name = PUBLISHED_ARCHITECTURES.get(hub_id)
+    return Path(__file__).resolve().parent / "architectures" / name if name else None

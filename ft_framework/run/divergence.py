@@ -6,7 +6,7 @@ gradient norm is the loss scaler's business (it skips that step and lowers the s
 only the loss counts. Under sharding every
 rank reduces one flag, so all ranks stop at the same step. A diverged run writes results.json with
 ``"diverged": {"step": ..., "what": ...}`` and ``"failed": true`` and exits with
-:data:`EXIT_DIVERGED`, distinct from a crash (1) and a user error (2).
+:data:`~ft_framework.run.failures.EXIT_DIVERGED`, distinct from a crash (1) and a user error (2).
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import torch
 
 from ft_framework.distributed import collectives
 
-__all__ = ["EXIT_DIVERGED", "DivergenceGuard", "describe"]
-
-EXIT_DIVERGED = 3
+__all__ = ["DivergenceGuard", "describe"]
 
 
 def _finite(value: Any) -> bool:

@@ -7,7 +7,8 @@ code   meaning
 1      crashed (a bug, out of memory, a lost peer): the traceback is printed
 2      user error (:class:`~ft_framework.errors.UserError`): one line, no traceback (``--debug``
        prints it)
-3      diverged (:data:`~ft_framework.run.divergence.EXIT_DIVERGED`): results.json says where and why
+3      diverged (:data:`EXIT_DIVERGED`): results.json says where and why (run/divergence.py stops
+       the run)
 128+N  stopped by signal N (143 SIGTERM, 130 SIGINT, 138 SIGUSR1) after saving a checkpoint;
        results.json has ``status: interrupted`` (run/signals.py); a second signal exits at once
 =====  ==========================================================================================
@@ -18,23 +19,25 @@ With several ranks, an error every rank hits alike (a config error, the output-d
 refused resume) is printed by rank 0 only; an error only one rank hits (its data, its memory) is
 printed by that rank, and the ranks that then lose their peer print one short line, not a traceback:
 the failing rank writes its error on a board in the rendezvous store before it exits
-(distributed/peer_failures.py), and a rank whose collective then breaks finds it there. The
-decision never reads the text of an error; a peer that died without a word (kill -9) leaves the
-survivors' tracebacks.
+(distributed/peer_failures.py), and a rank whose collective then breaks finds it there. A peer
+that died without a word (kill -9, the out-of-memory killer, a lost node) wrote nothing there; its
+liveness witness tells instead (distributed/liveness.py: a socket the kernel closes when a process
+dies), and the survivors name it in one line. The decision never reads the text of an error.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
-from typing import Any, TextIO
+from contextlib import contextmanager
+from typing import Any, Iterator, TextIO
 
-import torch.distributed as dist
-
-from ft_framework.run.divergence import EXIT_DIVERGED
-from ft_framework.distributed.peer_failures import STORE_GONE, announce_failure, failed_peers
+from ft_framework.distributed.liveness import GONE
+from ft_framework.distributed.peer_failures import STORE_GONE, announce_failure, failed_peers, silent_peers
 from ft_framework.errors import UserError
 
 __all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "is_peer_failure", "report_failure",
@@ -43,6 +46,7 @@ __all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "is_peer
 EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
 
 _SAME_ON_EVERY_RANK = "_ft_same_on_every_rank"
 
@@ -55,6 +59,9 @@ def same_on_every_rank(exc: BaseException) -> BaseException:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """torch says, by the exception's type, that the process group or its store failed."""
+    # Imported here: ft-train reports a config error through this module before torch is loaded.
+    import torch.distributed as dist
+
     return isinstance(exc, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError))
 
 
@@ -98,21 +105,64 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
         if rank == 0 or not alike or debug:
             print(f"{tag}error: {_one_line(exc)}", file=stream, flush=True)
         return EXIT_USER_ERROR
-    if world > 1 and not debug:
-        # A rank that failed on its own wrote that on the board before it exited, and so before its
-        # exit broke the collective that raised `exc` here: an entry means this is not our error.
-        peers = failed_peers(rank, wait_s=3.0 if is_peer_failure(exc) else 0.0)
-        if peers or is_peer_failure(exc):
-            # Only the ranks are named: their errors are theirs to print, once.
-            named = ", ".join(f"rank {r}" + (f" ({STORE_GONE})" if what == STORE_GONE else "")
-                              for r, what in sorted(peers.items()))
-            print(f"{tag}stopped: another rank failed or went away ({named or 'that rank'} shows its error); "
-                  f"here: {_peer_summary(exc)}", file=stream, flush=True)
+    with _sigterm_held(world > 1):
+        line = _lost_peer_line(exc, rank) if world > 1 and not debug else None
+        if line is not None:
+            print(f"{tag}{line}", file=stream, flush=True)
             return EXIT_CRASH
-    if world > 1:
-        announce_failure(rank, _peer_summary(exc))
-    traceback.print_exception(exc, file=stream)
-    return EXIT_CRASH
+        if world > 1:
+            announce_failure(rank, _peer_summary(exc))
+        traceback.print_exception(exc, file=stream)
+        return EXIT_CRASH
+
+
+@contextmanager
+def _sigterm_held(hold: bool) -> Iterator[None]:
+    """Holds SIGTERM while a rank finds out and says why it failed, then raises it again. When one
+    worker dies, torchrun and DeepSpeed's launcher send SIGTERM to the others at once; a survivor has
+    left the training loop's handlers (run/signals.py) by then, and the default action would end it
+    before its line is out."""
+    if not hold or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if held:
+            signal.raise_signal(signal.SIGTERM)  # the launcher's stop, delivered now that the line is out
+
+
+_NOT_SAVED = "this rank stops without saving: resume from the last checkpoint with checkpoint.resume_from=auto"
+
+
+def _lost_peer_line(exc: BaseException, rank: int) -> str | None:
+    """The one line of a rank whose failure is a peer's, or None when `exc` is this rank's own."""
+    # A rank that failed on its own wrote that on the board before it exited, and so before its
+    # exit broke the collective that raised `exc` here: an entry means this is not our error.
+    peers = failed_peers(rank, wait_s=3.0 if is_peer_failure(exc) else 0.0)
+    # No entry: a peer that died without a word is found by its witness.
+    silent = {} if peers else silent_peers(rank)
+    if silent:
+        named = "; ".join(
+            f"rank {r} died without reporting an error (its process is gone: killed by a signal such as SIGKILL or "
+            "by the out-of-memory killer; the launcher's output names the signal)" if how == GONE else
+            f"rank {r} cannot be reached and reported no error (its node is down or cut off)"
+            for r, how in silent.items())
+        return f"stopped: {named}; {_NOT_SAVED}; here: {_peer_summary(exc)}"
+    if list(peers.values()) == [STORE_GONE]:  # its board went with it: whether it announced is unknown
+        [host] = peers
+        return (f"stopped: rank {host} went away: {STORE_GONE} (its error line is above if it printed one; if not, "
+                f"it was killed: SIGKILL, the out-of-memory killer, a lost node); {_NOT_SAVED}; "
+                f"here: {_peer_summary(exc)}")
+    if peers or is_peer_failure(exc):
+        # Only the ranks are named: their errors are theirs to print, once.
+        named = ", ".join(f"rank {r}" for r in sorted(peers))
+        return (f"stopped: another rank failed or went away ({named or 'that rank'} shows its error); "
+                f"here: {_peer_summary(exc)}")
+    return None
 
 
 def diverged_line(prog: str, results: dict[str, Any]) -> str:

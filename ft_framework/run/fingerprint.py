@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from ft_framework.dotted import flatten_dotted
 from ft_framework.errors import UserError, did_you_mean
@@ -31,6 +31,7 @@ __all__ = ["ALLOWED_ON_RESUME", "ResumeRefused", "check_allow_list", "check_resu
 ALLOWED_ON_RESUME: dict[str, str] = {
     "logging": "where and how often the run logs (includes the progress bar and output_dir)",
     "evaluation.batch_size": "evaluation batch size (same predictions, other memory use)",
+    "evaluation.forgetting": "what forgetting is measured on (measuring changes no weight)",
     "checkpoint.every_steps": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoint cadence",
     "checkpoint.resume_from": "where to resume from",
@@ -41,6 +42,7 @@ ALLOWED_ON_RESUME: dict[str, str] = {
     "training.num_epochs": "a longer run (only longer)",
     "strategy": "strategy and world size (checkpoints reshard)",
     "training.device": "the device (like the strategy: where it runs, not what it trains)",
+    "training.activation_checkpointing": "memory for time: activations recomputed, same gradients",
     "world_size": "number of processes (checkpoints reshard)",
     # The split of the global batch over ranks and accumulation steps follows the world size; the
     # global batch itself (training.global_batch_size below) must not change.
@@ -99,13 +101,22 @@ def fingerprint(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+# default_of(dotted key) -> (whether the schema declares the key, its default): a key a checkpoint's
+# record lacks because it was added to the schema after that checkpoint was written, and that is
+# still at its default, is no change.
+DefaultOf = Callable[[str], "tuple[bool, Any]"]
+
+
+def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any], *,
+                 default_of: DefaultOf | None = None) -> list[tuple[str, Any, Any]]:
     """(dotted key, old value, new value) for every key whose value differs, in key order."""
     a, b = _flat(old), _flat(new)
     missing = object()
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, missing), b.get(key, missing)
+        if va is missing and default_of is not None and default_of(key) == (True, vb):
+            continue
         if va != vb:
             out.append((key, None if va is missing else va, None if vb is missing else vb))
     return out
@@ -131,13 +142,15 @@ def _show(value: Any) -> str:
 
 
 def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: int,
-                 allowed_by_user: Iterable[str] = (), where: str = "the checkpoint") -> list[dict[str, Any]]:
+                 allowed_by_user: Iterable[str] = (), where: str = "the checkpoint",
+                 default_of: DefaultOf | None = None) -> list[dict[str, Any]]:
     """Compares the config a run resumes with (`current`, from :func:`config_record`) against its
     checkpoint's (`saved`). Raises :class:`ResumeRefused` listing every key that may not change;
-    returns the changes that may, as ``{"step", "key", "old", "new", "allowed_by"}`` records."""
+    returns the changes that may, as ``{"step", "key", "old", "new", "allowed_by"}`` records.
+    `default_of` (the schema's defaults) lets a key added since the checkpoint pass at its default."""
     user = list(allowed_by_user)
     changes, refused = [], []
-    for key, old, new in diff_configs(saved, current):
+    for key, old, new in diff_configs(saved, current, default_of=default_of):
         if _matches(key, user):
             allowed_by = "checkpoint.allow_config_change"
         elif _matches(key, ALLOWED_ON_RESUME) and (key not in _ONLY_LONGER or _longer(old, new)):

@@ -18,6 +18,8 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
         for split, metrics in record["metrics"].items():
             for name, value in metrics.items():
                 out[f"eval/{split}/{name}"] = value
+        for name, value in record.get("forgetting", {}).items():
+            out[f"eval/forgetting/{name}"] = value
         return out
     for key, value in record.items():
         if key in ("type", "step"):

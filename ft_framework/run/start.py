@@ -23,6 +23,7 @@ import torch
 from ft_framework.checkpointing.manager import CheckpointError, CheckpointManager
 from ft_framework.errors import UserError
 from ft_framework.run.failures import same_on_every_rank
+from ft_framework.config.schema import schema_default
 from ft_framework.run.fingerprint import check_allow_list, check_resume, config_record
 from ft_framework.run.output_dir import OutputDirInUse, guard_output_dir
 from ft_framework.run.files import TRAINER_STATE_FILE, RunPaths
@@ -74,7 +75,7 @@ def check_start(cfg, strategy, paths: RunPaths) -> ResumePoint | None:
     check_allow_list(allowed, cfg.to_dict())
     try:
         changes = check_resume(record, config_record(cfg.to_dict(), strategy.world_size), step=step,
-                               allowed_by_user=allowed, where=str(directory))
+                               allowed_by_user=allowed, where=str(directory), default_of=schema_default)
     except UserError as exc:
         raise same_on_every_rank(exc)
     return ResumePoint(directory, saved, changes)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ft_framework.checkpointing import dtensor_fragments
 from ft_framework.distributed import collectives
+from ft_framework.models.blocks import transformer_block_lists
 from ft_framework.optim.base import local_tensor
 from ft_framework.strategies.base import Strategy
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
@@ -36,22 +37,6 @@ _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _cfg(obj, key: str, default):
     return getattr(obj, key, default) if obj is not None else default
-
-
-def transformer_block_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The outermost `nn.ModuleList`s whose entries are blocks (modules with submodules and
-    parameters): BERT's `encoder.layer`, ALBERT's `encoder.albert_layer_groups`, GPT-2's `h`...
-    Each entry is wrapped in its own FSDP unit. ModuleLists nested inside a chosen one are skipped."""
-    chosen: list[tuple[str, nn.ModuleList]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if any(name.startswith(prefix + ".") for prefix, _ in chosen):
-            continue
-        if all(any(True for _ in child.children()) and any(True for _ in child.parameters())
-               for child in module):
-            chosen.append((name, module))
-    return chosen
 
 
 class _ShardedLossScaler:
@@ -142,6 +127,8 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cpu_offload else OffloadPolicy()
         kwargs = dict(mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         self.sharded_module_names = []
+        # Each transformer block is its own FSDP unit (models/blocks.py: the same blocks that
+        # activation checkpointing, applied before this, recomputes).
         for list_name, blocks in transformer_block_lists(model):
             for i, block in enumerate(blocks):
                 fully_shard(block, **kwargs)

@@ -1,12 +1,43 @@
-"""Per-rank memory plan of a run: bytes of parameters, gradients, optimizer state and anchors,
-on the device and on the CPU, for the chosen strategy. Activations, communication buckets and
-the allocator's slack are not included (they depend on batch and sequence length)."""
+"""Per-rank memory plan of a run, on the device and on the host, before any weight is loaded.
+
+:func:`plan_memory` gives the model states: parameters, gradients, optimizer state and anchors,
+for the chosen strategy. :func:`plan_peak` adds what the peak of a training step holds besides:
+the activations of one micro-batch (traced on fake tensors by memory_trace.py, at the run's
+batch, sequence length, dtype and checkpointing), the strategy's gradient buckets, the optimizer
+step's temporaries and, on a GPU, the CUDA context and the caching allocator's slack. Each
+constant below names where it comes from (docs/memory.md)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from ft_framework.strategies.memory_trace import (ASSUMED_ATTENTION_BACKEND, MicroBatchTrace, build_model_on_meta,
+                                                   trace_micro_batch)
 
 GIB = 1024**3
+MIB = 1024**2
+# The CUDA context of one process (driver, cuBLAS/cuDNN handles, kernels loaded lazily): about
+# 500 MiB with CUDA 12 and torch 2.x as commonly reported; NOT measured on our GPUs yet (no GPU has
+# been lent). torch.cuda.max_memory_allocated does not count it; nvidia-smi does.
+CUDA_CONTEXT_BYTES = 512 * MIB
+# The caching allocator keeps freed blocks for reuse, so what it reserves exceeds what is live:
+# planned as this fraction of the live peak (an assumption until the GPU suite's part e measures it).
+ALLOCATOR_SLACK = 0.10
+# DeepSpeed's default zero_optimization.reduce_bucket_size (elements; deepspeed/runtime/zero/config.py):
+# ZeRO-1/2 with contiguous gradients (on by default, forced by offload) keep one bucket of it in
+# the gradients' dtype during backward, two with overlap_comm.
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+# optim/torch_step.py (the torch implementation, a GPU's): full-size foreach temporaries of the group
+# being stepped (p - a, the change, the pre-decayed weights). The C++ CPU step allocates none.
+TORCH_STEP_TEMPORARIES = 3
+# FSDP2 unshards a block for its forward and prefetches the next one: two blocks' worth of full
+# parameters (and in backward their full gradients before the reduce-scatter).
+FSDP_UNSHARDED_BLOCKS = 2
 
 
 @dataclass(frozen=True)
@@ -16,8 +47,10 @@ class PlanRow:
     cpu_bytes: float
 
 
-def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int) -> list[PlanRow]:
-    """Rows for the run's strategy (single, ddp, deepspeed, fsdp)."""
+def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
+                device_is_host: bool = False) -> list[PlanRow]:
+    """Rows for the run's strategy (single, ddp, deepspeed, fsdp). `device_is_host`: a CPU run, where
+    the offloaded single-device strategy's parameters and gradients are the masters' own."""
     precision = run_cfg.training.precision
     mixed = precision in ("bf16", "fp16")
     anchor_bytes = 2 if run_cfg.optimizer.anchor_dtype == "bfloat16" else 4
@@ -28,12 +61,13 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int)
         stage, off_opt, off_par = ds.zero_stage, ds.offload_optimizer, ds.offload_param
         weight_bytes = 2 if mixed else 4
         shard = W if stage >= 1 else 1
-        rows = [
-            PlanRow("parameters (model copy)", *_place(P * weight_bytes / (W if stage == 3 else 1), off_par)),
-            PlanRow("gradients", P * weight_bytes / (W if stage >= 2 else 1), 0.0),
-        ]
-        if off_opt:
-            rows.append(PlanRow("gradients (fp32 partition for the CPU step)", 0.0, P * 4 / shard))
+        rows = [PlanRow("parameters (model copy)", *_place(P * weight_bytes / (W if stage == 3 else 1), off_par))]
+        if off_opt:  # the gradients go straight to the host partition; the new weights come back through a copy
+            rows += [PlanRow("gradients (fp32 partition for the CPU step)", 0.0, P * 4 / shard),
+                     PlanRow("weights partition in the model's dtype (copied back after the step)", 0.0,
+                             P * weight_bytes / shard)]
+        else:
+            rows.append(PlanRow("gradients", P * weight_bytes / (W if stage >= 2 else 1), 0.0))
         if stage >= 1 or mixed:
             rows.append(PlanRow("fp32 master weights", *_place(P * 4 / shard, off_opt)))
         rows += [PlanRow("Adam moments (exp_avg, exp_avg_sq)", *_place(2 * P * 4 / shard, off_opt)),
@@ -45,6 +79,15 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int)
                 PlanRow("gradients (fp32 shards)", *_place(P * 4 / W, off)),
                 PlanRow("Adam moments (exp_avg, exp_avg_sq)", *_place(2 * P * 4 / W, off)),
                 PlanRow("anchors theta*", *_place(A * anchor_bytes / W, off))]
+    offload = strategy.offload_optimizer if strategy.name == "single" else None
+    if offload is not None:  # fp32 masters, their gradients and the state in host memory (offload.py)
+        copies = 0.0 if device_is_host else P * 4
+        return [PlanRow("parameters (fp32 device copies of the masters)", copies, 0.0),
+                PlanRow("gradients", 0.0 if offload.overlap and not device_is_host else P * 4, 0.0),
+                PlanRow("fp32 master weights", 0.0, P * 4),
+                PlanRow("gradients (fp32 host copy for the CPU step)", 0.0, copies),
+                PlanRow("Adam moments (exp_avg, exp_avg_sq)", 0.0, 2 * P * 4),
+                PlanRow("anchors theta*", 0.0, A * anchor_bytes)]
     # single / ddp: everything replicated on the device (autocast does not change storage)
     return [PlanRow("parameters", P * 4, 0.0), PlanRow("gradients", P * 4, 0.0),
             PlanRow("Adam moments (exp_avg, exp_avg_sq)", 2 * P * 4, 0.0),
@@ -64,3 +107,185 @@ def format_memory_plan(rows: list[PlanRow], *, strategy: str, world_size: int) -
     lines.append(f"{'total':{width}}  {sum(r.device_bytes for r in rows) / GIB:10.3f}  "
                  f"{sum(r.cpu_bytes for r in rows) / GIB:8.3f}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: its parameter counts, from the meta device."""
+
+    num_params: int
+    num_anchored: int       # every parameter but the new classification head (theta* exists for them)
+    largest_block: int      # parameters of the largest transformer block (FSDP2 unshards by block)
+    largest_param: int      # elements of the largest parameter tensor (DeepSpeed's offload staging)
+
+
+def model_shape(arch: Any, *, num_labels: int) -> ModelShape:
+    model = build_model_on_meta(arch, num_labels=num_labels)
+    head = {id(p) for name, p in model.named_parameters() if _is_head(name)}
+    params = list(model.parameters())
+    apply_activation_checkpointing(model)  # on the meta model: it finds the transformer blocks
+    blocks = checkpointed_blocks(model)
+    return ModelShape(num_params=sum(p.numel() for p in params),
+                      num_anchored=sum(p.numel() for p in params if id(p) not in head),
+                      largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
+                      largest_param=max(p.numel() for p in params))
+
+
+def _is_head(name: str) -> bool:
+    """The sequence-classification head transformers adds: its parameters have no pretrained value."""
+    return name.split(".")[0] in ("classifier", "score")
+
+
+@dataclass(frozen=True)
+class PeakPlan:
+    """A rank's planned peak in bytes: `tensors` (what is live at the peak) and `runtime` (the CUDA
+    context and the allocator's slack, on a GPU) add up to `device_peak` and `host_peak`."""
+
+    tensors: list[PlanRow]
+    runtime: list[PlanRow]
+    on_gpu: bool
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[PlanRow]:
+        return self.tensors + self.runtime
+
+    @property
+    def device_peak(self) -> float:
+        return sum(r.device_bytes for r in self.rows)
+
+    @property
+    def host_peak(self) -> float:
+        return sum(r.cpu_bytes for r in self.rows)
+
+    @property
+    def live_bytes(self) -> float:
+        """Tensor bytes live at the peak, without the runtime rows (what torch.cuda.max_memory_allocated
+        reports on a GPU); on a CPU run device and host together (one memory)."""
+        device = sum(r.device_bytes for r in self.tensors)
+        return device if self.on_gpu else device + sum(r.cpu_bytes for r in self.tensors)
+
+
+def _dtype_of(precision: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: bool,
+              shape: ModelShape | None = None) -> PeakPlan:
+    """The peak of one training step per rank: model states (:func:`plan_memory`), the traced
+    activations of one micro-batch, buckets and step temporaries, and on a GPU the CUDA context and
+    the allocator's slack. On a CPU run "device" and "host" are the same memory: add them."""
+    shape = shape or model_shape(arch, num_labels=num_labels)
+    P, W = shape.num_params, world_size
+    training, strategy = run_cfg.training, run_cfg.strategy
+    mixed = training.precision in ("bf16", "fp16")
+    low = _dtype_of(training.precision)
+    rows = plan_memory(run_cfg, world_size=W, num_params=P, num_anchored=shape.num_anchored, device_is_host=not on_gpu)
+    offload = strategy.offload_optimizer if strategy.name == "single" else None
+    extra: list[PlanRow] = []
+    step_temporaries = 0.0
+    if strategy.name == "deepspeed":
+        ds = strategy.deepspeed
+        zero = dict((ds.config or {}).get("zero_optimization", {}))
+        bucket = float(zero.get("reduce_bucket_size", DEEPSPEED_REDUCE_BUCKET_ELEMENTS))
+        overlap_comm = bool(zero.get("overlap_comm", ds.zero_stage == 3))
+        grad_bytes = low.itemsize if mixed else 4
+        if ds.zero_stage in (1, 2):
+            extra.append(PlanRow("gradient reduce bucket (DeepSpeed reduce_bucket_size)",
+                                 bucket * grad_bytes * (2 if overlap_comm else 1), 0.0))
+        if ds.offload_optimizer and ds.zero_stage in (1, 2):
+            # stage_1_and_2.py: temp_grad_buffer_for_{gpu,cpu}_offload, one largest parameter each; and
+            # the largest parameter's gradient outlives the trace's peak (measured: benchmarks/memory_plan.py)
+            largest = shape.largest_param * grad_bytes
+            extra += [PlanRow("DeepSpeed offload staging buffers (the largest parameter, each side)", largest, largest),
+                      PlanRow("the largest parameter's gradient, held until its bucket is reduced", largest, 0.0)]
+        trace_kw = dict(param_dtype=low if mixed else torch.float32, autocast_dtype=None, keep_grads=False)
+        if not ds.offload_optimizer and on_gpu:
+            step_temporaries = TORCH_STEP_TEMPORARIES * 4 * shape.num_anchored / (W if ds.zero_stage else 1)
+    elif strategy.name == "fsdp":
+        fsdp = strategy.fsdp
+        compute = low if fsdp.mixed_precision else torch.float32
+        extra.append(PlanRow("unsharded blocks (FSDP2 all-gather, with prefetch) and their gradients",
+                             FSDP_UNSHARDED_BLOCKS * shape.largest_block * (compute.itemsize + 4), 0.0))
+        trace_kw = dict(param_dtype=compute, autocast_dtype=None, keep_grads=False)
+        if not fsdp.cpu_offload and on_gpu:
+            step_temporaries = TORCH_STEP_TEMPORARIES * 4 * shape.num_anchored / W
+    else:
+        overlap = offload is not None and offload.overlap
+        trace_kw = dict(param_dtype=torch.float32, autocast_dtype=low if mixed else None, keep_grads=not overlap)
+        if overlap:
+            extra.append(PlanRow("gradient bucket handed to the CPU worker (offload bucket_mb)",
+                                 offload.bucket_mb * MIB, 0.0))
+        if strategy.name == "ddp":
+            extra.append(PlanRow("DDP gradient buckets (a copy of the gradients)", P * 4, 0.0))
+        if offload is None and on_gpu:
+            step_temporaries = TORCH_STEP_TEMPORARIES * 4 * shape.num_anchored
+    if on_gpu:
+        arch = _without_attention_dropout(arch)
+    trace = trace_micro_batch(arch, batch_size=training.per_device_batch_size, seq_len=run_cfg.data.max_seq_length,
+                              checkpointing=training.activation_checkpointing, num_labels=num_labels, **trace_kw)
+    extra.insert(0, PlanRow(_activation_row_name(trace_kw["keep_grads"], step_temporaries),
+                            _beyond_states(trace, step_temporaries), 0.0))
+    if strategy.name == "deepspeed" and strategy.deepspeed.zero_stage == 3:
+        # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers
+        extra.append(PlanRow("parameters gathered by ZeRO-3 (prefetch)", shape.largest_block * low.itemsize, 0.0))
+    attention = (f"attention: {ASSUMED_ATTENTION_BACKEND}" if on_gpu else
+                 "attention: the CPU's kernels (with attention dropout, the math path keeps the attention matrix)")
+    assumptions = [attention, "sequences padded to data.max_seq_length (dynamic padding can only need less)"]
+    runtime = []
+    if on_gpu:
+        live = sum(r.device_bytes for r in rows + extra)
+        runtime = [PlanRow(f"caching allocator slack ({ALLOCATOR_SLACK:.0%} of the live peak; assumed)",
+                           ALLOCATOR_SLACK * live, 0.0),
+                   PlanRow("CUDA context (about 0.5 GiB; not measured here)", CUDA_CONTEXT_BYTES, 0.0)]
+    return PeakPlan(tensors=rows + extra, runtime=runtime, on_gpu=on_gpu, assumptions=assumptions)
+
+
+def _without_attention_dropout(arch: Any) -> Any:
+    """A copy of `arch` without attention dropout. CUDA's flash and memory-efficient kernels apply
+    dropout without keeping a mask or the attention matrix; the CPU's flash kernel, which the trace
+    runs, takes no dropout (with it the math path runs and keeps both), so the trace leaves it out."""
+    arch = copy.deepcopy(arch)
+    for name in ("attention_probs_dropout_prob", "attention_dropout"):
+        if getattr(arch, name, None):
+            setattr(arch, name, 0.0)
+    return arch
+
+
+def _activation_row_name(keep_grads: bool, step_temporaries: float) -> str:
+    what = "activations at the peak, beyond the gradients (traced)" if keep_grads else "activations (traced)"
+    return what + (" or the torch step's temporaries" if step_temporaries else "")
+
+
+def _beyond_states(trace: MicroBatchTrace, step_temporaries: float) -> float:
+    """What the peak holds beyond the model-state rows: the traced bytes above the parameters less
+    the gradients (a row of their own), or the optimizer step's temporaries when those are more
+    (the step runs once backward has freed the activations)."""
+    return max(trace.above_params - trace.grad_bytes, step_temporaries, 0.0)
+
+
+
+def format_bytes(n: float) -> str:
+    """GiB with one decimal, or MiB below a tenth of a GiB (small models: the digits that matter)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / MIB:.1f} MiB"
+
+
+def format_peak_plan(plan: PeakPlan, *, title: str) -> str:
+    """The plan as a table: each row's device and host GiB, then the peaks and the assumptions."""
+    device, host = ("device GiB", "host GiB") if plan.on_gpu else ("memory GiB", "(same) GiB")
+    width = max(len(r.what) for r in plan.rows + [PlanRow("peak per rank", 0, 0)])
+    lines = [title, f"{'':{width}}  {device:>10}  {host:>10}"]
+    for r in plan.rows:
+        lines.append(f"{r.what:{width}}  {r.device_bytes / GIB:10.3f}  {r.cpu_bytes / GIB:10.3f}")
+    lines.append(f"{'peak per rank':{width}}  {plan.device_peak / GIB:10.3f}  {plan.host_peak / GIB:10.3f}")
+    lines += [f"assumed: {a}" for a in plan.assumptions]
+    return "\n".join(lines)
+
+
+def peak_plan_json(plan: PeakPlan) -> dict[str, Any]:
+    """The plan for scripts: peaks and rows in bytes."""
+    return {"on_gpu": plan.on_gpu, "device_peak_bytes": int(plan.device_peak), "host_peak_bytes": int(plan.host_peak),
+            "live_tensor_bytes": int(plan.live_bytes),
+            "rows": [{"what": r.what, "device_bytes": int(r.device_bytes), "host_bytes": int(r.cpu_bytes)}
+                     for r in plan.rows],
+            "assumptions": list(plan.assumptions)}

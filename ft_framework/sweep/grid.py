@@ -56,7 +56,7 @@ class PlannedRun:
 
     @property
     def task(self) -> str:
-        return self.config.data.task
+        return self.config.data.task_spec().name
 
     @property
     def seed(self) -> int:

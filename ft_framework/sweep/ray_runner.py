@@ -104,7 +104,9 @@ class RayRunner:
             return False
         address = self.spec.address
         if address in (None, "", "local"):
-            ray.init(include_dashboard=False, **self.init_kwargs)
+            # "local" starts an instance of this sweep's own: without it ray.init joins whatever
+            # cluster this machine last started (RAY_ADDRESS, /tmp/ray), where num_cpus is refused.
+            ray.init(address="local", include_dashboard=False, **self.init_kwargs)
         else:
             ray.init(address=address, **self.init_kwargs)
         return True

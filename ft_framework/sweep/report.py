@@ -88,7 +88,8 @@ def _size_title_nominal(task: str) -> str:
 
 
 def _titles(tasks: Iterable[str]) -> str:
-    return ", ".join(GLUE_TASKS[t].title for t in tasks)
+    """GLUE titles ("SST-2"); a task of your own data keeps its name."""
+    return ", ".join(GLUE_TASKS[t].title if t in GLUE_TASKS else t for t in tasks)
 
 
 

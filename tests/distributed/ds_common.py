@@ -6,6 +6,8 @@ from transformers import AlbertConfig, AlbertForSequenceClassification
 from ft_framework.config import DeepSpeedConfig, TrainingConfig
 
 CASES = ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
+# Activation checkpointing against the same run without it (dropout and Mixout on).
+CHECKPOINTING_CASES = ("zero2", "zero3")
 # Two micro-batches per optimizer step: the same global batches, so the same result as one process.
 ACCUM_CASES = ("zero1_accum", "zero2_offload_accum", "zero3_accum")
 ACCUM = 2
@@ -15,13 +17,13 @@ LR = 1e-3  # in the param groups (build_param_groups), not again as an optimizer
 HPARAMS = dict(anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)
 
 
-def make_model_and_anchors():
+def make_model_and_anchors(dropout: float = 0.0):
     """A tiny ALBERT and its "pretrained" state: every weight but the classifier, nudged away
     from the initial values so the pull toward theta* does real work."""
     torch.manual_seed(0)
     cfg = AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+                       num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=dropout,
+                       attention_probs_dropout_prob=dropout, classifier_dropout_prob=dropout)
     model = AlbertForSequenceClassification(cfg)
     gen = torch.Generator().manual_seed(1)
     anchors = {n: (p.detach() + 0.01 * torch.randn(p.shape, generator=gen)).clone()

@@ -20,18 +20,26 @@ import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ds_common import (ACCUM_CASES, CASES, HPARAMS, LR, accumulation, batches_for_rank,  # noqa: E402
-                       ds_configs, make_model_and_anchors)
+from ds_common import (ACCUM_CASES, CASES, CHECKPOINTING_CASES, HPARAMS, LR, accumulation,  # noqa: E402
+                       batches_for_rank, ds_configs, make_model_and_anchors)
+from ft_framework.models.activation_checkpointing import (apply_activation_checkpointing,  # noqa: E402
+                                                          checkpointed_blocks)
+from ft_framework.models.loading import apply_mixout  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
 from worker_exit import finish  # noqa: E402
 
 
-def make_strategy(case: str):
+def make_strategy(case: str, checkpointing: bool | None = None):
+    """`checkpointing` not None: dropout and Mixout on, activation checkpointing on or off."""
     ds_cfg, training_cfg = ds_configs(case, world_size=int(os.environ["WORLD_SIZE"]))
     strategy = DeepSpeedStrategy(ds_cfg, training_cfg)
-    model, anchors = make_model_and_anchors()
+    model, anchors = make_model_and_anchors(dropout=0.0 if checkpointing is None else 0.1)
+    if checkpointing is not None:
+        apply_mixout(model, 0.3, anchors)
+    if checkpointing:
+        apply_activation_checkpointing(model)
 
     def make_optimizer(m):
         # Split into anchored and new groups, but theta* goes to setup: placed after wrapping.
@@ -107,7 +115,27 @@ def cpu_kernel_calls() -> int:
     return calls
 
 
+def checkpointing_phase(out: Path) -> None:
+    """The same 3 steps (dropout and Mixout on) with and without activation checkpointing."""
+    for case in CHECKPOINTING_CASES:
+        for checkpointing in (False, True):
+            strategy, _ = make_strategy(case, checkpointing)
+            calls = []
+            inner = strategy.unwrapped_model().albert.encoder.albert_layer_groups[0].albert_layers[0].ffn
+            inner.register_forward_hook(lambda *_: calls.append(1))
+            for step in range(3):
+                torch.manual_seed(100 * strategy.rank + step)  # other masks on each rank
+                batch = batches_for_rank(step, strategy.rank, strategy.world_size)
+                strategy.backward(strategy.forward(batch).loss)
+                strategy.clip_and_step(None)
+            tag = "checkpointed" if checkpointing else "plain"
+            save(strategy, out / f"checkpointing_{case}_{tag}.pt",
+                 {"masters": strategy.gather_full_state("fp32"), "inner_calls": len(calls),
+                  "blocks": len(checkpointed_blocks(strategy.unwrapped_model()))})
+
+
 def main_phase(out: Path) -> None:
+    checkpointing_phase(out)
     for case in ACCUM_CASES:
         strategy, _ = make_strategy(case)
         train(strategy, range(5), accumulation(case))

@@ -15,13 +15,13 @@ LR = 1e-3  # in the param groups (build_param_groups), not again as an optimizer
 HPARAMS = dict(pretrain_cof=10.0, anneal_k=0.5, anneal_t0=3)
 
 
-def tiny_albert():
-    """Identical on every rank (seeded): AlbertForSequenceClassification, no dropout."""
+def tiny_albert(dropout: float = 0.0):
+    """Identical on every rank (seeded): AlbertForSequenceClassification, no dropout by default."""
     from transformers import AlbertConfig, AlbertForSequenceClassification
 
     cfg = AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
+                       num_attention_heads=2, intermediate_size=37, hidden_dropout_prob=dropout,
+                       attention_probs_dropout_prob=dropout, classifier_dropout_prob=dropout)
     torch.manual_seed(0)
     return AlbertForSequenceClassification(cfg)
 

@@ -24,6 +24,7 @@ from fsdp_helpers import (MAX_GRAD_NORM, RESUME_AT, STEPS, global_batches, make_
                           pretrained_state, rank_slice, tiny_albert)
 
 from ft_framework.config import FSDPConfig
+from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from ft_framework.models.loading import MixoutLinear, apply_mixout
 from ft_framework.optim.base import local_tensor
 from worker_exit import finish
@@ -40,11 +41,13 @@ def fsdp_strategy(offload=False, mixed_precision=False, precision="fp32"):
                         SimpleNamespace(precision=precision, device="cpu"))
 
 
-def set_up(strategy, mixout=0.0, **opt_kw):
-    model = tiny_albert()
+def set_up(strategy, mixout=0.0, dropout=0.0, checkpointing=False, **opt_kw):
+    model = tiny_albert(dropout)
     pre = pretrained_state(model)
     if mixout:
         apply_mixout(model, mixout, pre)
+    if checkpointing:  # before fully_shard, as the trainer does
+        apply_activation_checkpointing(model)
     # The strategy keeps (a shard of) the tensors it is given: hand it copies, the test keeps `pre`.
     strategy.setup(model, make_optimizer_builder(pre, **opt_kw),
                    anchors={n: t.clone() for n, t in pre.items()})
@@ -246,6 +249,19 @@ def phase_two(out: Path, res: Results):
         {n: (local_tensor(m.target_tensor()).numel(), m.weight.numel()) for n, m in mixouts.items()})
     train_steps(s, range(MIXOUT_STEPS))
     res["mixout_params"] = full_params(s)
+
+    # Activation checkpointing: the same weights as without it, dropout and Mixout on.
+    for checkpointing in (False, True):
+        tag = "checkpointed" if checkpointing else "plain"
+        s = fsdp_strategy()
+        set_up(s, mixout=MIXOUT_P, dropout=0.1, checkpointing=checkpointing)
+        calls = []
+        s.model.albert.encoder.albert_layer_groups[0].albert_layers[0].ffn.register_forward_hook(
+            lambda *_: calls.append(1))
+        train_steps(s, range(MIXOUT_STEPS))
+        res[f"ac_{tag}_params"] = full_params(s)
+        res[f"ac_{tag}_blocks"] = len(checkpointed_blocks(s.model))
+        res[f"ac_{tag}_inner_calls"] = len(calls)
 
     # Mixed precision (bf16 compute, fp32 sharded master weights): theta* stays exact.
     s = fsdp_strategy(mixed_precision=True, precision="bf16")

@@ -27,6 +27,8 @@ pytest.importorskip("deepspeed")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from reshard_common import HPARAMS, STEPS, make_model_and_anchors, reference  # noqa: E402
+from ft_framework.checkpointing.dcp_read import read_whole_checkpoint
+from ft_framework.checkpointing.fragments import parse_param_key
 from ft_framework.distributed.rendezvous import free_port
 
 ATOL = 1e-6
@@ -71,15 +73,7 @@ def refs():
 
 def read(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
     """{parameter: {field: full tensor}} of a sharded checkpoint, read in this process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    from ft_framework.checkpointing.fragments import parse_param_key
-
-    flat: dict = {}
-    _load_state_dict(flat, storage_reader=dcp.FileSystemReader(str(directory)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    flat = read_whole_checkpoint(directory)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in flat.items():
         parsed = parse_param_key(key)

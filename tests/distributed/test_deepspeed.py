@@ -18,7 +18,8 @@ import torch
 pytest.importorskip("deepspeed")
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from ds_common import ACCUM_CASES, CASES, HPARAMS, LR, global_batch, make_model_and_anchors  # noqa: E402
+from ds_common import (ACCUM_CASES, CASES, CHECKPOINTING_CASES, HPARAMS, LR, global_batch,  # noqa: E402
+                       make_model_and_anchors)
 
 from ft_framework.checkpointing import read_fields  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
@@ -72,6 +73,19 @@ def assert_params_match(got: dict, want: dict, atol=PARAM_ATOL):
 @pytest.mark.parametrize("case", CASES + ACCUM_CASES)
 def test_parameters_equal_single_process(results, reference, case):
     assert_params_match(load(results, f"{case}.pt")["masters"], reference["params"])
+
+
+@pytest.mark.parametrize("case", CHECKPOINTING_CASES)
+def test_activation_checkpointing_gives_the_same_weights_bit_for_bit(results, case):
+    """ZeRO-3 gathers each module's parameters again in the recomputation; dropout and Mixout
+    draw the same masks there."""
+    plain, checkpointed = (load(results, f"checkpointing_{case}_{tag}.pt") for tag in ("plain", "checkpointed"))
+    assert plain["blocks"] == 0 and checkpointed["blocks"] == 1  # ALBERT's one shared layer group
+    # 3 steps x 2 layers: the shared layer's feed-forward ran again in each layer's recomputation.
+    assert plain["inner_calls"] == 6 and checkpointed["inner_calls"] == 12
+    assert set(checkpointed["masters"]) == set(plain["masters"])
+    for name, value in plain["masters"].items():
+        assert torch.equal(checkpointed["masters"][name], value), name
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -85,7 +85,7 @@ def test_fsdp_outside_a_distributed_launch_explains_how_to_launch(monkeypatch):
 def test_transformer_blocks_are_found_for_bert_and_albert():
     from transformers import BertConfig, BertForSequenceClassification
 
-    from ft_framework.strategies.fsdp import transformer_block_lists
+    from ft_framework.models.blocks import transformer_block_lists
 
     bert = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=3,
                                                     num_attention_heads=2, intermediate_size=20))
@@ -215,6 +215,21 @@ def test_mixout_reads_the_sharded_anchors_and_equals_one_process(runs):
 
 
 @pytest.mark.slow
+def test_activation_checkpointing_gives_the_same_weights_bit_for_bit(runs):
+    """Checkpointed blocks under fully_shard: FSDP2 unshards each block again for its
+    recomputation, Mixout gathers its sharded anchor again, and dropout and Mixout draw the same
+    masks there."""
+    two = runs.two
+    assert two["ac_plain_blocks"] == 0 and two["ac_checkpointed_blocks"] == 1  # ALBERT's shared group
+    # 2 steps x 2 layers; the shared layer's feed-forward ran again in each layer's recomputation.
+    assert two["ac_plain_inner_calls"] == 4 and two["ac_checkpointed_inner_calls"] == 8
+    plain, checkpointed = two["ac_plain_params"], two["ac_checkpointed_params"]
+    assert set(plain) == set(checkpointed)
+    for name, value in plain.items():
+        assert torch.equal(checkpointed[name], value), name
+
+
+@pytest.mark.slow
 def test_mixed_precision_computes_in_bf16_with_fp32_master_weights_and_exact_anchors(runs):
     assert runs.two["mp_compute_dtypes"] and all(d == ("torch.bfloat16", "torch.bfloat16")
                                                  for d in runs.two["mp_compute_dtypes"])
@@ -269,12 +284,14 @@ def test_trainer_with_fsdp_on_two_ranks_equals_one_process(tmp_path):
     from ft_framework.trainer import Trainer
 
     model_dir = build_tiny_bert_dir(tmp_path / "tiny_bert")
+    # 13 forgetting probe sentences: rank 1's share is padded (the padding must not count).
+    probe = {"num_evals": 2, "batch_size": 4, "select_best": True, "forgetting": {"num_sentences": 13}}
     single_cfg = write_fsdp_run_config(tmp_path / "single.yaml", model_dir, tmp_path / "single",
-                                  training={"per_device_batch_size": 8},
+                                  training={"per_device_batch_size": 8}, evaluation=probe,
                                   checkpoint={"every_steps": 3, "export_dir": str(tmp_path / "export_single")})
     Trainer(load_config(single_cfg)).fit()
     fsdp_cfg = write_fsdp_run_config(tmp_path / "fsdp.yaml", model_dir, tmp_path / "fsdp",
-                                training={"per_device_batch_size": 4}, strategy={"name": "fsdp"},
+                                training={"per_device_batch_size": 4}, strategy={"name": "fsdp"}, evaluation=probe,
                                 checkpoint={"every_steps": 3, "export_dir": str(tmp_path / "export")})
     torchrun(2, [str(REPO / "launch" / "train.py"), "--config", str(fsdp_cfg)], cwd=tmp_path)
 
@@ -283,6 +300,9 @@ def test_trainer_with_fsdp_on_two_ranks_equals_one_process(tmp_path):
     assert b["config"]["strategy"]["name"] == "fsdp" and b["steps"] == a["steps"] == 5
     assert b["final"]["metrics"] == a["final"]["metrics"]
     assert b["best"]["step"] == a["best"]["step"]
+    # Functional forgetting through FSDP2's forward, each rank its share of the probe.
+    assert b["final"]["forgetting"]["cka_drift_last"] > 0
+    assert b["final"]["forgetting"] == pytest.approx(a["final"]["forgetting"], rel=1e-3, abs=1e-7)
     train_a = [r for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if r["type"] == "train"]
     train_b = [r for r in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl") if r["type"] == "train"]
     assert len(train_a) == len(train_b) == 5

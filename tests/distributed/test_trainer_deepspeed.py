@@ -1,6 +1,8 @@
 """The real trainer under DeepSpeed, started the way users start it:
 `deepspeed launch/train.py --config ...` (2 CPU ranks, ZeRO-2 + optimizer offload running the
-C++ RecAdam), against the single-process run of the same config; then export and reload."""
+C++ RecAdam), against the single-process run of the same config; then export and reload. The data
+is your own (data.source: files, the example reviews as JSON lines): nothing of the data path
+may be GLUE-specific under a sharded strategy."""
 
 import json
 import os
@@ -24,8 +26,12 @@ def read_train_records(path):
 
 def test_deepspeed_launcher_runs_the_trainer_like_one_process(tmp_path):
     model_dir = build_tiny_bert_dir(tmp_path / "model")
+    reviews = REPO / "examples" / "data" / "reviews"
     common = dict(training={"max_steps": 4, "per_device_batch_size": 8, "seed": 1, "device": "cpu",
-                            "max_grad_norm": 1.0})
+                            "max_grad_norm": 1.0},
+                  data={"task": None, "source": "files", "name": "reviews", "text_columns": ["review"],
+                        "label_column": "sentiment", "labels": ["negative", "positive"],
+                        "files": {"train": str(reviews / "train.jsonl"), "validation": str(reviews / "dev.jsonl")}})
     single_cfg = write_run_config(tmp_path / "single.yaml", model_dir, tmp_path / "single",
                                   checkpoint={"export_dir": str(tmp_path / "export_single")}, **common)
     from ft_framework.config import load_config
@@ -34,7 +40,7 @@ def test_deepspeed_launcher_runs_the_trainer_like_one_process(tmp_path):
     Trainer(load_config(single_cfg)).fit()
 
     ds_cfg = write_run_config(tmp_path / "ds.yaml", model_dir, tmp_path / "ds",
-                              training={**common["training"], "per_device_batch_size": 4},
+                              training={**common["training"], "per_device_batch_size": 4}, data=common["data"],
                               strategy={"name": "deepspeed",
                                         "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
                               checkpoint={"export_dir": str(tmp_path / "export")})
@@ -57,6 +63,8 @@ def test_deepspeed_launcher_runs_the_trainer_like_one_process(tmp_path):
     a = json.loads((tmp_path / "single" / "results.json").read_text())
     b = json.loads((tmp_path / "ds" / "results.json").read_text())
     assert b["final"]["metrics"] == a["final"]["metrics"]
+    assert b["final"]["forgetting"] == pytest.approx(a["final"]["forgetting"], rel=1e-3, abs=1e-7)
+    assert a["task"] == b["task"] == "reviews" and set(b["final"]["metrics"]["validation"]) == {"accuracy", "mcc"}
 
     from transformers import AutoModelForSequenceClassification
 

@@ -86,3 +86,41 @@ def test_install_callbacks_needs_a_trainer_built_with_ft_optimizer(hf, tmp_path)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(UserError, match=r"^install_callbacks\(trainer\): the Trainer was not built with"):
         install_callbacks(Trainer(model=model, args=args))
+
+
+
+def _tiny_bert_trainer(output_dir: str, gradient_checkpointing: bool) -> Trainer:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)  # the model, its new head included, the same in every call
+    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=20))
+    gen = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, 50, (8,), generator=gen), "labels": int(i % 2)} for i in range(16)]
+    args = TrainingArguments(output_dir=output_dir, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+                             disable_tqdm=True, gradient_checkpointing=gradient_checkpointing)
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizer_cls_and_kwargs=ft_optimizer(
+        "recadam", args, new_parameters=["classifier.weight", "classifier.bias"], anneal_k=0.5, anneal_t0=2,
+        pretrain_cof=50.0))
+    install_callbacks(trainer)
+    return trainer
+
+
+def test_trainer_gradient_checkpointing_trains_the_same_weights(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True): transformers checkpoints each layer itself
+    (non-reentrant by default); our optimizer and callbacks see the same gradients, dropout on."""
+    runs = {}
+    for checkpointing in (False, True):
+        trainer = _tiny_bert_trainer(str(tmp_path / f"run_{checkpointing}"), checkpointing)
+        trainer.train()
+        assert trainer.model.config.hidden_dropout_prob > 0
+        assert all(layer.gradient_checkpointing is checkpointing for layer in trainer.model.bert.encoder.layer)
+        logged = [h for h in trainer.state.log_history if "loss" in h]
+        assert len(logged) == 3 and all(h["forgetting_distance"] > 0 for h in logged)
+        runs[checkpointing] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+                               [(h["loss"], h["forgetting_distance"]) for h in logged])
+    (plain, plain_log), (checkpointed, checkpointed_log) = runs[False], runs[True]
+    assert checkpointed_log == plain_log
+    for name, value in plain.items():
+        assert torch.equal(checkpointed[name], value), name

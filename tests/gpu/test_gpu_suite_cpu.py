@@ -29,7 +29,7 @@ def test_arguments_parse_and_resolve():
     assert args.only == ["tests", "c"] and args.tiny and args.out == "x.md"
     assert (args.a_params, args.a_tensors, args.batch, args.seq) == (2e6, 10, 4, 16)
     full = suite.resolve_defaults(suite.build_parser().parse_args([]))
-    assert full.only == ["tests", "a", "b", "c", "d"] and full.a_params == 200e6 and full.a_tensors == 100
+    assert full.only == ["tests", "a", "b", "c", "d", "e"] and full.a_params == 200e6 and full.a_tensors == 100
     assert (full.batch, full.seq, full.cap_gb) == (32, 128, 16.0)
     with pytest.raises(SystemExit):
         suite.build_parser().parse_args(["--only", "a,z"])
@@ -149,16 +149,21 @@ def test_part_d_table_format():
     assert "failed: boom" in suite.format_d({"error": "boom", "candidates": []}, None)
 
 
+def run_tiny_part(tmp_path, part: str) -> dict:
+    """`gpu_suite.py --tiny --only PART` on the CPU; its raw JSON (the report is PART.md)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", part,
+                          "--out", str(tmp_path / f"{part}.md")], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return json.loads((tmp_path / f"{part}.json").read_text())
+
+
 @pytest.mark.slow
 def test_part_d_tiny_smoke_run(tmp_path):
     """Part d end to end at toy sizes on the CPU (deepspeed launcher, world size 1): the overlapped
     and serial offload and DeepSpeed ZeRO-2 offload each train and are tabled."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", "d",
-                          "--out", str(tmp_path / "d.md")], capture_output=True, text=True, env=env, cwd=REPO,
-                         timeout=600)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    raw = json.loads((tmp_path / "d.json").read_text())
+    raw = run_tiny_part(tmp_path, "d")
     cands = {c["name"]: c for c in raw["d"]["candidates"]}
     assert set(cands) == {"RecAdam, overlapped offload (ours)", "RecAdam, serial offload (ours)",
                           "DeepSpeedCPUAdam, ZeRO-2 offload"}, raw["d"]
@@ -168,3 +173,28 @@ def test_part_d_tiny_smoke_run(tmp_path):
     # No GPU memory to cap on the CPU: the capped run is left out, and so is its table.
     report = (tmp_path / "d.md").read_text()
     assert raw["d_cap"] is None and "## d. ALBERT-xxlarge" in report and "capped at" not in report
+
+
+def test_part_e_table_format():
+    suite = load_suite()
+    e = {"model": "ALBERT-xxlarge", "seq": 128, "batch": 32, "precision": "bf16", "cases": [
+        {"name": "overlapped offload (single)", "planned_gb": 10.5, "measured_gb": 10.0, "planned_reserved_gb": 12.0,
+         "measured_reserved_gb": 11.2},
+        {"name": "DeepSpeed ZeRO-2 offload", "planned_gb": 8.0, "measured_gb": 10.0},
+        {"name": "broken", "planned_gb": 1.0, "error": "RuntimeError: CUDA out of memory"}]}
+    text = suite.format_e(e)
+    assert "| overlapped offload (single) | 10.50" in text and "+5.0%" in text and "| yes" in text
+    assert "-20.0%" in text and "| NO" in text and "CUDA out of memory" in text
+    assert "failed: boom" in suite.format_e({"error": "boom", "cases": []})
+
+
+@pytest.mark.slow
+def test_part_e_tiny_smoke_run(tmp_path):
+    """Part e end to end at toy sizes on the CPU: each case is planned before it is built, then
+    trained, and the two numbers are tabled."""
+    raw = run_tiny_part(tmp_path, "e")
+    cases = {c["name"]: c for c in raw["e"]["cases"]}
+    assert set(cases) == {"overlapped offload (single)", "DeepSpeed ZeRO-2 offload"}, raw["e"]
+    for c in cases.values():
+        assert not c.get("error") and c["planned_gb"] > 0 and c["measured_gb"] > 0, c
+    assert "## e. The memory plan against the measured peak" in (tmp_path / "e.md").read_text()

@@ -70,6 +70,18 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The launcher's worker process whose RANK is `rank` (the launcher sets it in the worker's environment)."""
+    for pid in descendants(launcher_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and any(e.startswith(b"LOCAL_RANK=") for e in environ):
+            return pid
+    return None
+
+
 class Launches:
     """The launcher processes of one test (the `launches` fixture kills what is left of them)."""
 

@@ -37,6 +37,7 @@ def test_alpha_one_is_the_run_and_alpha_zero_the_pretrained_encoder(finished_run
     assert interpolate_main([str(run_dir), "--alphas", "0,0.5,1"]) == 0
     printed = capsys.readouterr().out
     assert "||theta_a - theta*||" in printed and "best accuracy on validation" in printed
+    assert "cka_drift_last" in printed
     out = json.loads((run_dir / "interpolation.json").read_text())
     assert (run_dir / "interpolation.png").stat().st_size > 0
     assert out["theta_source"].startswith("export")
@@ -46,6 +47,10 @@ def test_alpha_one_is_the_run_and_alpha_zero_the_pretrained_encoder(finished_run
     assert rows[1.0]["distance"] == pytest.approx(last["forgetting_distance"], rel=1e-5)
     assert rows[0.5]["distance"] == pytest.approx(rows[1.0]["distance"] / 2)
     assert rows[0.0]["distance"] == 0.0
+    # Functional forgetting for every α: none at θ*, the run's own final value at α = 1.
+    assert rows[0.0]["forgetting"]["cka_drift_last"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[1.0]["forgetting"] == pytest.approx(results["final"]["forgetting"], rel=1e-6)
+    assert 0 < rows[0.5]["forgetting"]["cka_drift_mean"] < rows[1.0]["forgetting"]["cka_drift_mean"]
 
     # α = 0 by hand: the pretrained encoder with the run's head, scored by the trainer itself.
     cfg, _ = load_run(run_dir)

@@ -11,6 +11,8 @@ import errno
 import io
 import json
 import os
+import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -23,10 +25,12 @@ import torch
 
 from ft_framework import cli
 from ft_framework.checkpointing.manager import CheckpointError, CheckpointManager, resolve_latest
-from ft_framework.checkpointing.manifest import MANIFEST_FILE, check_files, file_records, record_files
+from ft_framework.checkpointing.manifest import (MANIFEST_FILE, CheckpointFormatError, check_files, file_records,
+                                                 record_files)
 from ft_framework.config import load_config
 from ft_framework.run.lock import RunLock
 from ft_framework.trainer import Trainer
+from small_filesystem import small_filesystem
 from tiny_run import write_run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -233,28 +237,72 @@ def test_an_unwritable_output_dir_is_one_line():
     assert f"{str(target)!r} is not writable by this user" in lines[1]
 
 
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_bert_dir, tmp_path,
-                                                                                   monkeypatch):
-    from torch.distributed.checkpoint import FileSystemWriter
+class FullDiskStream:
+    """A data file's stream that has `room` bytes left, then fails as a full disk does (ENOSPC)."""
 
-    real = FileSystemWriter.write_data
-    calls = {"n": 0}
+    def __init__(self, stream, room: int):
+        self.stream, self.room = stream, room
 
-    def write_data(self, plan, planner):  # the second checkpoint's write runs out of space
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-        return real(self, plan, planner)
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= size
+        return self.stream.write(data)
 
-    monkeypatch.setattr(FileSystemWriter, "write_data", write_data)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def assert_full_disk_line(rc, err, out: Path):
+    """The run ended in one line naming the directory and its free space; the first checkpoint is
+    intact and still the latest, the partial second one is gone."""
+    assert rc == 2 and len(ft_lines(err)) == 1 and "Traceback" not in err, err
+    first = out / "checkpoints" / CheckpointManager.name_for(2)
+    [line] = ft_lines(err)
+    assert f"saving checkpoint {CheckpointManager.name_for(4)} into {out / 'checkpoints'} failed" in line
+    assert re.search(rf"\d+(\.\d)? (B|KiB|MiB|GiB) free on the file system of {re.escape(str(out / 'checkpoints'))}", line)
+    assert f"the previous checkpoint {first} is intact" in line
+    assert resolve_latest(out) == first and check_files(first, checksums=True) == []
+    assert not list((out / "checkpoints").glob(".*partial"))
+
+
+def test_a_full_disk_inside_torchs_writer_is_one_line_and_keeps_the_previous_checkpoint(tiny_bert_dir, tmp_path,
+                                                                                         monkeypatch):
+    """ENOSPC from the file below torch.save inside DCP's writer: torch raises a RuntimeError while
+    handling it, which DCP wraps per rank in a CheckpointException."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real = FileSystem.create_stream
+    data_files = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):  # the second checkpoint's data file runs out of space
+        with real(self, path, mode) as stream:
+            if str(path).endswith(".distcp"):
+                data_files.append(path)
+                yield FullDiskStream(stream, room=1 << 20) if len(data_files) == 2 else stream
+            else:
+                yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
     cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out", training={"max_steps": 4},
                            checkpoint={"every_steps": 2}, evaluation={"num_evals": 1})
     rc, _, err = run_cli(["--config", str(cfg)])
-    assert rc == 2 and len(ft_lines(err)) == 1 and "Traceback" not in err, err
-    first = tmp_path / "out" / "checkpoints" / CheckpointManager.name_for(2)
-    assert "No space left on device" in err and f"the previous checkpoint {first} is intact" in err
-    assert resolve_latest(tmp_path / "out") == first and check_files(first, checksums=True) == []
-    assert not list((tmp_path / "out" / "checkpoints").glob(".*partial"))
+    assert len(data_files) == 2
+    assert_full_disk_line(rc, err, tmp_path / "out")
+    assert "No space left on device" in err
+
+
+def test_a_full_small_file_system_during_a_save_is_one_line(finished_run, tiny_bert_dir, tmp_path):
+    """A real tmpfs with room for one checkpoint and a half: the second save fills it."""
+    checkpoint = finished_run / "checkpoints" / CheckpointManager.name_for(2)
+    size = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+    with small_filesystem(tmp_path / "disk", size * 3 // 2 + (1 << 20)) as disk:
+        cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, disk / "out", training={"max_steps": 4},
+                               checkpoint={"every_steps": 2}, evaluation={"num_evals": 1})
+        rc, _, err = run_cli(["--config", str(cfg)])
+        assert_full_disk_line(rc, err, disk / "out")
 
 
 # ---- integrity ------------------------------------------------------------------------------------
@@ -375,6 +423,59 @@ def test_every_reader_refuses_a_pickle_that_would_run_code(finished_run, tiny_be
     marker = plant(old / "optimizer.pt", "optimizer", "legacy")
     with pytest.raises(ValueError, match="never unpickled"):
         _read_single(old)
+    assert not marker.exists()
+
+
+def plant_dcp_metadata(checkpoint: Path, name: str) -> Path:
+    """A pickle that would run code, as the checkpoint's DCP index, with the manifest rewritten to
+    match it (the manifest is no signature)."""
+    marker = Path(PLANTED.format(name))
+    marker.unlink(missing_ok=True)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    if (checkpoint / MANIFEST_FILE).is_file():
+        record_files(checkpoint, file_records(checkpoint))
+        assert check_files(checkpoint, checksums=True) == []
+    return marker
+
+
+def refused_in_one_line(err: str, prog: str) -> bool:
+    lines = [line for line in err.splitlines() if line.startswith(prog)]
+    return (len(lines) == 1 and "Traceback" not in err and ".metadata refers to posix.system" in lines[0]
+            and "never unpickled" in lines[0])
+
+
+def test_a_planted_dcp_metadata_runs_no_code_on_any_reader(finished_run, tiny_bert_dir, tmp_path, caplog, capsys):
+    from ft_framework.checkpointing.legacy import main as convert_main
+
+    out = copy_run(finished_run, tmp_path)
+    newest, older = resolve_latest(out), out / "checkpoints" / CheckpointManager.name_for(2)
+    marker = plant_dcp_metadata(newest, "dcp_metadata")
+    # Resume: refused before anything is loaded.
+    cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, out, training={"max_steps": 6},
+                           checkpoint={"resume_from": "latest"})
+    rc, _, err = run_cli(["--config", str(cfg)])
+    assert rc == 2 and refused_in_one_line(err, "ft-train"), err
+    # resume_from=auto skips it, says why, and resumes from the one before.
+    caplog.set_level("WARNING", logger="ft_framework.checkpointing.manager")
+    assert CheckpointManager(out / "checkpoints").latest_complete() == older
+    assert f"skipping {newest}: checkpoint {newest}: .metadata refers to posix.system" in caplog.text
+    # ft-export and ft-interpolate (the run's final weights are that checkpoint's).
+    capsys.readouterr()
+    assert cli.export_main([str(newest), str(tmp_path / "hf")]) == 2
+    assert refused_in_one_line(capsys.readouterr().err, "ft-export")
+    assert cli.interpolate_main([str(out), "--no-plot"]) == 2
+    assert refused_in_one_line(capsys.readouterr().err, "ft-interpolate")
+    # The legacy converter and ft-interpolate read the old FSDP format (a bare DCP checkpoint).
+    old = tmp_path / "old_fsdp"
+    old.mkdir()
+    (old / "fsdp_checkpoint.json").write_text("{}")
+    plant_dcp_metadata(old, "dcp_metadata")
+    assert convert_main([str(old), str(tmp_path / "new")]) == 2
+    assert refused_in_one_line(capsys.readouterr().err, "python -m ft_framework.checkpointing.legacy")
+    from ft_framework.interpolate import anchors_from_checkpoint
+
+    with pytest.raises(CheckpointFormatError, match=r"\.metadata refers to posix\.system, .* never unpickled"):
+        anchors_from_checkpoint(old)
     assert not marker.exists()
 
 

@@ -17,6 +17,7 @@ from ft_framework.cli import export_main
 from ft_framework.checkpointing.manager import resolve_latest
 from ft_framework.checkpointing.manifest import MANIFEST_FILE
 from ft_framework.config import load_config
+from ft_framework.models.activation_checkpointing import checkpointed_blocks
 from ft_framework.errors import UserError
 from ft_framework.run.files import RunPaths, checkpoint_name
 from ft_framework.trainer import Trainer
@@ -62,6 +63,10 @@ def test_training_lowers_the_loss_and_writes_logs_and_results(tiny_bert_dir, tmp
     assert saved["failed"] is (run_acc <= majority_acc), (run_acc, majority_acc, saved["failed"])
     assert saved["config"]["optimizer"]["name"] == "adamw"
     assert any((tmp_path / "out" / "tensorboard").iterdir())
+    # Functional forgetting at every evaluation (the tiny BERT has no MLM head: drift only).
+    assert all(set(r["forgetting"]) == {"cka_drift_last", "cka_drift_mean"} for r in evals)
+    assert saved["final"]["forgetting"]["cka_drift_last"] > 1e-4
+    assert saved["forgetting_probe"]["mlm"] is False and saved["forgetting_probe"]["sentences"] == 32
 
 
 def test_resumed_run_equals_uninterrupted_run(tiny_bert_dir, tmp_path):
@@ -86,6 +91,23 @@ def test_resumed_run_equals_uninterrupted_run(tiny_bert_dir, tmp_path):
     assert lambdas[4][0] == 0.5 and 0 < lambdas[0][0] < lambdas[-1][0] < 1  # sigmoid with t0 = 5
     strip = lambda rs: [{k: v for k, v in r.items()} for r in rs]
     assert strip(read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+
+
+def test_activation_checkpointing_is_applied_and_trains_the_same_weights(tiny_bert_dir, tmp_path):
+    """training.activation_checkpointing reaches the model before the strategy wraps it; with
+    dropout and Mixout on, the run ends on the same weights and metrics as the run without it."""
+    runs = {}
+    for checkpointing in (False, True):
+        cfg = write_run_config(tmp_path / f"{checkpointing}.yaml", tiny_bert_dir, tmp_path / f"out_{checkpointing}",
+                               training={"max_steps": 3, "activation_checkpointing": checkpointing},
+                               model={"dropout": 0.1, "mixout": 0.3}, evaluation={"num_evals": 1})
+        runs[checkpointing] = run(cfg)
+    (plain, plain_results), (checkpointed, checkpointed_results) = runs[False], runs[True]
+    assert not checkpointed_blocks(plain.model)
+    assert len(checkpointed_blocks(checkpointed.model)) == checkpointed.model.config.num_hidden_layers
+    for (name, a), (_, b) in zip(plain.model.state_dict().items(), checkpointed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert checkpointed_results["final"] == plain_results["final"]
 
 
 def test_interrupted_save_leaves_previous_checkpoint_latest(tiny_bert_dir, tmp_path):
@@ -129,12 +151,14 @@ def test_cli_runs_and_prints_the_results_table(tiny_bert_dir, tmp_path):
 
 
 def test_two_rank_ddp_equals_single_process(tiny_bert_dir, tmp_path):
+    # 13 probe sentences: rank 1's share is padded, and the padding must not count.
+    probe = {"forgetting": {"num_sentences": 13}}
     single_cfg = write_run_config(tmp_path / "single.yaml", tiny_bert_dir, tmp_path / "single",
-                                  training={"max_steps": 5, "per_device_batch_size": 8})
+                                  training={"max_steps": 5, "per_device_batch_size": 8}, evaluation=probe)
     single, _ = run(single_cfg)
     ddp_cfg = write_run_config(tmp_path / "ddp.yaml", tiny_bert_dir, tmp_path / "ddp",
                                training={"max_steps": 5, "per_device_batch_size": 4},
-                               strategy={"name": "ddp"})
+                               strategy={"name": "ddp"}, evaluation=probe)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           "--master_port", "29517", str(REPO / "launch" / "train.py"), "--config", str(ddp_cfg)],
@@ -143,6 +167,8 @@ def test_two_rank_ddp_equals_single_process(tiny_bert_dir, tmp_path):
     a = json.loads((tmp_path / "single" / "results.json").read_text())
     b = json.loads((tmp_path / "ddp" / "results.json").read_text())
     assert a["final"]["metrics"] == b["final"]["metrics"]
+    assert b["final"]["forgetting"]["cka_drift_last"] > 0
+    assert b["final"]["forgetting"] == pytest.approx(a["final"]["forgetting"], rel=1e-3, abs=1e-7)
     losses_a = [r["loss"] for r in read_jsonl(tmp_path / "single" / "metrics.jsonl") if r["type"] == "train"]
     losses_b = [r["loss"] for r in read_jsonl(tmp_path / "ddp" / "metrics.jsonl") if r["type"] == "train"]
     # DDP logs rank 0's half-batch loss; the gradient (the mean over both halves) drives the same
@@ -165,7 +191,8 @@ def test_best_on_validation_with_held_out_half_of_dev(tiny_bert_dir, tmp_path):
     best_score = max(r["metrics"]["validation"]["accuracy"] for r in evals)
     first_best = next(r for r in evals if r["metrics"]["validation"]["accuracy"] == best_score)
     assert results["reported"] == "best"
-    assert results["best"] == {"step": first_best["step"], "metrics": first_best["metrics"]}
+    assert results["best"] == {"step": first_best["step"], "metrics": first_best["metrics"],
+                               "forgetting": first_best["forgetting"]}
     assert set(results["majority_baseline"]) == {"validation", "test"}
     # With select_best the failed flag judges the best evaluation, on the validation half.
     assert results["failed"] is (best_score <= results["majority_baseline"]["validation"]["accuracy"])

@@ -81,6 +81,26 @@ def _header_only(text: bytes) -> bytes:
     return text.split(b"\n")[0] + b"\n"
 
 
+OWN_DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "reviews"
+
+
+def _own_data(suffix: str, edit_file: str, edit: Callable[[bytes], bytes]):
+    """Your own data (data.source: files): the example reviews in `suffix` form, `edit_file` rewritten."""
+    columns = {".csv": ("text", "label"), ".jsonl": ("review", "sentiment")}[suffix]
+
+    def prepare(ctx: Ctx) -> list[str]:
+        root = ctx.tmp / "own"
+        root.mkdir()
+        for stem in ("train", "dev"):
+            shutil.copy(OWN_DATA / f"{stem}{suffix}", root / f"{stem}{suffix}")
+        path = root / edit_file
+        path.write_bytes(edit(path.read_bytes()))
+        return ["data.task=null", "data.source=files", f"data.files={{train: {root}/train{suffix}, "
+                f"validation: {root}/dev{suffix}}}", f"data.text_columns=[{columns[0]}]",
+                f"data.label_column={columns[1]}", "data.labels=[negative, positive]"]
+    return prepare
+
+
 def _previous_run(ctx: Ctx) -> list[str]:
     ctx.copy_previous_run()
     return []
@@ -283,6 +303,15 @@ ROWS = [
     Row("tsv_not_utf8", prepare=_data("train.tsv", _replace_line(3, b"caf\xe9 noir .\t1")),
         says=("train.tsv:3", "UTF-8")),
     # ---- resuming -------------------------------------------------------------------------------
+    Row("own_csv_unknown_label", prepare=_own_data(".csv", "train.csv", _replace_line(5, b"4,a fine cafe .,postive")),
+        says=("train.csv:5", "unknown label 'postive' in column 'label'", "'negative', 'positive'")),
+    Row("own_jsonl_malformed_line", prepare=_own_data(".jsonl", "dev.jsonl", _replace_line(3, b'{"review": "ok"')),
+        says=("dev.jsonl:3", "not valid JSON")),
+    Row("own_data_file_missing", prepare=lambda ctx: [*_own_data(".csv", "train.csv", lambda text: text)(ctx),
+                                                       "data.files.validation=/nonexistent/dev.csv"],
+        says=("data.files.validation", "'/nonexistent/dev.csv' not found")),
+    Row("own_data_key_with_glue", ("data.text_columns=[sentence]",),
+        says=("data.text_columns", "data.source: files")),
     Row("resume_without_checkpoint", (RESUME,), says=("holds no checkpoint",)),
     # The manifest's sizes name the damaged file (checkpointing/manifest.py: check_files).
     Row("resume_corrupt_checkpoint", (RESUME, LONGER), prepare=_corrupt_checkpoint,
@@ -385,9 +414,9 @@ from ft_framework.errors import UserError
 
 if os.environ.get("RANK") == "1":
     if os.environ["FT_TEST_FAIL"] == "setup":
-        def load_glue(*args, **kwargs):
+        def load_task_data(*args, **kwargs):
             raise UserError("train.tsv: bad data on this node (rank 1)")
-        trainer.load_glue = load_glue
+        trainer.load_task_data = load_task_data
     else:
         set_lr = trainer.Trainer._set_lr
         def failing_set_lr(self, step):

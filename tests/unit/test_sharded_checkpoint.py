@@ -14,6 +14,7 @@ from ft_framework.checkpointing import (MASTER, CheckpointFormatError, Fragment,
 from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.cli import export_main
 from ft_framework.checkpointing.fragments import fragment_key, parse_param_key, param_key
+from ft_framework.checkpointing.manifest import MANIFEST_FILE
 
 HPARAMS = dict(anneal_k=0.5, anneal_t0=3, pretrain_cof=10.0)  # lr: in the param groups
 
@@ -241,7 +242,24 @@ def old_deepspeed_checkpoint(directory, model, opt):
     (directory / "deepspeed_meta.json").write_text(json.dumps({"world_size": 2, "zero_stage": 2}))
 
 
-@pytest.mark.parametrize("writer,kind", [(old_single_checkpoint, "single"), (old_deepspeed_checkpoint, "deepspeed")])
+def old_fsdp_checkpoint(directory, model, opt):
+    """What the FSDP strategy wrote before the sharded layout: DCP's save of get_state_dict's
+    {"model", "optimizer"} (optimizer state and groups by parameter name; the groups' numbers and
+    names are DCP's non-tensor entries)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = opt.state_dict()
+    names = {i: name for group in saved["param_groups"] for i, name in zip(group["params"], group["param_names"])}
+    optim = {"state": {names[i]: dict(entry) for i, entry in saved["state"].items()},
+             "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                              for group in saved["param_groups"]]}
+    dcp.save({"model": model.state_dict(), "optimizer": optim}, storage_writer=dcp.FileSystemWriter(str(directory)),
+             no_dist=True)
+    (directory / "fsdp_checkpoint.json").write_text(json.dumps({"world_size": 2}))
+
+
+@pytest.mark.parametrize("writer,kind", [(old_single_checkpoint, "single"), (old_deepspeed_checkpoint, "deepspeed"),
+                                         (old_fsdp_checkpoint, "fsdp")])
 def test_old_format_is_a_clear_error_and_converts_exactly(tmp_path, writer, kind):
     from ft_framework.checkpointing.legacy import main as convert_main
 
@@ -400,3 +418,94 @@ def test_a_saved_fragment_owns_exactly_its_bytes_without_a_copy(dtype):
     own = _own_storage(view)
     assert own.dtype == dtype and torch.equal(own, view)
     assert own.data_ptr() == view.data_ptr() and own.untyped_storage().nbytes() == own.nbytes
+
+
+def test_a_full_disk_without_an_errno_is_decided_by_the_free_space(tmp_path):
+    """torch.save to a path (the trainer's state) reports a full disk as a RuntimeError of its zip
+    writer with no OSError behind it: the save is one line from the file system's free space, on a
+    real tmpfs, and the previous checkpoint stays the latest."""
+    import os
+
+    from small_filesystem import small_filesystem
+
+    from ft_framework.checkpointing.manager import CheckpointError, CheckpointManager, _os_error
+    from ft_framework.checkpointing.manifest import check_files
+    from ft_framework.strategies import SingleDeviceStrategy
+
+    model, opt = build()
+    strategy = SingleDeviceStrategy("fp32", "cpu")
+    strategy.setup(model, lambda m: opt)
+    train(strategy.model, strategy.optimizer, range(2))
+    with small_filesystem(tmp_path / "disk", 8 << 20) as disk:
+        manager = CheckpointManager(disk / "checkpoints")
+        first = manager.save(2, strategy, {"step": 2})
+        size = sum(p.stat().st_size for p in first.rglob("*") if p.is_file())
+        # Room for the strategy's files of the next save, not for a trainer state of 4 MiB.
+        with open(disk / "filler", "wb") as filler:
+            os.posix_fallocate(filler.fileno(), 0, os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+                               - 2 * size - (256 << 10))
+        with pytest.raises(CheckpointError) as raised:
+            manager.save(4, strategy, {"step": 4, "big": torch.zeros(1 << 20)})
+        assert _os_error(raised.value.__cause__) is None  # no errno anywhere: the free space decided
+        message = str(raised.value)
+        assert f"saving checkpoint step_00000004 into {disk / 'checkpoints'} failed (the file system is full: " in message
+        assert f"free on the file system of {disk / 'checkpoints'}" in message and "\n" not in message
+        assert f"the previous checkpoint {first} is intact" in message
+        assert manager.latest() == first and check_files(first, checksums=True) == []
+        assert not list((disk / "checkpoints").glob(".*partial"))
+
+
+class RunsCode:
+    """Unpickling it would run `touch marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_non_tensor_entry_that_would_run_code_is_refused_by_the_converter(tmp_path, capsys):
+    """The old FSDP format's non-tensor entries (param groups) are read with weights_only=True;
+    DCP's own planner would unpickle them unrestricted."""
+    import torch.distributed.checkpoint as dcp
+
+    from ft_framework.checkpointing.legacy import main as convert_main
+
+    marker = tmp_path / "ran"
+    old = tmp_path / "old"
+    dcp.save({"model": {"w": torch.zeros(2)}, "optimizer": {"state": {}, "param_groups": [{"lr": RunsCode(marker)}]}},
+             storage_writer=dcp.FileSystemWriter(str(old)), no_dist=True)
+    (old / "fsdp_checkpoint.json").write_text("{}")
+    assert convert_main([str(old), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "never unpickled" in err and "posix.system" in err, err
+    assert not marker.exists()
+
+
+def test_export_imports_no_module_a_tampered_manifest_names(tmp_path, monkeypatch, capsys):
+    """A manifest is data: its model class is imported only from transformers or peft. A module of
+    one's own that runs code on import is refused in one line; --model-class (the user's own word)
+    still reaches it."""
+    model, opt = build()
+    save_sharded(tmp_path / "ck", Provider(model, opt))
+    marker = tmp_path / "imported"
+    (tmp_path / "planted_model_module.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import AutoModelForSequenceClassification as Model\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    manifest_path = tmp_path / "ck" / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"]["class"] = "planted_model_module:Model"
+    manifest_path.write_text(json.dumps(manifest))
+
+    with pytest.raises(CheckpointFormatError, match="outside transformers, peft: not imported"):
+        export_pretrained(tmp_path / "ck", tmp_path / "out")
+    assert export_main([str(tmp_path / "ck"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "planted_model_module:Model" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not marker.exists()
+
+    export_pretrained(tmp_path / "ck", tmp_path / "out", model_class="planted_model_module:Model")
+    assert marker.exists()

@@ -112,10 +112,20 @@ def test_torchrun_failures_are_told_in_one_line():
     line = describe_failure(RendezvousTimeoutError(), args)
     assert "did not fill up within join_timeout=30 s (not all of --nnodes 2 joined)" in line
 
-    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="/nonexistent")
+    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=3, error_file="/nonexistent")
     line = describe_failure(ChildFailedError("train.py", {3: failure}), args)
-    assert line == ("ft_framework.distributed.torchrun: workers failed on this node: rank 3 (local rank 1, pid 4242) killed by "
-                    "signal 9; their own error lines are above")
+    assert line == ("ft_framework.distributed.torchrun: workers failed on this node: rank 3 (local rank 1, pid 4242) "
+                    "exit code 3; their own error lines are above")
+
+    # Rank 3 was SIGKILLed (it printed nothing), then torchrun stopped rank 2 with SIGTERM.
+    killed = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="/nonexistent")
+    stopped = ProcessFailure(local_rank=0, pid=4241, exitcode=-15, error_file="/nonexistent")
+    stopped.timestamp = killed.timestamp + 1
+    line = describe_failure(ChildFailedError("train.py", {3: killed, 2: stopped}), args)
+    assert line == ("ft_framework.distributed.torchrun: workers failed on this node: rank 2 (local rank 0, pid 4241) "
+                    "killed by SIGTERM; rank 3 (local rank 1, pid 4242) killed by SIGKILL first; rank 3 printed "
+                    "nothing: SIGKILL ended it (kill -9, or the kernel's out-of-memory killer, which the node's "
+                    "kernel log records: dmesg); the other ranks' lines are above")
     assert describe_failure(ValueError("not ours"), args) is None
 
 

@@ -7,26 +7,12 @@ from __future__ import annotations
 import io
 from datetime import timedelta
 
-import pytest
 import torch.distributed as dist
 
 from ft_framework.distributed import peer_failures
 from ft_framework.run.failures import EXIT_CRASH, EXIT_USER_ERROR, report_failure
 from ft_framework.errors import UserError
 from ft_framework.distributed.rendezvous import free_port
-
-
-@pytest.fixture
-def board(monkeypatch):
-    """A 2-rank job's store hosted here (as rank 0 hosts it under the deepspeed launcher), seen as rank 0."""
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, timeout=timedelta(seconds=10),
-                          wait_for_workers=False)
-    monkeypatch.setattr(peer_failures, "_board", {})
-    peer_failures.register_store(store, world_size=2, store_host_rank=0)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    yield store
-    monkeypatch.setattr(peer_failures, "_board", {})
 
 
 def test_an_announced_failure_is_read_by_the_other_rank_only(board):
@@ -50,6 +36,15 @@ def test_a_store_that_is_gone_names_its_host_rank(monkeypatch):
     peer_failures.register_store(client, world_size=2, store_host_rank=0)
     del host  # rank 0's process, which hosted the store, is gone
     assert peer_failures.failed_peers(1, wait_s=0) == {0: peer_failures.STORE_GONE}
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = io.StringIO()
+    assert report_failure(RuntimeError("read error"), prog="ft-train", stream=out) == EXIT_CRASH
+    # Whether rank 0 announced its own error went with its board: the line says both cases.
+    assert out.getvalue() == ("ft-train (rank 1): stopped: rank 0 went away: the rendezvous store it hosted is gone "
+                              "(its error line is above if it printed one; if not, it was killed: SIGKILL, the "
+                              "out-of-memory killer, a lost node); this rank stops without saving: resume from the "
+                              "last checkpoint with checkpoint.resume_from=auto; here: RuntimeError: read error\n")
 
 
 def test_a_peer_entry_makes_one_line_whatever_the_error_says(board):
@@ -86,3 +81,23 @@ def test_a_user_error_of_one_rank_is_announced_and_printed_by_that_rank(board):
     assert report_failure(UserError("train.tsv: bad data"), prog="ft-train", stream=out) == EXIT_USER_ERROR
     assert out.getvalue().strip() == "ft-train (rank 0): error: train.tsv: bad data"
     assert peer_failures.failed_peers(1, wait_s=0) == {0: "error: train.tsv: bad data"}
+
+
+def test_a_launchers_sigterm_while_a_rank_reports_waits_until_the_line_is_out():
+    """torchrun and DeepSpeed's launcher SIGTERM the other workers as soon as one dies; a survivor
+    that is reporting why it stopped finishes its line first, then the signal ends it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, signal, time
+        from ft_framework.run.failures import _sigterm_held
+        with _sigterm_held(True):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)  # the handler has run by now: the signal arrived while held
+            print("the line", flush=True)
+        print("not reached", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -15 and proc.stdout == "the line\n", (proc.returncode, proc.stdout, proc.stderr)

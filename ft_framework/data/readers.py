@@ -1,0 +1,202 @@
+"""Reading a data file into rows, each with the place a user would look for it: the 1-based line a
+text editor shows (``reviews.csv:14``) or the index of a ``datasets`` row (``reviews[train][13]``).
+
+Formats, by suffix: ``.tsv`` (tab-separated), ``.csv`` (comma-separated, quoted fields may hold
+commas, quotes and line breaks), ``.jsonl`` (one JSON object a line), or a directory saved with
+``datasets``' ``save_to_disk``. Text files are UTF-8; a byte-order mark and Windows line ends, as
+spreadsheets write them, read the same as a plain file.
+
+A TSV file is read as GLUE's files are written: no quoting, so a quote in a sentence is a character
+of it. A spreadsheet saving a TSV wraps each cell holding a quote (or a tab, or a line break) in
+quotes and doubles the quotes inside; such a file is recognised (every cell with a quote is wrapped
+that way) and read with quoting, so it gives the texts of the plain file.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from ft_framework.errors import UserError
+
+__all__ = ["Table", "TEXT_SUFFIXES", "read_table", "read_tsv_rows"]
+
+# Some GLUE fields (e.g. QQP questions) exceed csv's default 128 KiB field limit.
+csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+
+# The text formats, by file suffix; a directory is read as a datasets save_to_disk directory.
+TEXT_SUFFIXES: tuple[str, ...] = (".csv", ".tsv", ".jsonl")
+
+# A whole cell as a spreadsheet quotes it: wrapped in quotes, the quotes inside doubled.
+_QUOTED_CELL = re.compile(r'"(?:[^"]|"")*"')
+
+
+@dataclass
+class Table:
+    """The rows of one file: ``columns`` is the header of a CSV/TSV file or a dataset's columns (None
+    for JSONL, whose objects each have their own keys); ``header`` says where the columns are named.
+    ``records`` yields (where, {column: value}) in file order."""
+
+    columns: list[str] | None
+    header: str
+    records: Iterable[tuple[str, dict[str, Any]]]
+
+
+def read_table(path: Path, split: str) -> Table:
+    """The rows of ``path`` by its format (see the module doc); ``split`` picks the split of a
+    ``DatasetDict`` directory."""
+    if path.is_dir():
+        return _dataset_table(path, split)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return Table(None, str(path), _jsonl_records(path))
+    if suffix in (".csv", ".tsv"):
+        rows = _delimited_rows(path, ",", csv.QUOTE_MINIMAL) if suffix == ".csv" else read_tsv_rows(path)
+        return _header_table(path, rows)
+    raise UserError(f"{path}: unknown file type {path.suffix or '(no suffix)'!r}; valid: "
+                    f"{', '.join(TEXT_SUFFIXES)}, or a directory saved with datasets' save_to_disk")
+
+
+# --------------------------------------------------------------------------------------------------
+# Delimited text: TSV and CSV
+# --------------------------------------------------------------------------------------------------
+
+
+def read_tsv_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(first line, fields) of each non-blank row of a TSV file: unquoted, or quoted the way a
+    spreadsheet writes it (see the module doc). Two passes, streamed: GLUE's largest files are
+    never held whole as rows."""
+    quoted = _spreadsheet_quoted(row for _, row in _delimited_rows(path, "\t", csv.QUOTE_NONE))
+    return _delimited_rows(path, "\t", csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE)
+
+
+def _delimited_rows(path: Path, delimiter: str, quoting: int) -> Iterator[tuple[int, list[str]]]:
+    """(the line a row starts on, the row) of each non-blank row; with quoting, the standard
+    (RFC 4180) rules, a quoted field spanning lines, and a malformed quote an error on its row."""
+    next_start = 1
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f, delimiter=delimiter, quoting=quoting, strict=True)
+            for row in reader:
+                start, next_start = next_start, reader.line_num + 1
+                if row:
+                    yield start, row
+    except UnicodeDecodeError:
+        raise _not_utf8_error(path) from None
+    except csv.Error as exc:
+        # A quote left open runs to the end of the file: name the line its row starts on.
+        raise UserError(f"{path}:{next_start}: malformed quoting in the row starting here ({exc}); a quoted "
+                        "field ends with a quote followed by the separator or the line end, and the quotes "
+                        'inside it are doubled ("")') from None
+
+
+def _spreadsheet_quoted(rows: Iterable[list[str]]) -> bool:
+    """Whether the rows, read without quoting, are a spreadsheet's quoted TSV: some cell holds a
+    quote, and every cell that does starts or ends with one (a quoted cell that spans lines is cut
+    into a piece that starts with the quote and one that ends with it), some whole cells wrapped.
+    A file whose quotes stand inside its sentences, as GLUE's do, does not pass."""
+    wrapped = False
+    for row in rows:
+        for cell in row:
+            if '"' not in cell:
+                continue
+            if _QUOTED_CELL.fullmatch(cell):
+                wrapped = True
+            elif not (cell.startswith('"') or cell.endswith('"')):
+                return False
+    return wrapped
+
+
+def _header_table(path: Path, rows: Iterator[tuple[int, list[str]]]) -> Table:
+    """A CSV/TSV file's rows as records keyed by its header; every row has the header's width."""
+    first = next(rows, None)
+    if first is None:
+        raise UserError(f"{path}: empty file; expected a header line naming the columns, then one example a line")
+    header_line, header = first
+    duplicates = sorted({c for c in header if header.count(c) > 1})
+    if duplicates:
+        raise UserError(f"{path}:{header_line}: the header names column {duplicates[0]!r} more than once: {header}")
+
+    def records() -> Iterator[tuple[str, dict[str, Any]]]:
+        for line, row in rows:
+            if len(row) != len(header):
+                raise UserError(f"{path}:{line}: row has {len(row)} fields, the header has {len(header)} "
+                                f"({header}); quote a field that holds the separator")
+            yield f"{path}:{line}", dict(zip(header, row))
+
+    return Table(header, f"{path}:{header_line}", records())
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON lines and datasets directories
+# --------------------------------------------------------------------------------------------------
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        with path.open(encoding="utf-8-sig", newline=None) as f:
+            for line_no, line in enumerate(f, start=1):
+                if line.strip():
+                    yield _json_object(line, f"{path}:{line_no}")
+    except UnicodeDecodeError:
+        raise _not_utf8_error(path) from None
+
+
+def _json_object(line: str, where: str) -> tuple[str, dict[str, Any]]:
+    try:
+        value = json.loads(line, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{where}: not valid JSON at column {exc.colno} ({exc.msg}); each line must be "
+                        "one JSON object") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: a JSON {type(value).__name__}, expected an object "
+                        '({"column": value, ...}) on each line')
+    return where, value
+
+
+def _reject_constant(name: str) -> float:
+    """NaN and Infinity are not JSON; Python's parser would accept them."""
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
+def _dataset_table(path: Path, split: str) -> Table:
+    import datasets  # imported lazily: slow, and only a datasets directory needs it
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as exc:
+        raise UserError(f"{path}: a directory, but not one saved with datasets' save_to_disk ({exc}); "
+                        f"a data file must end in {', '.join(TEXT_SUFFIXES)}") from None
+    where = str(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise UserError(f"{path}: the saved DatasetDict has no split {split!r}; it has {list(loaded)}")
+        loaded, where = loaded[split], f"{path}[{split}]"
+
+    def records() -> Iterator[tuple[str, dict[str, Any]]]:
+        for i, row in enumerate(loaded):
+            yield f"{where}[{i}]", row
+
+    return Table(list(loaded.column_names), where, records())
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------------
+
+
+def _not_utf8_error(path: Path) -> UserError:
+    """The error for a file that is not UTF-8, naming the first bad line and byte."""
+    with path.open("rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return UserError(f"{path}:{line_no}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column "
+                                 f"{exc.start + 1}); save the file as UTF-8")
+    return UserError(f"{path}: not UTF-8 text; save the file as UTF-8")
