@@ -6,12 +6,10 @@ tests/unit/distributed/test_ddp_no_sync.py, ZeRO-2/3 in tests/distributed/test_d
 in tests/distributed/test_fsdp.py; the trainer's wiring in tests/recipes/test_train_end_to_end.py."""
 
 import copy
-import weakref
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AlbertConfig, AlbertForSequenceClassification, BertConfig, BertForSequenceClassification,
                           DebertaV2Config, DebertaV2ForSequenceClassification, DistilBertConfig,
                           DistilBertForSequenceClassification, RobertaConfig, RobertaForSequenceClassification)
@@ -26,6 +24,7 @@ from ft_framework.optim import build_optimizer
 from ft_framework.optim.groups import build_param_groups
 from ft_framework.run.fingerprint import check_resume, config_record
 from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy
+from ft_framework.strategies.memory_trace import live_bytes
 
 SIZES = dict(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=37)
 DROPOUT = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
@@ -234,33 +233,6 @@ def test_mixout_and_dropout_draw_the_same_masks_in_the_recomputation():
 
 
 # ---- the activation peak ----------------------------------------------------------------------------
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages created by the ops it sees that are still alive, and their peak: the
-    activations, gradients and temporaries of a forward and backward (not the weights)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
-
-    def _free(self, key, nbytes):
-        self._seen.discard(key)
-        self.live -= nbytes
-
-
 def _activation_peak(checkpointing: bool) -> int:
     model = tiny_bert(num_hidden_layers=4)
     if checkpointing:
@@ -268,7 +240,7 @@ def _activation_peak(checkpointing: bool) -> int:
     model.train()
     data = batch(0, size=8, seq=64)
     torch.manual_seed(1)
-    with LiveBytes() as meter:
+    with live_bytes() as meter:  # the memory plan's own counter of live storage bytes
         model(**data).loss.backward()
     return meter.peak
 
