@@ -4,6 +4,7 @@
     python benchmarks/optim_step.py --sizes 5e7 --threads 2 --simd avx2
     python benchmarks/optim_step.py --markdown /tmp/optim_step.md
     python benchmarks/optim_step.py --device cuda                # GPU: torch RecAdam vs AdamW(fused=True)
+    python benchmarks/optim_step.py --sizes 5e7 --threads 2 --only ours_fp32,ds_adam --paired --lead-in 1
 
 The parameters of one size are ONE flat fp32 tensor (ZeRO-Offload hands the CPU optimizer one flat
 partition; ``--chunks K`` splits them into K tensors instead). Gradients are random, fixed per size;
@@ -293,11 +294,14 @@ def time_candidate(cand: Candidate, data: SizeData, threads: int, steps: int, wa
     return res
 
 
-def time_paired(cands: list[Candidate], data: SizeData, threads: int, steps: int, warmup: int) -> list[Result]:
+def time_paired(cands: list[Candidate], data: SizeData, threads: int, steps: int, warmup: int,
+                lead_in: int = 0) -> list[Result]:
     """All candidates alive at once and their steps interleaved (harness.paired_times): every
     candidate sees the same machine state, so their RATIOS are much steadier on a shared machine.
     Needs the memory of all candidates together; at sizes that fit in the caches it measures
-    cold-cache steps (the other candidates evict the data in between)."""
+    cold-cache steps (the other candidates evict the data in between). lead_in 0: each timed step
+    follows another candidate's step (and pays for writing back its dirty lines); lead_in 1: each
+    follows an untimed step of its own, as in training."""
     cuda = data.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = [Result(data.numel, threads, c.name, paired=True) for c in cands]
@@ -310,7 +314,7 @@ def time_paired(cands: list[Candidate], data: SizeData, threads: int, steps: int
                 r.skipped = str(exc)
                 fns.append(None)
         live = [i for i, f in enumerate(fns) if f is not None]
-        times, background = paired_times([fns[i] for i in live], steps, warmup, MIN_TIMED_S, sync)
+        times, background = paired_times([fns[i] for i in live], steps, warmup, MIN_TIMED_S, sync, lead_in)
         for i, t in zip(live, times):
             results[i].times_s = t
             results[i].background = background
@@ -469,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paired", action="store_true",
                     help="keep all candidates in memory and interleave their steps one by one (steadier "
                          "ratios on a shared machine; needs all their memory at once; use with --only)")
+    ap.add_argument("--lead-in", type=int, default=0, metavar="N",
+                    help="with --paired: N untimed steps of the same candidate right before each timed "
+                         "one (default 0: each step is timed right after another candidate's step)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                     help="before each candidate wait up to this long until other processes use < "
                          "--quiet-cores cores (default 0: do not wait; the load is reported either way)")
@@ -489,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     wrong_dev = [n for n in names if device.type not in BY_NAME[n].devices]
     if wrong_dev:
         ap.error(f"candidate(s) {wrong_dev} do not run on {device.type}")
+    if args.lead_in and not args.paired:
+        ap.error("--lead-in needs --paired (unpaired runs time each candidate's steps back to back already)")
     threads = args.threads if device.type == "cpu" else [torch.get_num_threads()]
 
     if args.simd:
@@ -511,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         f"load average at start: {loadavg()}",
         f"steps: {args.steps} timed after {args.warmup} warm-up (more until {MIN_TIMED_S:g} s are "
         f"timed; slow candidates: capped to ~{SLOW_BUDGET_S:g} s of timed steps, at least {MIN_SLOW_STEPS}), x {args.rounds} interleaved round(s), fresh optimizer "
-        f"each round; " + ("PAIRED: candidates alive together, steps interleaved one by one; " if args.paired else "")
+        f"each round; " + (f"PAIRED: candidates alive together, steps interleaved one by one (lead-in {args.lead_in}); "
+           if args.paired else "")
         + f"parameters in {args.chunks} tensor(s)",
         f"RecAdam hyper-parameters: {HP}",
     ]
@@ -547,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                     if args.wait_quiet > 0:
                         wait_for_quiet(args.quiet_cores, args.wait_quiet)
                     todo = [BY_NAME[n] for n in names if not (n in merged and merged[n][-1].skipped)]
-                    round_results = time_paired(todo, data, thr, args.steps, args.warmup)
+                    round_results = time_paired(todo, data, thr, args.steps, args.warmup, args.lead_in)
                 else:
                     round_results = []
                     for name in order:
