@@ -25,6 +25,8 @@ Every RecAdam candidate (also the multi-pass ones) is credited 32 B, so its GB/s
 Candidates (--only takes these names):
   ours_fp32    ft_framework recadam, impl="cpu" (C++ kernel), fp32 anchors
   ours_bf16    ft_framework recadam, impl="cpu", anchor_dtype="bfloat16"
+  ours_compact ft_framework recadam, impl="cpu", state_dtype="bfloat16" (the compact state: 26 B moved, 10 B
+               host; opt-in)
   ours_torch   ft_framework recadam, impl="torch" (CPU or CUDA)
   authors      RecAdam in the style of the authors' release (benchmarks/authors_style_recadam.py)
   adamw_pull   torch.optim.AdamW(fused=True) step + a separate p.lerp_(theta*, pull)
@@ -68,7 +70,14 @@ from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
 HP = dict(lr=2e-5, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, anneal_fun="sigmoid",
           anneal_k=0.5, anneal_t0=250.0, anneal_w=1.0, pretrain_cof=5000.0)
 
-BYTES = {"recadam": 32, "recadam_bf16": 30, "adam": 28}
+BYTES = {"recadam": 32, "recadam_bf16": 30, "adam": 28,
+         # the compact state (optim/compact.py): reads g 4, m 2, v 2, delta 4, theta* 2; writes p 4, m 2,
+         # v 2, delta 4 (p is written as theta* + delta for the model's forward)
+         "recadam_compact": 26}
+# Bytes per parameter the optimizer keeps in host memory: its master (the fp32 weight, or delta),
+# the moments and theta*; the model's own fp32 weight and gradient are not counted (they exist in
+# every candidate; in the compact state the weight is a copy of theta* + delta, not the master).
+HOST_BYTES = {"recadam": 16, "recadam_bf16": 14, "adam": 12, "recadam_compact": 10}
 
 # Steps of the slow multi-pass candidates are capped so that their timed steps take about this long.
 SLOW_BUDGET_S = 3.0
@@ -129,13 +138,21 @@ class Candidate:
     build: Callable[[SizeData], Callable[[], None]]  # returns the step function
     devices: tuple[str, ...] = ("cpu",)
     slow: bool = False
+    host_bytes_per_param: int | None = None  # None: what its bytes_per_param's rule keeps (HOST_BYTES)
+
+    @property
+    def host_bytes(self) -> int:
+        if self.host_bytes_per_param is not None:
+            return self.host_bytes_per_param
+        return HOST_BYTES["adam"] if self.bytes_per_param == BYTES["adam"] else HOST_BYTES["recadam"]
 
 
-def _ours(impl: str, anchor_dtype: str = "float32"):
+def _ours(impl: str, anchor_dtype: str = "float32", state_dtype: str = "float32"):
     def build(data: SizeData):
         params = fresh_params(data)
         group = {"params": params, "anchors": data.theta_star}
-        opt = build_optimizer("recadam", [group], impl=impl, anchor_dtype=anchor_dtype, **HP)
+        opt = build_optimizer("recadam", [group], impl=impl, anchor_dtype=anchor_dtype, state_dtype=state_dtype,
+                              **HP)
         if opt.impl != impl:
             raise Skip(f"asked impl={impl!r}, got {opt.impl!r}")
         return opt.step
@@ -201,7 +218,10 @@ def _ds_adam(data: SizeData):
 
 CANDIDATES = [
     Candidate("ours_fp32", "ours cpu fp32-anchor", BYTES["recadam"], _ours("cpu")),
-    Candidate("ours_bf16", "ours cpu bf16-anchor", BYTES["recadam_bf16"], _ours("cpu", "bfloat16")),
+    Candidate("ours_compact", "ours cpu compact state", BYTES["recadam_compact"], _ours("cpu", "bfloat16", "bfloat16"),
+              host_bytes_per_param=HOST_BYTES["recadam_compact"]),
+    Candidate("ours_bf16", "ours cpu bf16-anchor", BYTES["recadam_bf16"], _ours("cpu", "bfloat16"),
+              host_bytes_per_param=HOST_BYTES["recadam_bf16"]),
     Candidate("ours_torch", "ours torch", BYTES["recadam"], _ours("torch"), ("cpu", "cuda"), slow=True),
     Candidate("authors", "authors-style", BYTES["recadam"], _authors, slow=True),
     Candidate("adamw_pull", "AdamW fused + pull", BYTES["recadam"], _adamw_pull, ("cpu", "cuda")),
@@ -410,7 +430,11 @@ def build_report(results: list[Result], names: list[str], header: list[str], dev
 
     noisy = sorted({(r.size, r.threads) for r in results
                     if r.background is not None and r.background > NOISY_CORES})
-    parts = ["\n".join(header), "", "ms/step (median) / effective GB/s:", "", md]
+    bytes_md = markdown_table(["candidate", "bytes moved per parameter", "host bytes per parameter"],
+                              [[c.label, c.bytes_per_param, c.host_bytes] for c in cols])
+    parts = ["\n".join(header), "", "ms/step (median) / effective GB/s:", "", md, "",
+             "Bytes per parameter (moved: the ideal one-pass update's reads and writes; host: the optimizer's "
+             "master, moments and theta*, not the model's weight and gradient):", "", bytes_md]
     if noisy:
         parts += ["", f"NOISY rows (other processes used > {NOISY_CORES:g} cores during some timed steps): "
                   + ", ".join(f"{fmt_size(a)}/{b}" for a, b in noisy)]

@@ -230,6 +230,96 @@ void fused_inverse(const py::buffer& param, const py::buffer& grad, const py::bu
     run_step(s, numel, num_threads);
 }
 
+// One step of the compact state (step_args.h): bf16 moments, and with an anchor the fp32 delta as
+// the master (param is written as anchor + delta). sr_key and index_base key the stochastic rounding.
+void fused_step_compact(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
+                        const py::buffer& exp_avg_sq, const std::optional<py::buffer>& delta,
+                        const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, uint32_t sr_key,
+                        int64_t index_base, int num_threads) {
+    const Buffer p = as_buffer(param, "param", true, false);
+    const Buffer g = as_buffer(grad, "grad", false, true);
+    const Buffer m = as_buffer(exp_avg, "exp_avg", true, true);
+    const Buffer v = as_buffer(exp_avg_sq, "exp_avg_sq", true, true);
+    if (m.type != ftk::ElemType::BF16 || v.type != ftk::ElemType::BF16)
+        throw std::invalid_argument("the compact step keeps exp_avg and exp_avg_sq in bfloat16 (int16 bits)");
+    if (delta.has_value() != anchor.has_value())
+        throw std::invalid_argument(
+            "the compact step takes delta and anchor together (an anchored parameter) or neither");
+    if (index_base < 0) throw std::invalid_argument("index_base must be >= 0");
+    const Buffer d = delta ? as_buffer(*delta, "delta", true, false) : Buffer{nullptr, p.numel, ftk::ElemType::F32};
+    const Buffer a = anchor ? as_buffer(*anchor, "anchor", false, true) : Buffer{nullptr, p.numel, ftk::ElemType::F32};
+    const int64_t numel = p.numel;
+    if (g.numel != numel || m.numel != numel || v.numel != numel || d.numel != numel || a.numel != numel)
+        throw std::invalid_argument("grad, exp_avg, exp_avg_sq, delta and anchor must have the parameter's " +
+                                    std::to_string(numel) + " elements");
+    ftk::StepArgs s;
+    s.param = static_cast<float*>(p.ptr);
+    s.grad = g.ptr;
+    s.exp_avg = static_cast<float*>(m.ptr);      // bf16 bits: the compact program casts back
+    s.exp_avg_sq = static_cast<float*>(v.ptr);
+    s.anchor = a.ptr;
+    s.grad_type = g.type;
+    s.anchor_type = a.type;
+    s.c = coeffs;
+    s.compact = true;
+    s.delta = static_cast<float*>(d.ptr);
+    s.sr_key = sr_key;
+    s.index_base = index_base;
+    py::gil_scoped_release nogil;
+    run_step(s, numel, num_threads);
+}
+
+// fused_step_compact over many tensors given by address, in one call that releases the GIL once (as
+// fused_step_many); private to ft_framework.optim.cpu.fused_step_compact_many, which checks every
+// tensor first. deltas[i] and anchors[i] are 0 together (a parameter without theta*).
+void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+                             const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
+                             const std::vector<uintptr_t>& deltas, const std::vector<uintptr_t>& anchors,
+                             const std::vector<int64_t>& numels, const std::vector<bool>& grad_bf16,
+                             const std::vector<bool>& anchor_bf16, const std::vector<int64_t>& index_bases,
+                             const ftk::StepCoeffs& coeffs, uint32_t sr_key, int num_threads) {
+    const size_t n = params.size();
+    if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || deltas.size() != n ||
+        anchors.size() != n || numels.size() != n || grad_bf16.size() != n || anchor_bf16.size() != n ||
+        index_bases.size() != n)
+        throw std::invalid_argument("fused_step_compact_many: every list must have one entry per tensor");
+    std::vector<ftk::StepArgs> args(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (numels[i] < 0 || index_bases[i] < 0 || (deltas[i] == 0) != (anchors[i] == 0) ||
+            (numels[i] > 0 && (!params[i] || !grads[i] || !exp_avgs[i] || !exp_avg_sqs[i])))
+            throw std::invalid_argument("fused_step_compact_many: a null address, a negative size or index, or a "
+                                        "delta without its anchor");
+        ftk::StepArgs& s = args[i];
+        s.param = reinterpret_cast<float*>(params[i]);
+        s.grad = reinterpret_cast<const void*>(grads[i]);
+        s.exp_avg = reinterpret_cast<float*>(exp_avgs[i]);   // bf16 bits
+        s.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sqs[i]);
+        s.anchor = reinterpret_cast<const void*>(anchors[i]);
+        s.grad_type = grad_bf16[i] ? ftk::ElemType::BF16 : ftk::ElemType::F32;
+        s.anchor_type = anchor_bf16[i] ? ftk::ElemType::BF16 : ftk::ElemType::F32;
+        s.c = coeffs;
+        s.compact = true;
+        s.delta = reinterpret_cast<float*>(deltas[i]);
+        s.sr_key = sr_key;
+        s.index_base = index_bases[i];
+    }
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < n; ++i) run_step(args[i], numels[i], num_threads);
+}
+
+using BitsFn = void (*)(uint32_t, int64_t, int64_t, uint32_t*);
+
+// The stochastic rounding's 32 random bits of elements [index_base, index_base + n) at the current
+// SIMD level, as a list (tests compare them with counter_rng.random_bits).
+std::vector<uint32_t> sr_bits(uint32_t key, int64_t index_base, int64_t n) {
+    if (n < 0 || index_base < 0) throw std::invalid_argument("sr_bits: n and index_base must be >= 0");
+    const BitsFn fn = g_level == Level::Avx512 ? ftk::sr_bits_avx512
+                      : g_level == Level::Avx2 ? ftk::sr_bits_avx2 : ftk::sr_bits_scalar;
+    std::vector<uint32_t> out(static_cast<size_t>(n));
+    fn(key, index_base, n, out.data());
+    return out;
+}
+
 // Many tensors' steps with one set of coefficients, in one call that releases the GIL once. A
 // bucket of hundreds of small tensors (biases, LayerNorms) through fused_step paid a Python call,
 // five buffer requests and a GIL hand-off per tensor: more than their arithmetic, and the GIL
@@ -301,6 +391,21 @@ PYBIND11_MODULE(_cpu_kernel, m) {
           py::arg("coeffs"), py::arg("num_threads") = 0,
           "fused_step over many tensors given by address (0: no anchor); private to ft_framework.optim.cpu, "
           "which checks every tensor first.");
+    m.def("fused_step_compact", &fused_step_compact, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+          py::arg("exp_avg_sq"), py::arg("delta"), py::arg("anchor"), py::arg("coeffs"), py::arg("sr_key"),
+          py::arg("index_base"), py::arg("num_threads") = 0,
+          "One step of the compact state in place (bf16 moments, stochastic rounding of v; with an anchor the fp32 "
+          "delta is the master and param is written as anchor + delta); no inverse exists.");
+    m.def("_fused_step_compact_many", &fused_step_compact_many, py::arg("params"), py::arg("grads"),
+          py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("deltas"), py::arg("anchors"), py::arg("numels"),
+          py::arg("grad_bf16"), py::arg("anchor_bf16"), py::arg("index_bases"), py::arg("coeffs"), py::arg("sr_key"),
+          py::arg("num_threads") = 0,
+          "fused_step_compact over many tensors given by address; private to ft_framework.optim.cpu, which checks "
+          "every tensor first.");
+    m.def("sr_bits", &sr_bits, py::arg("key"), py::arg("index_base"), py::arg("n"),
+          "counter_rng's 32 random bits of n consecutive elements at the current SIMD level");
+    m.def("rng_constants", [] { return std::make_pair(ftk::kLowbias32Mul1, ftk::kLowbias32Mul2); },
+          "The kernel's copy of counter_rng's lowbias32 multipliers (tested against the Python owner)");
     m.def("guarded_step",
           [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
              const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {

@@ -61,12 +61,33 @@ struct StepArgs {
     StepCoeffs c;
     bool inverse = false;  // undo the step described by c instead of taking it
     float inv_keep = 1.0f; // 1 / (1 - A) of the comment above, from the coefficients (inverse only)
+    // The compact state (optimizer.state_dtype bfloat16, docs/optimizers.md): exp_avg and exp_avg_sq
+    // point to bf16 bit patterns; m is stored rounded to nearest even, v stochastically rounded with
+    // the top 16 of 32 counter_rng bits of (sr_key, index_base + element). With an anchor the master
+    // is delta = theta - theta* (fp32): p - a is delta exactly, delta <- delta - e, and param is
+    // written as a + delta. No inverse: stochastic rounding cannot be undone.
+    bool compact = false;
+    float* delta = nullptr;   // compact with an anchor only
+    uint32_t sr_key = 0;      // counter_rng.stream_key(seed, STREAM_STOCHASTIC_ROUNDING, step)
+    int64_t index_base = 0;   // global element index of element 0 (ft_framework/optim/compact.py)
 };
+
+// The per-element half of counter_rng's lowbias32 chain. These constants are a copy of
+// ft_framework/counter_rng.py's, which owns them; tests/unit/optim/test_compact_state.py checks this
+// copy against that one (through the binding's rng_constants) and the bits against random_bits.
+constexpr uint32_t kLowbias32Mul1 = 0x7FEB352Du;
+constexpr uint32_t kLowbias32Mul2 = 0x846CA68Bu;
 
 // One implementation per instruction set; each processes elements [begin, end).
 void step_range_scalar(const StepArgs& args, int64_t begin, int64_t end);
 void step_range_avx2(const StepArgs& args, int64_t begin, int64_t end);
 void step_range_avx512(const StepArgs& args, int64_t begin, int64_t end);
+
+// 32 counter_rng bits per element of [index_base, index_base + n), written to out (tests compare
+// each ISA's vector hash with counter_rng.random_bits).
+void sr_bits_scalar(uint32_t key, int64_t index_base, int64_t n, uint32_t* out);
+void sr_bits_avx2(uint32_t key, int64_t index_base, int64_t n, uint32_t* out);
+void sr_bits_avx512(uint32_t key, int64_t index_base, int64_t n, uint32_t* out);
 
 // Whether every gradient element in [begin, end) is finite (no NaN, no infinity).
 bool grad_finite_scalar(const void* grad, ElemType type, int64_t begin, int64_t end);

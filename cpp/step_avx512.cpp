@@ -32,11 +32,30 @@ struct Avx512Ops {
     static inline Reg sqrt(Reg a) { return _mm512_sqrt_ps(a); }
     static inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
     static inline Reg fnmadd(Reg a, Reg b, Reg c) { return _mm512_fnmadd_ps(a, b, c); }
+    // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
+    using IReg = __m512i;
+    static inline IReg iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+    static inline IReg iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+    static inline IReg iload(const uint32_t* p) { return _mm512_loadu_si512(p); }
+    static inline void istore(uint32_t* p, IReg x) { _mm512_storeu_si512(p, x); }
+    static inline IReg iadd(IReg a, IReg b) { return _mm512_add_epi32(a, b); }
+    static inline IReg ixor(IReg a, IReg b) { return _mm512_xor_si512(a, b); }
+    static inline IReg iand(IReg a, IReg b) { return _mm512_and_si512(a, b); }
+    static inline IReg imul(IReg a, IReg b) { return _mm512_mullo_epi32(a, b); }
+    template <int N> static inline IReg isrl(IReg a) { return _mm512_srli_epi32(a, N); }
+    static inline IReg bits(Reg x) { return _mm512_castps_si512(x); }
+    static inline void store_hi16(uint16_t* p, IReg u) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
 };
 }  // namespace
 
 void ftk::step_range_avx512(const StepArgs& args, int64_t begin, int64_t end) {
     dispatch_step<Avx512Ops>(args, begin, end);
+}
+
+void ftk::sr_bits_avx512(uint32_t key, int64_t index_base, int64_t n, uint32_t* out) {
+    SrBits<Avx512Ops>::range(key, index_base, n, out);
 }
 
 bool ftk::grad_finite_avx512(const void* grad, ElemType type, int64_t begin, int64_t end) {

@@ -12,9 +12,52 @@ namespace {
 // HasPre / HasPostDecay drop the stages a rule does not use (RecAdam has no pre-step decay or
 // pull, and no final decay at weight_decay 0): on two cores the loop is close enough to compute
 // bound that every vector op shows in the step time.
-template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool HasPre, bool HasPostDecay>
+// The counter_rng bits of W consecutive global element indices starting at gidx (step_args.h).
+template <class V>
+struct SrBits {
+    using I = typename V::IReg;
+    static constexpr int W = V::kWidth;
+    static inline I lowbias32(I x) {
+        x = V::ixor(x, V::template isrl<16>(x));
+        x = V::imul(x, V::iset1(ftk::kLowbias32Mul1));
+        x = V::ixor(x, V::template isrl<15>(x));
+        x = V::imul(x, V::iset1(ftk::kLowbias32Mul2));
+        return V::ixor(x, V::template isrl<16>(x));
+    }
+    static inline I at(uint32_t key, int64_t gidx) {
+        const uint32_t lo = static_cast<uint32_t>(gidx);
+        I lo_v, hi_v;
+        if (lo <= 0xFFFFFFFFu - static_cast<uint32_t>(W - 1)) {   // the high word is the same in every lane
+            lo_v = V::iadd(V::iset1(lo), V::iota());
+            hi_v = V::iset1(static_cast<uint32_t>(static_cast<uint64_t>(gidx) >> 32));
+        } else {
+            alignas(64) uint32_t los[W], his[W];
+            for (int k = 0; k < W; ++k) {
+                const uint64_t x = static_cast<uint64_t>(gidx) + static_cast<uint64_t>(k);
+                los[k] = static_cast<uint32_t>(x);
+                his[k] = static_cast<uint32_t>(x >> 32);
+            }
+            lo_v = V::iload(los);
+            hi_v = V::iload(his);
+        }
+        return lowbias32(V::ixor(lowbias32(V::ixor(lo_v, V::iset1(key))), hi_v));
+    }
+    static void range(uint32_t key, int64_t index_base, int64_t n, uint32_t* out) {
+        int64_t i = 0;
+        for (; i + W <= n; i += W) V::istore(out + i, at(key, index_base + i));
+        if (i < n) {
+            alignas(64) uint32_t lanes[W];
+            V::istore(lanes, at(key, index_base + i));
+            std::memcpy(out + i, lanes, (n - i) * sizeof(uint32_t));
+        }
+    }
+};
+
+template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool HasPre, bool HasPostDecay,
+          bool Compact = false>
 struct StepProgram {
     using R = typename V::Reg;
+    using I = typename V::IReg;
     static constexpr int W = V::kWidth;
 
     // Applies the program to W elements whose operands are already loaded.
@@ -23,6 +66,11 @@ struct StepProgram {
 
     static inline void apply(const ftk::StepCoeffs& c, R& p, R g, R& m, R& v, R a) {
         const R d = HasAnchor ? V::sub(p, a) : V::zero();   // p - a, before this step
+        p = V::sub(p, change(c, p, d, g, m, v));
+    }
+
+    // Updates m and v and returns the step's total change e of p, given d = p - a.
+    static inline R change(const ftk::StepCoeffs& c, R p, R d, R g, R& m, R& v) {
         m = V::fmadd(V::set1(c.one_minus_beta1), g, V::mul(V::set1(c.beta1), m));
         v = V::fmadd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(V::set1(c.beta2), v));
         const R denom = V::fmadd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
@@ -34,7 +82,83 @@ struct StepProgram {
         }
         if (HasAnchor) e = lerp(e, d, c.post_pull);
         if (HasPostDecay) e = lerp(e, p, c.post_decay);
-        p = V::sub(p, e);
+        return e;
+    }
+
+    // ---- the compact state (step_args.h) ----------------------------------------------------
+    // The top 16 bits of each lane after adding `r`: r = 0x7FFF + lsb rounds to nearest even, r =
+    // 16 random bits rounds stochastically (up with probability (dropped bits) / 2^16).
+    static inline void store_rne(uint16_t* dst, R x) {
+        const I u = V::bits(x);
+        V::store_hi16(dst, V::iadd(u, V::iadd(V::iset1(0x7FFFu), V::iand(V::template isrl<16>(u), V::iset1(1u)))));
+    }
+    static inline void store_sr(uint16_t* dst, R x, I random) {
+        V::store_hi16(dst, V::iadd(V::bits(x), V::template isrl<16>(random)));
+    }
+
+    // One compact step of the W elements at i, whose global index is gidx.
+    static inline void compact_at(const ftk::StepCoeffs& c, uint32_t key, float* __restrict param, const void* grad,
+                                  uint16_t* __restrict m16, uint16_t* __restrict v16, float* __restrict delta,
+                                  const void* anchor, int64_t i, int64_t gidx) {
+        const R g = load_typed(grad, i, GT);
+        R m = V::load_bf16(m16 + i), v = V::load_bf16(v16 + i);
+        if (HasAnchor) {
+            const R a = load_typed(anchor, i, AT);
+            R d = V::load(delta + i);   // theta - theta*, the master: the pull reads it exactly
+            d = V::sub(d, change(c, V::add(a, d), d, g, m, v));
+            V::store(delta + i, d);
+            V::store(param + i, V::add(a, d));
+        } else {
+            const R p = V::load(param + i);
+            V::store(param + i, V::sub(p, change(c, p, V::zero(), g, m, v)));
+        }
+        store_rne(m16 + i, m);
+        store_sr(v16 + i, v, SrBits<V>::at(key, gidx));
+    }
+
+    static void run_compact(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+        const ftk::StepCoeffs c = s.c;
+        const uint32_t key = s.sr_key;
+        const int64_t base = s.index_base;
+        float* __restrict param = s.param;
+        uint16_t* __restrict m16 = reinterpret_cast<uint16_t*>(s.exp_avg);
+        uint16_t* __restrict v16 = reinterpret_cast<uint16_t*>(s.exp_avg_sq);
+        float* __restrict delta = s.delta;
+        const void* grad = s.grad;
+        const void* anchor = s.anchor;
+        int64_t i = begin;
+        for (; i + W <= end; i += W) {
+            if (i % kLineElems == 0) {
+                V::prefetch(param + i + kPrefetchElems);
+                V::prefetch(m16 + i + kPrefetchElems);
+                V::prefetch(v16 + i + kPrefetchElems);
+                prefetch_typed(grad, i + kPrefetchElems, GT);
+                if (HasAnchor) {
+                    V::prefetch(delta + i + kPrefetchElems);
+                    prefetch_typed(anchor, i + kPrefetchElems, AT);
+                }
+            }
+            compact_at(c, key, param, grad, m16, v16, delta, anchor, i, base + i);
+        }
+        const int64_t tail = end - i;
+        if (tail == 0) return;
+        // Tail: the same vector code on zero-padded copies (bit-identical to the body's arithmetic).
+        alignas(64) float pb[W] = {}, db[W] = {}, gb[W] = {}, ab[W] = {};
+        alignas(64) uint16_t mb[W] = {}, vb[W] = {};
+        const size_t gsize = GT == ftk::ElemType::BF16 ? 2 : 4, asize = AT == ftk::ElemType::BF16 ? 2 : 4;
+        std::memcpy(pb, param + i, tail * sizeof(float));
+        std::memcpy(mb, m16 + i, tail * sizeof(uint16_t));
+        std::memcpy(vb, v16 + i, tail * sizeof(uint16_t));
+        std::memcpy(gb, static_cast<const char*>(grad) + i * gsize, tail * gsize);
+        if (HasAnchor) {
+            std::memcpy(db, delta + i, tail * sizeof(float));
+            std::memcpy(ab, static_cast<const char*>(anchor) + i * asize, tail * asize);
+        }
+        compact_at(c, key, pb, gb, mb, vb, db, ab, 0, base + i);
+        std::memcpy(param + i, pb, tail * sizeof(float));
+        std::memcpy(m16 + i, mb, tail * sizeof(uint16_t));
+        std::memcpy(v16 + i, vb, tail * sizeof(uint16_t));
+        if (HasAnchor) std::memcpy(delta + i, db, tail * sizeof(float));
     }
 
     // Undoes apply() (see step_args.h): p first, from the stepped m and v, then m and v.
@@ -131,6 +255,14 @@ struct StepProgram {
     }
 
     static void run(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+        if constexpr (Compact) {
+            run_compact(s, begin, end);   // the binding refuses an inverse of a compact step
+        } else {
+            run_full(s, begin, end);
+        }
+    }
+
+    static void run_full(const ftk::StepArgs& s, int64_t begin, int64_t end) {
         const ftk::StepCoeffs c = s.c;
         const bool inverse = s.inverse;
         const float inv_keep = s.inv_keep;
@@ -170,14 +302,20 @@ struct StepProgram {
 };
 
 // Picks the template instance for the runtime dtypes, anchor presence and the stages in use.
-template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor>
-void dispatch_stages(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool Compact>
+void dispatch_stages_of(const ftk::StepArgs& s, int64_t begin, int64_t end) {
     const bool pre = s.c.pre_decay != 0.0f || (HasAnchor && s.c.pre_pull != 0.0f);
     const bool post_decay = s.c.post_decay != 0.0f;
-    if (pre && post_decay)  StepProgram<V, GT, AT, HasAnchor, true, true>::run(s, begin, end);
-    else if (pre)           StepProgram<V, GT, AT, HasAnchor, true, false>::run(s, begin, end);
-    else if (post_decay)    StepProgram<V, GT, AT, HasAnchor, false, true>::run(s, begin, end);
-    else                    StepProgram<V, GT, AT, HasAnchor, false, false>::run(s, begin, end);
+    if (pre && post_decay)  StepProgram<V, GT, AT, HasAnchor, true, true, Compact>::run(s, begin, end);
+    else if (pre)           StepProgram<V, GT, AT, HasAnchor, true, false, Compact>::run(s, begin, end);
+    else if (post_decay)    StepProgram<V, GT, AT, HasAnchor, false, true, Compact>::run(s, begin, end);
+    else                    StepProgram<V, GT, AT, HasAnchor, false, false, Compact>::run(s, begin, end);
+}
+
+template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor>
+void dispatch_stages(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+    if (s.compact) dispatch_stages_of<V, GT, AT, HasAnchor, true>(s, begin, end);
+    else           dispatch_stages_of<V, GT, AT, HasAnchor, false>(s, begin, end);
 }
 
 // True when every element of grad[begin, end) is finite: x * 0 is 0 for finite x and NaN for

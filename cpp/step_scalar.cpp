@@ -27,11 +27,32 @@ struct ScalarOps {
     static inline Reg sqrt(Reg a) { return std::sqrt(a); }
     static inline Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }   // unfused on purpose
     static inline Reg fnmadd(Reg a, Reg b, Reg c) { return c - a * b; }
+    // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
+    using IReg = uint32_t;
+    static inline IReg iset1(uint32_t x) { return x; }
+    static inline IReg iota() { return 0u; }
+    static inline IReg iload(const uint32_t* p) { return *p; }
+    static inline void istore(uint32_t* p, IReg x) { *p = x; }
+    static inline IReg iadd(IReg a, IReg b) { return a + b; }
+    static inline IReg ixor(IReg a, IReg b) { return a ^ b; }
+    static inline IReg iand(IReg a, IReg b) { return a & b; }
+    static inline IReg imul(IReg a, IReg b) { return a * b; }   // mod 2^32
+    template <int N> static inline IReg isrl(IReg a) { return a >> N; }
+    static inline IReg bits(Reg x) {
+        uint32_t u;
+        std::memcpy(&u, &x, sizeof(u));
+        return u;
+    }
+    static inline void store_hi16(uint16_t* p, IReg u) { *p = static_cast<uint16_t>(u >> 16); }
 };
 }  // namespace
 
 void ftk::step_range_scalar(const StepArgs& args, int64_t begin, int64_t end) {
     dispatch_step<ScalarOps>(args, begin, end);
+}
+
+void ftk::sr_bits_scalar(uint32_t key, int64_t index_base, int64_t n, uint32_t* out) {
+    SrBits<ScalarOps>::range(key, index_base, n, out);
 }
 
 bool ftk::grad_finite_scalar(const void* grad, ElemType type, int64_t begin, int64_t end) {

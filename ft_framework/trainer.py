@@ -40,6 +40,7 @@ from ft_framework.models.forgetting import build_probe
 from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
 from ft_framework.optim import build_optimizer
+from ft_framework.optim.child_tuning import prepare_masks, run_fisher_pass, select_child
 from ft_framework.optim.groups import GROUP_HPARAMS, build_param_groups
 from ft_framework.run.preflight import check_data_not_empty, check_max_seq_length
 from ft_framework.run.files import RESULTS_FILE, RunPaths
@@ -68,6 +69,8 @@ class TrainState:
     train_seconds: float = 0.0
     # Config changes accepted on resume (fingerprint.py): {"step", "key", "old", "new", "allowed_by"}.
     config_changes: list[dict[str, Any]] = field(default_factory=list)
+    # Child-Tuning's Fisher pass and child network (ChildTuningResult.to_record), None when off.
+    child_tuning: dict[str, Any] | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -142,9 +145,12 @@ class Trainer:
             groups = build_param_groups(
                 model, loaded.pretrained_state, lr=self.base_lr, weight_decay=opt_cfg.weight_decay,
                 no_decay_bias_and_norm=opt_cfg.no_decay_bias_and_norm,
-                layerwise_lr_decay=opt_cfg.layerwise_lr_decay, attach_anchors=False)
+                layerwise_lr_decay=opt_cfg.layerwise_lr_decay, attach_anchors=False,
+                child_tuning=opt_cfg.child_tuning is not None)
             # lr and weight_decay reach the optimizer once: in the groups (LLRD and no-decay applied).
             kwargs = {k: v for k, v in opt_cfg.optimizer_kwargs().items() if k not in GROUP_HPARAMS}
+            if opt_cfg.state_dtype != "float32":  # the compact state's stochastic rounding is keyed on the run's seed
+                kwargs["rounding_seed"] = cfg.training.seed
             return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **kwargs)
 
         num_params = sum(p.numel() for p in loaded.model.parameters())
@@ -186,7 +192,45 @@ class Trainer:
                                  trackers=open_trackers(cfg, enabled=self.strategy.is_main_process,
                                                         resuming=self._resume_point is not None))
         if self._resume_point is not None:
+            if cfg.optimizer.child_tuning is not None:
+                prepare_masks(self.optimizer)  # targets of the checkpoint's masks: no second Fisher pass
             self._resume(self._resume_point)
+        elif cfg.optimizer.child_tuning is not None:
+            self._choose_child()
+
+    def _choose_child(self) -> None:
+        """Child-Tuning-D (optim/child_tuning.py): the Fisher pass over the first fisher_batches
+        micro-batches of epoch 0 (default: all of them), each through the strategy's forward,
+        backward and unclipped step, then the child's mask in the optimizer state."""
+        ct = self.cfg.optimizer.child_tuning
+        batches = self._epoch_batches(0)[:ct.fisher_batches]
+        progress = None
+        if self.cfg.logging.progress_bar and self.strategy.is_main_process:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(batches), desc="Fisher (child-tuning)", unit="batch", dynamic_ncols=True)
+
+        def micro_step(indices: list[int]) -> None:
+            out = self.strategy.forward(self._to_device(self.collate([self.data.train[i] for i in indices])))
+            self.strategy.backward(out.loss)
+            self.strategy.step_unclipped()
+            if progress is not None:
+                progress.update(1)
+
+        self.model.train()
+        started = time.perf_counter()
+        try:
+            fisher = run_fisher_pass(self.optimizer, batches, micro_step)
+        finally:
+            if progress is not None:
+                progress.close()
+        numel_of = {p.name: p.numel for p in self.strategy.checkpointable().params()}
+        result = select_child(fisher, ct.reserve_p, numel_of, partitioned=self.strategy.optimizer_state_is_partitioned,
+                              seconds=time.perf_counter() - started)
+        self.state.child_tuning = result.to_record()
+        logger.info("child-tuning: Fisher over %d micro-batch(es) in %.1f s; the child keeps %d of %d candidate "
+                    "elements (%.4f, reserve_p %g)", result.fisher_batches, result.fisher_seconds,
+                    result.kept_elements, result.candidate_elements, result.kept_fraction, ct.reserve_p)
 
     def _resume(self, point: ResumePoint) -> None:
         directory, saved = point.directory, point.saved
@@ -439,6 +483,7 @@ class Trainer:
             # The size this run trained on (ft-report groups tasks by it, not by the nominal GLUE size).
             "train_examples": len(self.data.train),
             **({"forgetting_probe": self.forgetting.describe()} if self.forgetting is not None else {}),
+            **({"child_tuning": st.child_tuning} if st.child_tuning is not None else {}),
             "config_changes": st.config_changes,
             "config": self.cfg.to_dict(),
         }

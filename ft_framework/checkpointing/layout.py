@@ -180,6 +180,11 @@ def load_sharded(directory: Path, target: ShardedCheckpointable) -> dict[str, An
         if frag.tensor.numel() == 0:
             continue
         md = available[key]
+        if frag.field != ANCHOR and md.properties.dtype == torch.float32 and frag.tensor.dtype == torch.bfloat16:
+            # e.g. fp32 moments into the compact state (optimizer.state_dtype bfloat16): the load would round
+            raise CheckpointFormatError(f"checkpoint {directory}: {key} was saved in float32, this run keeps it in "
+                                        "bfloat16 (optimizer.state_dtype); the conversion is not exact, so resuming "
+                                        "is refused: resume with the saving run's optimizer.state_dtype float32")
         if frag.offset + frag.tensor.numel() > math.prod(md.size):
             raise CheckpointFormatError(f"checkpoint {directory}: {key} has {math.prod(md.size)} elements, "
                                         f"this rank needs [{frag.offset}, {frag.offset + frag.tensor.numel()})")

@@ -42,6 +42,8 @@ _OWN_DATA_KEYS = ("files", "text_columns", "label_column", "problem", "labels", 
 _GROUPING_HPARAMS = {
     "weight_decay": "optimizer.weight_decay (the no-decay group gets 0)",
     "anchor_dtype": "optimizer.anchor_dtype",
+    "state_dtype": "optimizer.state_dtype",
+    "rounding_seed": "training.seed",
 }
 
 
@@ -249,6 +251,17 @@ class DataConfig(_Section):
                 "max_train_examples": self.max_train_examples, "max_eval_examples": self.max_eval_examples}
 
 
+class ChildTuningConfig(_Section):
+    """Child-Tuning-D (Xu et al. 2021; optim/child_tuning.py, docs/forgetting_methods.md): a Fisher
+    pass before the first step keeps the top reserve_p of the transformer blocks' pretrained
+    elements; only their gradients update them."""
+
+    # Fraction of the candidate elements kept in the child network (the authors' grid: 0.1-0.3).
+    reserve_p: float = Field(0.3, gt=0.0, le=1.0)
+    # Micro-batches of the Fisher pass (each a global micro-batch); None: one epoch, as the authors.
+    fisher_batches: int | None = Field(None, gt=0)
+
+
 class OptimizerConfig(_Section):
     """Optimizer name, its hyper-parameters, and how parameters are grouped."""
 
@@ -267,6 +280,11 @@ class OptimizerConfig(_Section):
     layerwise_lr_decay: float | None = Field(None, gt=0.0, le=1.0)
     # Storage dtype of θ* in the optimizer state; bfloat16 halves its memory (opt-in, lossy).
     anchor_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The optimizer state's dtype: bfloat16 is the compact state (docs/optimizers.md): bf16 moments
+    # (v rounded stochastically, keyed on training.seed), theta* in bf16 and fp32 theta - theta*.
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Child-Tuning-D, e.g. {reserve_p: 0.3}; None: off (every element updates).
+    child_tuning: ChildTuningConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -293,6 +311,13 @@ class OptimizerConfig(_Section):
                 f"optimizer {self.name!r} keeps no anchors, so anchor_dtype must stay 'float32' "
                 f"(got {self.anchor_dtype!r})"
             )
+        if self.state_dtype != "float32":
+            if "state_dtype" not in _optimizer_defaults(self.name):
+                raise ValueError(f"optimizer {self.name!r} has no compact state, so state_dtype must stay 'float32' "
+                                 f"(got {self.state_dtype!r})")
+            if self.anchor_dtype != "bfloat16":
+                raise ValueError("optimizer.state_dtype bfloat16 keeps theta* in bf16: set optimizer.anchor_dtype: "
+                                 "bfloat16 too")
         return self
 
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -301,6 +326,8 @@ class OptimizerConfig(_Section):
         kwargs["weight_decay"] = self.weight_decay
         if "anchor_dtype" in _optimizer_defaults(self.name):
             kwargs["anchor_dtype"] = self.anchor_dtype
+        if "state_dtype" in _optimizer_defaults(self.name):
+            kwargs["state_dtype"] = self.state_dtype
         return kwargs
 
     def resolved_hparams(self) -> dict[str, Any]:
@@ -593,9 +620,18 @@ class RunConfig(_Section):
                 "consolidated model is rebuilt from the fp32 master copy of every parameter, and LoRA's frozen "
                 "pretrained weights have none. Drop select_best (the export at the end works), or use strategy "
                 "fsdp or ddp")
+        _check_child_tuning(self)
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
+        offload = self.strategy.offload_optimizer
+        if self.optimizer.state_dtype == "bfloat16" and (self.strategy.name != "single"
+                                                        or (offload is not None and offload.overlap)):
+            raise ValueError(
+                f"optimizer.state_dtype bfloat16 runs only with strategy.name single (offload_optimizer without "
+                f"overlap: a speculative step's stochastic rounding cannot be rolled back) so far (got strategy.name "
+                f"{self.strategy.name!r}{' with overlap' if offload is not None and offload.overlap else ''}); valid: "
+                "strategy.name single, or optimizer.state_dtype float32")
         _warn_if_pull_overshoots(self.optimizer)
         return self
 
@@ -615,6 +651,25 @@ def _optimizer_defaults(name: str) -> dict[str, Any]:
 
 def _validate_hparams(name: str, hparams: dict[str, Any]) -> dict[str, Any]:
     return validate_hparams(name, hparams, not_here=_GROUPING_HPARAMS)
+
+
+def _check_child_tuning(cfg: "RunConfig") -> None:
+    """The combinations Child-Tuning cannot run with, each refused in one line."""
+    if cfg.optimizer.child_tuning is None:
+        return
+    ds, offload = cfg.strategy.deepspeed, cfg.strategy.offload_optimizer
+    refused = [
+        (cfg.model.lora is not None, "model.lora (the mask is over full fine-tuning's pretrained weights)"),
+        (cfg.strategy.name == "deepspeed" and ds is not None and ds.zero_stage == 3,
+         "strategy.deepspeed.zero_stage 3 (valid: 0-2)"),
+        (cfg.strategy.name == "single" and offload is not None,
+         "strategy.offload_optimizer (its step reads the gradients outside the optimizer's step, where the "
+         "Fisher pass reads them; deepspeed's offload_optimizer and fsdp's cpu_offload work)"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ValueError(f"optimizer.child_tuning cannot be combined with {what}; valid: single, ddp, fsdp "
+                             "and deepspeed zero_stage 0-2, without LoRA")
 
 
 def _warn_if_pull_overshoots(opt: OptimizerConfig) -> None:

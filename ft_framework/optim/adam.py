@@ -23,9 +23,10 @@ class AdamWRule:
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, impl: str = "auto",
-                 anchor_dtype: str = "float32"):
+                 anchor_dtype: str = "float32", state_dtype: str = "float32", rounding_seed: int = 0):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
+        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype,
+                         state_dtype=state_dtype, rounding_seed=rounding_seed)
 
     def coefficients(self, group, step, has_anchor):
         lr, (b1, b2) = group["lr"], group["betas"]
@@ -45,10 +46,12 @@ class BertAdamRule:
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, correct_bias: bool = False, *,
-                 impl: str = "auto", anchor_dtype: str = "float32"):
+                 impl: str = "auto", anchor_dtype: str = "float32", state_dtype: str = "float32",
+                 rounding_seed: int = 0):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         correct_bias=bool(correct_bias))
-        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
+        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype,
+                         state_dtype=state_dtype, rounding_seed=rounding_seed)
 
     def coefficients(self, group, step, has_anchor):
         return StepCoefficients(

@@ -24,16 +24,22 @@ import torch
 from ft_framework.distributed import collectives
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.coefficients import StepCoefficients
-from ft_framework.optim.torch_step import finite_flags, foreach_inverse_step, foreach_step
+from ft_framework.errors import UserError
+from ft_framework.optim.compact import STATE_DTYPES, element_offsets, rounding_key
+from ft_framework.optim.torch_step import compact_step, finite_flags, foreach_inverse_step, foreach_step
 from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
 
-__all__ = ["ANCHOR_DTYPES", "AnchoredOptimizer", "PullOvershootWarning", "anchored_parameter_names", "check_loaded_anchors",
-           "local_tensor"]
+__all__ = ["ANCHOR_DTYPES", "CHILD_MASK", "AnchoredOptimizer", "PullOvershootWarning", "anchored_parameter_names",
+           "check_loaded_anchors", "local_tensor"]
 
 IMPLS = ("auto", "torch", "cpu")
 ANCHOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Keys a param group may carry besides the optimizer's hyper-parameters.
-GROUP_META_KEYS = frozenset({"params", "anchors", "anchored", "param_names", "group_name", "initial_lr"})
+GROUP_META_KEYS = frozenset({"params", "anchors", "anchored", "child_candidate", "param_names", "group_name",
+                             "initial_lr"})
+# Child-Tuning's mask (optim/child_tuning.py): optimizer state like the anchor, sharded like p;
+# where present, step() multiplies the gradient by it before the rule.
+CHILD_MASK = "child_mask"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,14 @@ def check_loaded_anchors(source: str, entries: Iterable[tuple[str | int, tuple[i
                              f"the parameter has {tuple(want)}: wrong or corrupted checkpoint")
 
 
+# The overlapped offload's rollback cannot invert stochastic rounding: refused. A redo would need
+# copies of the old bf16 m and v and of the old master (the change came from the unrounded moments):
+# 8 bytes per parameter, not built.
+NO_ROLLBACK_MESSAGE = (
+    "optimizer.state_dtype bfloat16 cannot roll back a speculative step (stochastic rounding has no inverse), "
+    "so it does not run with strategy.offload_optimizer {overlap: true}; valid: overlap false, or state_dtype "
+    "float32")
+
 # Elements per fp64 chunk of forgetting_sq_sum on CPU (512 KiB: stays in L2).
 _FORGETTING_CHUNK = 1 << 16
 
@@ -93,22 +107,37 @@ class AnchoredOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], impl: str = "auto",
-                 anchor_dtype: str = "float32"):
+                 anchor_dtype: str = "float32", state_dtype: str = "float32", rounding_seed: int = 0):
         if impl not in IMPLS:
             raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
         if anchor_dtype not in ANCHOR_DTYPES:
             raise ValueError(f"unknown anchor_dtype {anchor_dtype!r}; valid: {', '.join(ANCHOR_DTYPES)}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"unknown state_dtype {state_dtype!r}; valid: {', '.join(STATE_DTYPES)}")
+        if state_dtype == "bfloat16" and anchor_dtype != "bfloat16":
+            raise ValueError("state_dtype 'bfloat16' keeps theta* in bf16 (the compact state's anchor): pass "
+                             "anchor_dtype='bfloat16' too")
+        # The compact state (optim/compact.py): bf16 moments, theta* + delta masters, and the seed
+        # of the stochastic rounding's key.
+        self.state_dtype: torch.dtype = STATE_DTYPES[state_dtype]
+        self.compact = state_dtype == "bfloat16"
+        self.rounding_seed = int(rounding_seed)
+        self._index_base_overrides: dict[int, int] = {}
         if impl == "cpu" and not cpu_kernel.kernel_available():
             cpu_kernel._require_kernel()  # raises with the build instructions
         self._requested_impl = impl
         self.anchor_dtype: torch.dtype = ANCHOR_DTYPES[anchor_dtype]
         self._warned_overshoot: set[int] = set()
+        # While set (Child-Tuning's Fisher pass), step() hands the optimizer to it instead of
+        # stepping: it reads each strategy's reduced (and sharded) gradients where they arrive.
+        self.gradient_sink = None
         super().__init__(params, defaults)
         self._resolved_impl = self._resolve_impl()
 
     # ---- construction -------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._group_index = {}  # _groups_of's cache
+        self._index_bases = None  # index_base's cache
         anchors = param_group.pop("anchors", None) if isinstance(param_group, dict) else None
         # Whether the group is anchored is decided here, once, and carried by the group: every
         # placement of theta* (strategies, integrations) and the step read this flag.
@@ -172,7 +201,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         return anchor
 
     def init_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """p's state with step, exp_avg and exp_avg_sq, created (as zeros) where absent.
+        """p's state with step, exp_avg and exp_avg_sq, created (as zeros) where absent; in the
+        compact state, an anchored parameter's delta = theta - theta* too.
 
         State is lazy, because under ZeRO-3 the parameters only exist inside step(); a loader that
         fills a template (torch.distributed.checkpoint) calls this first so every key exists.
@@ -182,8 +212,24 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in state:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state[key] = torch.zeros_like(p, dtype=self.state_dtype if self.compact else None,
+                                              memory_format=torch.preserve_format)
+        if self.compact and "anchor" in state and "delta" not in state:
+            state["delta"] = p.detach().float() - state["anchor"].float()
         return state
+
+    def set_index_base(self, p: torch.Tensor, index_base: int) -> None:
+        """The global element index of p's first element for the compact state's stochastic
+        rounding, where p is a shard (its parameter's base plus the shard's offset inside it);
+        parameters not set here are numbered in param-group order (compact.element_offsets)."""
+        self._index_base_overrides[id(p)] = int(index_base)
+
+    def index_base(self, p: torch.Tensor) -> int:
+        if id(p) in self._index_base_overrides:
+            return self._index_base_overrides[id(p)]
+        if self._index_bases is None:
+            self._index_bases = element_offsets(q for g in self.param_groups for q in g["params"])
+        return self._index_bases[id(p)]
 
     def _resolve_impl(self) -> str:
         """'auto' becomes 'cpu' when every parameter is a CPU fp32 tensor and the kernel is built."""
@@ -220,6 +266,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.gradient_sink is not None:
+            self.gradient_sink(self)
+            return loss
         if self._requested_impl == "auto":
             # DeepSpeed and FSDP swap in their own (e.g. CPU-offloaded) tensors after construction.
             self._resolved_impl = self._resolve_impl()
@@ -235,6 +284,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self.init_state(p)
+                if CHILD_MASK in state:  # before any rule reads the gradient, for both impls
+                    local_tensor(p.grad).mul_(local_tensor(state[CHILD_MASK]))
                 t = int(state["step"].item()) + 1
                 anchor = state.get("anchor")
                 if anchor is None and group["anchored"]:
@@ -246,18 +297,38 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 if plan not in plans:
                     plans[plan] = self.coefficients(group, t, anchor is not None)
                 c = plans[plan]
-                with_anchor = anchor is not None and c.uses_anchor
-                key = (c, local_tensor(p).device, p.dtype, with_anchor)
+                # The compact state's anchored master is delta: theta* is read whether the rule pulls or not.
+                with_anchor = anchor is not None and (c.uses_anchor or self.compact)
+                key = (c, local_tensor(p).device, p.dtype, with_anchor, t if self.compact else None)
                 buckets[key].append(p)
                 steps.append(state["step"])
             if steps:
                 torch._foreach_add_(steps, 1)
-            if any(with_anchor for *_, with_anchor in buckets):
+            if any(with_anchor for _c, _device, _dtype, with_anchor, _t in buckets):
                 # a schedule (or the user) may have raised lr since the group was checked
                 self._warn_if_overshoot(gi, group, stacklevel=4)
-            for (c, _device, _dtype, with_anchor), ps in buckets.items():
-                self._apply(ps, c, with_anchor)
+            for (c, _device, _dtype, with_anchor, t), ps in buckets.items():
+                if self.compact:
+                    self._apply_compact(ps, [p.grad for p in ps], c, with_anchor, t)
+                else:
+                    self._apply(ps, c, with_anchor)
         return loss
+
+    def _apply_compact(self, ps: list[torch.Tensor], grads: list[torch.Tensor], c: StepCoefficients,
+                       with_anchor: bool, t: int, num_threads: int | None = None) -> None:
+        states = [self.state[p] for p in ps]
+        params = [local_tensor(p) for p in ps]
+        grads = [local_tensor(g) for g in grads]
+        ms = [local_tensor(s["exp_avg"]) for s in states]
+        vs = [local_tensor(s["exp_avg_sq"]) for s in states]
+        deltas = [local_tensor(s["delta"]) if with_anchor else None for s in states]
+        anchors = [local_tensor(s["anchor"]) if with_anchor else None for s in states]
+        bases = [self.index_base(p) for p in ps]
+        if self._resolved_impl == "cpu":
+            cpu_kernel.fused_step_compact_many(list(zip(params, grads, ms, vs, deltas, anchors, bases)), c,
+                                               rounding_key(self.rounding_seed, t), num_threads=num_threads)
+        else:
+            compact_step(params, grads, ms, vs, deltas, anchors, c, self.rounding_seed, t, bases)
 
     def _apply(self, ps: list[torch.Tensor], c: StepCoefficients, with_anchor: bool) -> None:
         states = [self.state[p] for p in ps]
@@ -310,6 +381,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         grads = [p.grad for p in ps] if grads is None else grads
         if self._resolved_impl == "auto":
             self._resolved_impl = self._resolve_impl()
+        if self.compact:
+            return self._step_tensors_compact(ps, grads, num_threads, known_finite)
         used: list[StepCoefficients | None] = []
         plans: dict[tuple, tuple[StepCoefficients, bool]] = {}  # per (group, step, anchored) in this call
         # Known-finite steps on the kernel go in one call per set of coefficients (after the loop),
@@ -353,12 +426,34 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             torch._foreach_add_([state["step"] for state in batched_states], 1)
         return used
 
+    def _step_tensors_compact(self, ps, grads, num_threads, known_finite) -> list[StepCoefficients | None]:
+        """step_tensors in the compact state: tensor by tensor, a non-finite gradient leaves its
+        tensor untouched (as the guarded fp32 step)."""
+        used: list[StepCoefficients | None] = []
+        for p, g, group in zip(ps, grads, self._groups_of(ps)):
+            if g is None or not (known_finite or finite_flags([local_tensor(g)])[0]):
+                used.append(None)
+                continue
+            state = self.init_state(p)
+            t = int(state["step"].item()) + 1
+            with_anchor = "anchor" in state
+            c = self.coefficients(group, t, with_anchor)
+            if with_anchor and c.uses_anchor:
+                self._warn_if_overshoot(next(i for i, q in enumerate(self.param_groups) if q is group), group,
+                                        stacklevel=4)
+            self._apply_compact([p], [g], c, with_anchor, t, num_threads)
+            state["step"] += 1
+            used.append(c)
+        return used
+
     @torch.no_grad()
     def rollback_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None,
                          coefficients: list[StepCoefficients], num_threads: int | None = None) -> None:
         """Undoes the last step of each parameter, taken with `grads` and `coefficients` (what
         step_tensors returned), from the stepped state alone: the inverse element program of
         cpp/step_args.h, exact to a few ulp, with no saved copy. The step count goes back by one."""
+        if self.compact:
+            raise UserError(NO_ROLLBACK_MESSAGE)
         grads = [p.grad for p in ps] if grads is None else grads
         for p, g, c in zip(ps, grads, coefficients):
             state = self.state[p]
@@ -478,11 +573,24 @@ class AnchoredOptimizer(torch.optim.Optimizer):
              tuple(p.shape), "anchor" in self.state.get(p, {}))
             for idx, p in zip(saved_ids, own_params)))
         anchors = {idx: saved_state[idx]["anchor"] for idx in saved_ids if "anchor" in saved_state.get(idx, {})}
+        saved_dtype = next((s["exp_avg"].dtype for s in saved_state.values() if "exp_avg" in s), None)
+        if saved_dtype is not None and (saved_dtype == torch.bfloat16) != self.compact:
+            if self.compact:
+                raise UserError(f"checkpoint: its optimizer state is {saved_dtype}, this run's optimizer.state_dtype "
+                                "is bfloat16; converting fp32 moments to bf16 is not exact, so it is refused: resume "
+                                "with state_dtype float32 (or start the bf16 run from the model only)")
+            # bf16 moments widen to fp32 exactly, and the weights already are theta* + delta.
+        dropped = {"anchor"} if self.compact else {"anchor", "delta"}
         stripped = {
             "param_groups": saved_groups,
-            "state": {i: {k: v for k, v in s.items() if k != "anchor"} for i, s in saved_state.items()},
+            "state": {i: {k: v for k, v in s.items() if k not in dropped} for i, s in saved_state.items()},
         }
         super().load_state_dict(stripped)
+        if self.compact:  # torch casts state to the parameter's dtype; the exact way back to bf16
+            for state in self.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        state[key] = state[key].to(self.state_dtype)
         for group, anchored in zip(self.param_groups, own_anchored):
             group["anchored"] = anchored  # this optimizer's split, whatever the checkpoint's groups said
         for idx, p in zip(saved_ids, own_params):

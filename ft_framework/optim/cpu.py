@@ -160,6 +160,73 @@ def fused_step_many(
         kernel._fused_step_many(*columns, _kernel_coefficients(coeffs), _threads(num_threads))
 
 
+def _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) -> int:
+    """The element count of one compact step; raises TypeError / ValueError on inputs the kernel
+    cannot update in place."""
+    checks = [
+        tensor_problem(param, "parameter", _PARAM_DTYPES),
+        tensor_problem(grad, "gradient", _INPUT_DTYPES),
+        tensor_problem(exp_avg, "exp_avg", (torch.bfloat16,)),
+        tensor_problem(exp_avg_sq, "exp_avg_sq", (torch.bfloat16,)),
+    ]
+    if (delta is None) != (anchor is None):
+        raise ValueError("the compact step takes delta and anchor together (an anchored parameter) or neither")
+    if delta is not None:
+        checks += [tensor_problem(delta, "delta", _PARAM_DTYPES), tensor_problem(anchor, "anchor", _INPUT_DTYPES)]
+    problems = [c for c in checks if c]
+    if problems:
+        raise TypeError("cannot run the CPU optimizer kernel: " + "; ".join(problems))
+    tensors = (param, grad, exp_avg, exp_avg_sq) + ((delta, anchor) if delta is not None else ())
+    if any(t.numel() != param.numel() for t in tensors):
+        raise ValueError(f"size mismatch with the parameter's {param.numel()} elements: "
+                         f"{[t.numel() for t in tensors]}")
+    return param.numel()
+
+
+def fused_step_compact(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    delta: torch.Tensor | None,
+    anchor: torch.Tensor | None,
+    coeffs: StepCoefficients,
+    sr_key: int,
+    index_base: int,
+    num_threads: int | None = None,
+) -> None:
+    """One step of the compact state (optim/compact.py) on one tensor in place: bf16 exp_avg and
+    exp_avg_sq, and for an anchored parameter its fp32 delta (the master; param is written as
+    anchor + delta). `sr_key` (compact.rounding_key) and `index_base` key the stochastic rounding."""
+    kernel = _require_kernel()
+    if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) == 0:
+        return
+    kernel.fused_step_compact(_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
+                              None if delta is None else _buffer(delta), None if anchor is None else _buffer(anchor),
+                              _kernel_coefficients(coeffs), int(sr_key), int(index_base), _threads(num_threads))
+
+
+def fused_step_compact_many(tensors: Sequence[tuple], coeffs: StepCoefficients, sr_key: int,
+                            num_threads: int | None = None) -> None:
+    """fused_step_compact on each (param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base) of
+    `tensors`, all with `coeffs` and `sr_key`, in one kernel call (bit for bit the same; the GIL is
+    released once). Every tensor is checked before any is touched."""
+    kernel = _require_kernel()
+    columns: tuple[list, ...] = ([], [], [], [], [], [], [], [], [], [])
+    for param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base in tensors:
+        n = _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor)
+        if n == 0:
+            continue
+        for column, value in zip(columns, (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
+                                           exp_avg_sq.data_ptr(), 0 if delta is None else delta.data_ptr(),
+                                           0 if anchor is None else anchor.data_ptr(), n,
+                                           grad.dtype is torch.bfloat16,
+                                           anchor is not None and anchor.dtype is torch.bfloat16, int(index_base))):
+            column.append(value)
+    if columns[0]:
+        kernel._fused_step_compact_many(*columns, _kernel_coefficients(coeffs), int(sr_key), _threads(num_threads))
+
+
 def guarded_step(
     param: torch.Tensor,
     grad: torch.Tensor,

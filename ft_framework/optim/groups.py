@@ -68,6 +68,7 @@ def build_param_groups(
     layerwise_lr_decay: float | None = None,
     extra_group_options: Mapping[str, Any] | None = None,
     attach_anchors: bool = True,
+    child_tuning: bool = False,
 ) -> list[dict[str, Any]]:
     """Groups ready for ``build_optimizer``: each has params, anchors (or None), anchored, lr,
     weight_decay, param_names and group_name.
@@ -79,6 +80,11 @@ def build_param_groups(
     share a group with new ones) but carry no anchors: a strategy places theta* after wrapping
     (Strategy.setup(..., anchors=pretrained_state)) into the anchored groups' parameters.
     ``layerwise_lr_decay`` = d gives a block at depth k (of top K) the rate lr * d**(K - k).
+
+    Every group also carries ``child_candidate``: whether Child-Tuning (optim/child_tuning.py) may
+    mask its parameters. With ``child_tuning=True`` the candidates are the anchored parameters
+    inside the transformer blocks (the authors mask the encoder layers only: embeddings, pooler and
+    the new head always update), in groups of their own; otherwise no group is a candidate.
     """
     if layerwise_lr_decay is not None and not 0 < layerwise_lr_decay <= 1:
         raise ValueError(f"layerwise_lr_decay must be in (0, 1], got {layerwise_lr_decay}")
@@ -98,14 +104,16 @@ def build_param_groups(
         anchored = name in pretrained_state
         decays = name not in no_decay
         scale = layerwise_lr_decay ** (top - depths[name]) if layerwise_lr_decay else 1.0
-        key = (anchored, decays, scale)
+        candidate = child_tuning and anchored and bool(_LAYER_INDEX.search(name))
+        key = (anchored, decays, scale, candidate)
         if key not in groups:
             groups[key] = {
                 "params": [], "anchors": [] if anchored and attach_anchors else None, "anchored": anchored,
-                "param_names": [],
+                "child_candidate": candidate, "param_names": [],
                 "lr": lr * scale, "weight_decay": weight_decay if decays else 0.0,
                 "group_name": f"{'anchored' if anchored else 'new'}/{'decay' if decays else 'no_decay'}"
-                              + (f"/lr_x{scale:.4g}" if layerwise_lr_decay else ""),
+                              + (f"/lr_x{scale:.4g}" if layerwise_lr_decay else "")
+                              + ("/child" if candidate else ""),
                 **dict(extra_group_options or {}),
             }
         g = groups[key]

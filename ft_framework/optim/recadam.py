@@ -22,12 +22,13 @@ class RecAdamRule:
                  eps: float = 1e-6, weight_decay: float = 0.0, correct_bias: bool = True,
                  anneal_fun: str = "sigmoid", anneal_k: float = 0.0, anneal_t0: float = 0.0,
                  anneal_w: float = 1.0, pretrain_cof: float = 5000.0, *, impl: str = "auto",
-                 anchor_dtype: str = "float32"):
+                 anchor_dtype: str = "float32", state_dtype: str = "float32", rounding_seed: int = 0):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         correct_bias=bool(correct_bias), anneal_fun=anneal_fun,
                         anneal_k=float(anneal_k), anneal_t0=float(anneal_t0),
                         anneal_w=float(anneal_w), pretrain_cof=float(pretrain_cof))
-        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype)
+        super().__init__(params, defaults, impl=impl, anchor_dtype=anchor_dtype,
+                         state_dtype=state_dtype, rounding_seed=rounding_seed)
 
     @staticmethod
     def max_pull(hparams) -> float:

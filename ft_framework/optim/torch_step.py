@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.compact import rounding_bits, stochastic_round_bf16
 
 
 def _as_dtype(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -31,10 +32,15 @@ def foreach_step(
     if not params:
         return
     dtype = params[0].dtype
-    grads = _as_dtype(grads, dtype)
     use_anchor = anchors is not None and c.uses_anchor
     diffs = torch._foreach_sub(params, _as_dtype(anchors, dtype)) if use_anchor else None  # p - a
+    torch._foreach_sub_(params, _foreach_change(params, _as_dtype(grads, dtype), exp_avgs, exp_avg_sqs, diffs, c))
 
+
+def _foreach_change(params, grads, exp_avgs, exp_avg_sqs, diffs, c: StepCoefficients) -> list[torch.Tensor]:
+    """Updates the moments in place and returns each tensor's total change e (p <- p - e), given
+    diffs = p - a (None: no anchor terms)."""
+    use_anchor = diffs is not None
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - c.beta1)     # b1*m + (1-b1)*g
     torch._foreach_mul_(exp_avg_sqs, c.beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - c.beta2)
@@ -54,7 +60,31 @@ def foreach_step(
         torch._foreach_lerp_(change, diffs, c.post_pull)     # e + w * ((p - a) - e)
     if c.post_decay != 0.0:
         torch._foreach_lerp_(change, params, c.post_decay)   # e + w * (p - e)
-    torch._foreach_sub_(params, change)
+    return change
+
+
+def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], deltas: list[torch.Tensor | None],
+                 anchors: list[torch.Tensor | None], c: StepCoefficients, seed: int, step: int,
+                 index_bases: list[int]) -> None:
+    """One step of the compact state (optim/compact.py), tensor by tensor, in place: the moments are
+    bf16 (m rounded to nearest even, v stochastically with the bits of (seed, step, index_bases[i] +
+    element)); where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull
+    reads it exactly, and params[i] is written as anchors[i] + deltas[i]."""
+    for p, g, m16, v16, delta, anchor, base in zip(params, grads, exp_avgs, exp_avg_sqs, deltas, anchors,
+                                                   index_bases):
+        m, v = [m16.float()], [v16.float()]
+        if delta is not None:
+            a = anchor.float()
+            theta = [a + delta]
+            (e,) = _foreach_change(theta, [g.float()], m, v, [delta], c)
+            delta.sub_(e)
+            p.copy_(a + delta)
+        else:
+            (e,) = _foreach_change([p], [g.float()], m, v, None, c)
+            p.sub_(e)
+        m16.copy_(m[0])  # torch's cast rounds to nearest even, as the kernel's store_rne
+        v16.copy_(stochastic_round_bf16(v[0], rounding_bits(seed, step, base, v16.numel(), v16.device)))
 
 
 def inverse_keep(c: StepCoefficients, use_anchor: bool) -> float:

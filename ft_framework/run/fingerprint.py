@@ -112,14 +112,27 @@ def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any], *,
     """(dotted key, old value, new value) for every key whose value differs, in key order."""
     a, b = _flat(old), _flat(new)
     missing = object()
+    old_sections = {k.rsplit(".", i)[0] for k in a for i in range(1, k.count(".") + 1)}
     out = []
     for key in sorted(set(a) | set(b)):
         va, vb = a.get(key, missing), b.get(key, missing)
-        if va is missing and default_of is not None and default_of(key) == (True, vb):
+        if va is missing and default_of is not None and _added_at_default(key, vb, old_sections, default_of):
             continue
         if va != vb:
             out.append((key, None if va is missing else va, None if vb is missing else vb))
     return out
+
+
+def _added_at_default(key: str, value: Any, old_sections: set[str], default_of: DefaultOf) -> bool:
+    """Whether `key`, which the old record lacks, was added to the schema since and holds its default.
+    Its keys do not make an optional section (default None) that the old record lacks "at default":
+    the old run had it off, so turning it on is a change."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if prefix not in old_sections and default_of(prefix) == (True, None):
+            return False
+    return default_of(key) == (True, value)
 
 
 def _longer(old: Any, new: Any) -> bool:

@@ -154,6 +154,12 @@ class Strategy(ABC):
         """Clips gradients (when max_grad_norm is set), steps the optimizer, zeroes gradients;
         returns the gradient norm before clipping."""
 
+    def step_unclipped(self) -> None:
+        """clip_and_step without clipping, whatever the config says: the optimizer's step receives
+        this accumulation's reduced gradients as they are (Child-Tuning's Fisher pass reads them
+        there), and they are zeroed after."""
+        self.clip_and_step(None)
+
     def unwrapped_model(self) -> nn.Module:
         return self.model
 

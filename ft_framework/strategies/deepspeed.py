@@ -171,6 +171,25 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def step_unclipped(self) -> None:
+        # DeepSpeed clips inside engine.step() (the ZeRO/BF16 optimizer's clip_grad, or the engine's
+        # own fp32 clip at stage 0): both off for this step. The engine's step counters are put
+        # back, so that a step the optimizer did not take is not counted.
+        engine = self.engine
+        counters = self._adapter.engine_extra_state(engine)
+        config_clip, zero = engine._config.gradient_clipping, engine.optimizer
+        zero_clip = getattr(zero, "clip_grad", None)
+        engine._config.gradient_clipping = 0.0
+        if zero_clip is not None:
+            zero.clip_grad = 0.0
+        try:
+            engine.step()
+        finally:
+            engine._config.gradient_clipping = config_clip
+            if zero_clip is not None:
+                zero.clip_grad = zero_clip
+            self._adapter.load_engine_extra_state(engine, counters)
+
     def unwrapped_model(self) -> nn.Module:
         return self.engine.module
 
