@@ -152,15 +152,28 @@ def report_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--bootstrap-samples", type=int, default=10_000,
                         help="bootstrap draws for the expected best score of n trials")
+    parser.add_argument("--forgetting-measure", default="auto",
+                        help="the frontier's forgetting axis: auto (mlm_forgetting where every point has it, else "
+                             "cka_drift_last), mlm_forgetting, cka_drift_last or cka_drift_mean")
+    parser.add_argument("--reference-method", default=None,
+                        help="the full fine-tuning method whose best score sets the matched-accuracy target "
+                             "(default: vanilla, where the sweep has it)")
+    parser.add_argument("--matched-fraction", type=float, default=0.99,
+                        help="the matched-accuracy target as a fraction of the reference's best score")
     args = parser.parse_args(argv)
     from ft_framework.run.tracking import log_artifacts_to_run  # after --help (module docstring)
     from ft_framework.sweep import build_report
     from ft_framework.sweep.plots import write_plots
 
     try:
-        report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples)
+        report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples,
+                              forgetting_measure=args.forgetting_measure, reference_method=args.reference_method,
+                              matched_fraction=args.matched_fraction)
     except FileNotFoundError as exc:
         print(f"ft-report: {exc}", file=sys.stderr)
+        return 2
+    except UserError as exc:
+        print(exc, file=sys.stderr)
         return 2
     print(report.markdown())
     out_dir = Path(args.out or args.directory)

@@ -49,7 +49,7 @@ from ft_framework.config import validate_config
 from ft_framework.data import TaskSpec, load_task_data, make_collator
 from ft_framework.errors import UserError
 from ft_framework.metrics import compute_metrics
-from ft_framework.models.forgetting import build_probe
+from ft_framework.models.forgetting import FORGETTING_MEASURES, build_probe
 from ft_framework.models.loading import load_model, load_tokenizer
 from ft_framework.models.lora import apply_lora, merged_copy
 from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
@@ -369,7 +369,7 @@ def format_table(out: dict[str, Any]) -> str:
     """α, the metrics of every eval split, ‖θ_α − θ*‖₂ and the functional forgetting: one row per α
     (the best on dev marked)."""
     columns = [(split, name) for split, metrics in out["rows"][0]["metrics"].items() for name in metrics]
-    forgetting = [name for name in ("cka_drift_last", "cka_drift_mean", "mlm_forgetting")
+    forgetting = [name for name in FORGETTING_MEASURES
                   if name in out["rows"][0].get("forgetting", {})]
     header = ["alpha", *[f"{s}/{n}" for s, n in columns], "||theta_a - theta*||", *forgetting]
     rows = []

@@ -35,9 +35,15 @@ from ft_framework.models.loading import fp32_load_argument, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PROBE_SOURCE", "ForgettingProbe", "build_probe", "debiased_linear_cka", "default_probe_sentences",
+__all__ = ["CKA_DRIFT_LAST", "CKA_DRIFT_MEAN", "DEFAULT_PROBE_SOURCE", "FORGETTING_MEASURES", "MLM_FORGETTING",
+           "ForgettingProbe", "build_probe", "debiased_linear_cka", "default_probe_sentences",
            "mask_positions", "read_probe_file"]
 
+# The names of the functional forgetting measures in metrics.jsonl, results.json and interpolation.json.
+CKA_DRIFT_LAST = "cka_drift_last"
+CKA_DRIFT_MEAN = "cka_drift_mean"
+MLM_FORGETTING = "mlm_forgetting"
+FORGETTING_MEASURES = (MLM_FORGETTING, CKA_DRIFT_LAST, CKA_DRIFT_MEAN)
 DEFAULT_PROBE_SOURCE = "pydoc_data.topics (the Python documentation's topics, PSF licence)"
 # The unbiased HSIC divides by n - 3 and n - 2.
 MIN_PROBE_SENTENCES = 4
@@ -275,10 +281,10 @@ class ForgettingProbe:
         started = time.perf_counter()
         features, mlm = self._gathered(self._measure_share(forward))
         drifts = [1.0 - debiased_linear_cka(p, f) for p, f in zip(self.pretrained_features, features)]
-        out = {"cka_drift_last": drifts[-1], "cka_drift_mean": float(np.mean(drifts))}
+        out = {CKA_DRIFT_LAST: drifts[-1], CKA_DRIFT_MEAN: float(np.mean(drifts))}
         if mlm is not None:
             out.update(mlm_loss=mlm, mlm_loss_pretrained=self.pretrained_mlm_loss,
-                       mlm_forgetting=mlm - self.pretrained_mlm_loss)
+                       **{MLM_FORGETTING: mlm - self.pretrained_mlm_loss})
         self.seconds += time.perf_counter() - started
         return out
 

@@ -7,6 +7,8 @@
 - scores_boxplot.png          score distribution per method and task (seeds of the chosen setting)
 - expected_max.png            expected best score vs number of random trials (Zhang et al. Fig. 4)
 - interpolation_<task>.png    each method's mean interpolation curve toward θ* (runs with interpolation.json)
+- frontier_<task>.png         score against functional forgetting, every evaluation of every run, one colour
+                              per method, the WiSE-FT α lines, the non-dominated points joined
 
 Lines average the seeds of one setting. For a method with a k axis, the other hyper-parameters stay
 at the task's best setting; the other methods show their best setting.
@@ -14,7 +16,6 @@ at the task's best setting; the other methods show their best setting.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -23,29 +24,21 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ft_framework.interpolate import plot_interpolation
-from ft_framework.run.files import METRICS_FILE
-from ft_framework.sweep.records import RunRecord
+from ft_framework.sweep.frontier import EVAL, INTERPOLATED, Frontier
+from ft_framework.sweep.records import RunRecord, read_metrics
 from ft_framework.sweep.report import Report, interpolation_curves
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["K_KEY", "write_plots", "curve_groups", "write_interpolation_plots"]
+__all__ = ["K_KEY", "write_plots", "curve_groups", "write_interpolation_plots", "write_frontier_plots"]
 
 K_KEY = "optimizer.hparams.anneal_k"
 
 
 def _metrics(run: "RunRecord", cache: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     if run.run_id not in cache:
-        path = run.directory / METRICS_FILE
-        records = []
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by a crash
-        cache[run.run_id] = records
+        cache[run.run_id] = read_metrics(run)
     return cache[run.run_id]
 
 
@@ -212,7 +205,48 @@ def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
         for ax in axes[len(tasks):]:
             ax.set_visible(False)
         written.append(_save(fig, out / "expected_max.png"))
-    return written + write_interpolation_plots(report, out)
+    written += write_interpolation_plots(report, out)
+    if report.frontier is not None:
+        written += write_frontier_plots(report.frontier, report.methods, out)
+    return written
+
+
+def write_frontier_plots(frontier: Frontier, methods: list[str], directory: Path) -> list[Path]:
+    """plots/frontier_<task>.png: score against functional forgetting (sweep/frontier.py)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # lazy: the CLI starts without matplotlib
+
+    colours = colormaps["tab10"]
+    written = []
+    for task in frontier.tasks:
+        points = frontier.points[task]
+        fig = Figure(figsize=(7, 5))
+        ax = fig.subplots()
+        for i, method in enumerate(m for m in methods if any(p.method == m for p in points)):
+            colour = colours(i % 10)
+            evals = [p for p in points if p.method == method and p.kind == EVAL]
+            ax.scatter([p.forgetting for p in evals], [p.score for p in evals], color=colour, s=22, alpha=0.8,
+                       label=method)
+            lines: dict[str, list] = defaultdict(list)
+            for p in points:
+                if p.method == method and p.kind == INTERPOLATED:
+                    lines[p.run_id].append(p)
+            for j, line in enumerate(lines.values()):
+                line.sort(key=lambda p: p.alpha)
+                ax.plot([p.forgetting for p in line], [p.score for p in line], "--", color=colour, alpha=0.6,
+                        marker="x", markersize=4, label=f"{method} WiSE-FT (α)" if j == 0 else None)
+        front = sorted((p for p in points if p.non_dominated), key=lambda p: p.forgetting)
+        ax.plot([p.forgetting for p in front], [p.score for p in front], "-", color="black", linewidth=0.8,
+                drawstyle="steps-post", label="non-dominated")
+        ax.scatter([p.forgetting for p in front], [p.score for p in front], s=70, facecolors="none",
+                   edgecolors="black", linewidths=1.2)
+        ax.set_xlabel(f"functional forgetting ({frontier.measure}; lower is better)")
+        ax.set_ylabel("score (x100)")
+        ax.set_title(f"{task}: learning–forgetting frontier")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        written.append(_save(fig, Path(directory) / f"frontier_{task}.png"))
+    return written
 
 
 def write_interpolation_plots(report: "Report", directory: Path) -> list[Path]:

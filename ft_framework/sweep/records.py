@@ -15,11 +15,11 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from ft_framework.run.files import INDEX_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
+from ft_framework.run.files import INDEX_FILE, METRICS_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
 
 from ft_framework.sweep.store import SweepStore
 
-__all__ = ["DEFAULT_SEED_KEYS", "RunRecord", "load_records", "setting_label"]
+__all__ = ["DEFAULT_SEED_KEYS", "RunRecord", "load_records", "read_metrics", "setting_label"]
 
 DEFAULT_SEED_KEYS = ("training.seed", "training.data_seed")
 
@@ -52,6 +52,19 @@ class RunRecord:
     @property
     def setting_label(self) -> str:
         return setting_label(self.setting)
+
+
+def read_metrics(run: RunRecord) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl records; a line cut by a crash is skipped."""
+    path = run.directory / METRICS_FILE
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
 
 
 def setting_label(setting: Iterable[tuple[str, str]]) -> str:

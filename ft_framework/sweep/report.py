@@ -22,6 +22,8 @@ How numbers are made (also stated at the top of report.md):
   results for.
 - Levene's test (median-centred, Brown-Forsythe) compares, per task, the seeds of the chosen
   setting of each pair of methods.
+- The learning–forgetting frontier (score against functional forgetting per evaluation, forgetting
+  at matched accuracy, Spearman between ‖θ − θ*‖ and forgetting): sweep/frontier.py.
 - Expected best score of n trials: bootstrap (10,000 draws) of n runs with replacement from ALL
   finished runs of a method on a task (every setting and seed is a random trial), the best by
   selection score counting with its score; the exact expectation is given alongside.
@@ -45,6 +47,7 @@ from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
 from ft_framework.interpolate import mean_curves
 from ft_framework.run.files import INTERPOLATION_FILE, REPORT_FILE
 
+from ft_framework.sweep.frontier import AUTO_MEASURE, DEFAULT_MATCHED_FRACTION, Frontier, build_frontier
 from ft_framework.sweep.records import RunRecord, load_records, setting_label
 from ft_framework.sweep.stats import expected_max_curve, levene, sample_std
 
@@ -171,6 +174,7 @@ class Report:
     bootstrap_samples: int = 10_000
     # Each task's training-set size in these runs (results.json's train_examples; else nominal).
     task_sizes: dict[str, int] = field(default_factory=dict)
+    frontier: Frontier | None = None
 
     def _size(self, task: str) -> int | None:
         spec = GLUE_TASKS.get(task)
@@ -299,6 +303,9 @@ class Report:
         interpolation = interpolation_markdown(self)  # runs with interpolation.json (ft-interpolate)
         if interpolation:
             out += [interpolation, ""]
+        frontier = self.frontier.markdown() if self.frontier is not None else ""
+        if frontier:
+            out += [frontier, ""]
         return "\n".join(out)
 
     # ---- CSV ------------------------------------------------------------------------------
@@ -319,7 +326,23 @@ class Report:
             "expected_max.csv": (["method", "task", "trials", "n", "mean", "std", "exact_mean", "exact_std"],
                                  self.expected_rows),
             "runs.csv": (list(runs[0]) if runs else ["run_id"], runs),
+            **self._frontier_tables(),
         }
+
+    def _frontier_tables(self) -> dict[str, tuple[list[str], list[dict[str, Any]]]]:
+        if self.frontier is None or not self.frontier.tasks:
+            return {}
+        tables = {"frontier.csv": (["task", "method", "run_id", "seed", "setting", "kind", "step", "alpha", "score",
+                                    "measure", "forgetting", "distance", "non_dominated"],
+                                   self.frontier.point_rows())}
+        if self.frontier.matched_rows:
+            tables["matched_accuracy.csv"] = (["task", "method", "reference", "fraction", "target", "points",
+                                               "reached", "forgetting", "score", "run_id", "alpha"],
+                                              self.frontier.matched_rows)
+        if self.frontier.correlation_rows:
+            tables["forgetting_correlation.csv"] = (["task", "method", "n", "rho", "pvalue"],
+                                                    self.frontier.correlation_rows)
+        return tables
 
     @staticmethod
     def csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
@@ -420,8 +443,10 @@ def _best_cells(records: Sequence[RunRecord]) -> tuple[dict[tuple[str, str], Tas
     return cells, settings
 
 
-def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000) -> Report:
-    """Reads a sweep store (or a run directory) and computes every table of the report."""
+def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000, forgetting_measure: str = AUTO_MEASURE,
+                 reference_method: str | None = None, matched_fraction: float = DEFAULT_MATCHED_FRACTION) -> Report:
+    """Reads a sweep store (or a run directory) and computes every table of the report (the
+    frontier's options: sweep/frontier.py)."""
     records = load_records(directory)
     methods: list[str] = []
     for r in records:
@@ -458,9 +483,11 @@ def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000) -> R
             for row in expected_max_curve([r.score for r in runs], ns, [r.selection_score for r in runs],
                                           num_samples=bootstrap_samples):
                 expected_rows.append({"method": method, "task": task, "trials": trials, **row})
+    frontier = build_frontier(records, methods, tasks, measure=forgetting_measure, reference=reference_method,
+                              fraction=matched_fraction)
     return Report(source=Path(directory), records=records, methods=methods, tasks=tasks, cells=cells,
                   settings=settings, levene_rows=levene_rows, expected_rows=expected_rows,
-                  bootstrap_samples=bootstrap_samples, task_sizes=task_sizes)
+                  bootstrap_samples=bootstrap_samples, task_sizes=task_sizes, frontier=frontier)
 
 
 def _task_sizes(records: Sequence[RunRecord]) -> dict[str, int]:
