@@ -47,3 +47,35 @@ def test_an_over_budget_run_is_refused_in_one_line_before_anything_loads(tmp_pat
     assert f"planned peak per rank is {format_bytes(peaks[8])}" in line and "MiB" in line
     assert "training.per_device_batch_size=4 training.gradient_accumulation_steps=2" in line  # what fits
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def _run_line(tmp_path, name_or_path: str, budget_gib: float, monkeypatch) -> tuple[int, str]:
+    # no network and no cache: a run that reached the model load would fail there, not on the budget
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))
+    run = {"model": {"name_or_path": name_or_path},
+           "data": {"task": "sst2", "source": "builtin:quickstart", "max_seq_length": 32},
+           "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
+           "training": {"max_steps": 2, "per_device_batch_size": 1, "device": "cpu", "memory_budget_gib": budget_gib},
+           "logging": {"output_dir": str(tmp_path / "out"), "progress_bar": False}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(run))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.train_main(["--config", str(config)])
+    return code, err.getvalue().strip()
+
+
+def test_the_budget_is_checked_before_the_weights_are_looked_for(tmp_path, monkeypatch):
+    # bert-base-uncased is neither cached nor reachable here; its shipped architecture is enough to plan
+    code, text = _run_line(tmp_path, "bert-base-uncased", 0.25, monkeypatch)
+    assert code == 2 and len(text.splitlines()) == 1, text
+    assert text.startswith("ft-train: error: training.memory_budget_gib: the planned peak per rank is"), text
+    assert "over the budget of 0.25 GiB" in text
+
+
+def test_a_model_without_any_architecture_is_reported_before_the_budget(tmp_path, monkeypatch):
+    # nothing to plan from: the model source is the error, naming how to provide its config.json
+    code, text = _run_line(tmp_path, "nobody/no-such-model-xyz", 0.25, monkeypatch)
+    assert code == 2 and len(text.splitlines()) == 1, text
+    assert "model.name_or_path: 'nobody/no-such-model-xyz' is not in the Hugging Face cache" in text, text
