@@ -17,17 +17,22 @@ How numbers are made (also stated in report.md's section):
   evaluation points that reach the target, and again with its interpolated points ("+ WiSE-FT").
 - Spearman's rank correlation between ‖θ − θ*‖₂ and the functional forgetting, over the
   evaluation points of the task (and per method with at least 3 points). Interpolated points are
-  left out: along one run's α-line both grow by construction.
+  left out: along one run's α-line both grow by construction. With at most 8 points the p-value is
+  exact (every ordering), else scipy's t approximation.
+- θ_1 of an interpolation is the run's reported model, already one of its evaluation points: it is
+  not counted twice.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 from scipy import stats
 
 from ft_framework.errors import UserError
@@ -46,6 +51,9 @@ DEFAULT_MATCHED_FRACTION = 0.99
 # Spearman's rho of fewer points says nothing (2 points: always ±1).
 MIN_CORRELATION_POINTS = 3
 EVAL, INTERPOLATED = "eval", "interpolated"
+# Up to this many points the p-value is exact (all n! orderings); scipy's t approximation reads
+# p = 0 for a perfect rank order of 4 points, whose exact two-sided p is 2/24.
+EXACT_P_MAX_POINTS = 8
 
 
 @dataclass
@@ -194,6 +202,8 @@ def _interpolated_points(run: RunRecord) -> list[dict[str, Any]]:
         return []
     out = []
     for row in data.get("rows", []):
+        if float(row["alpha"]) == 1.0:   # θ_1 is the run's reported model: an evaluation point already
+            continue
         value = ((row.get("metrics") or {}).get(run.score_split) or {}).get(run.main_metric)
         if value is None or not row.get("forgetting"):
             continue
@@ -290,6 +300,17 @@ def _matched_rows(points: dict[str, list[FrontierPoint]], methods: Sequence[str]
     return rows
 
 
+def _exact_spearman_pvalue(x: Sequence[float], y: Sequence[float], rho: float) -> float:
+    """Two-sided permutation p-value of Spearman's rho: the share of the orderings of y whose rho
+    is at least as far from 0 as the observed one."""
+    rx = stats.rankdata(x) - (len(x) + 1) / 2.0
+    orderings = np.array(list(itertools.permutations(stats.rankdata(y))))
+    orderings -= orderings.mean(axis=1, keepdims=True)
+    # Every ordering has y's ranks, so the same spread: one norm for all.
+    r = orderings @ rx / (np.linalg.norm(orderings[0]) * np.linalg.norm(rx))
+    return float(np.mean(np.abs(r) >= abs(rho) - 1e-12))
+
+
 def _correlation_rows(points: dict[str, list[FrontierPoint]], methods: Sequence[str]) -> list[dict[str, Any]]:
     rows = []
     for task, pts in points.items():
@@ -305,5 +326,7 @@ def _correlation_rows(points: dict[str, list[FrontierPoint]], methods: Sequence[
             else:
                 result = stats.spearmanr(distances, forgetting)
                 rho, pvalue = float(result.statistic), float(result.pvalue)
+                if len(group) <= EXACT_P_MAX_POINTS:
+                    pvalue = _exact_spearman_pvalue(distances, forgetting, rho)
             rows.append({"task": task, "method": label, "n": len(group), "rho": rho, "pvalue": pvalue})
     return rows

@@ -13,7 +13,7 @@ import pytest
 
 from ft_framework.cli import report_main
 from ft_framework.sweep import build_report
-from ft_framework.sweep.frontier import non_dominated
+from ft_framework.sweep.frontier import _exact_spearman_pvalue, non_dominated
 from sweep_helpers import write_results
 
 METHODS = ("vanilla", "recadam", "lora")
@@ -79,6 +79,8 @@ def write_store(root, *, with_mlm=True, methods=METHODS, interpolate=("recadam",
                 row = {"alpha": alpha, "metrics": {"validation": {"accuracy": score}}, "distance": alpha,
                        "forgetting": _forgetting(rng, with_mlm)}
                 rows.append(row)
+                if alpha == 1.0:   # θ_1 is the run's reported model, an evaluation point already
+                    continue
                 truth.append({"method": method, "run": run_id, "kind": "interpolated", "score": 100 * score,
                               "forgetting": row["forgetting"], "distance": alpha, "alpha": alpha})
             best = max(rows, key=lambda r: r["metrics"]["validation"]["accuracy"])["alpha"]
@@ -202,3 +204,19 @@ def test_brute_force_helper_is_itself_right():
     points = [(3.0, 3.0), (2.0, 4.0), (4.0, 5.0), (4.0, 5.0), (1.0, 1.0)]
     assert brute_force_non_dominated(points) == [True, False, True, True, True]
     assert all(len(non_dominated(list(p))) == len(p) for p in itertools.permutations(points[:3]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_spearman_pvalue_equals_enumeration_by_hand(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 7))
+    x = rng.integers(0, 4, n).astype(float).tolist()   # ties included
+    y = rng.normal(size=n).tolist()
+    if len(set(x)) < 2:
+        x[0] = 9.0
+    rho = _spearman_by_hand(x, y)
+    count = 0
+    perms = list(itertools.permutations(y))
+    for perm in perms:
+        count += abs(_spearman_by_hand(x, list(perm))) >= abs(rho) - 1e-12
+    assert _exact_spearman_pvalue(x, y, rho) == pytest.approx(count / len(perms))
