@@ -39,6 +39,7 @@ from ft_framework.models.activation_checkpointing import apply_activation_checkp
 from ft_framework.models.forgetting import build_probe
 from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
+from ft_framework.models.r3f import R3FSettings, attach_r3f, tag_batch
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.child_tuning import prepare_masks, run_fisher_pass, select_child
 from ft_framework.optim.groups import GROUP_HPARAMS, build_param_groups
@@ -160,6 +161,10 @@ class Trainer:
             num_blocks = apply_activation_checkpointing(loaded.model)
             logger.info("activation checkpointing: %d transformer block module(s) recompute their "
                         "activations in backward", num_blocks)
+        # Before any strategy wraps the model: its wrapper then sees R3F's two passes as one forward.
+        self.r3f = None if cfg.training.r3f is None else attach_r3f(loaded.model, R3FSettings(
+            weight=cfg.training.r3f.weight, noise=cfg.training.r3f.noise, sigma=cfg.training.r3f.sigma,
+            seed=self.data_seed, max_seq_length=cfg.data.max_seq_length))
         # The strategy places theta* once, after wrapping (sharded under ZeRO/FSDP, each rank its part).
         self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer,
                                                          anchors=loaded.pretrained_state)
@@ -280,7 +285,9 @@ class Trainer:
             while self.state.batch_in_epoch < len(batches):
                 idx = batches[self.state.batch_in_epoch]
                 self.state.batch_in_epoch += 1
-                yield self.collate([self.data.train[i] for i in idx])
+                batch = self.collate([self.data.train[i] for i in idx])
+                # R3F's noise is keyed on the examples and the step, not on where they landed.
+                yield batch if self.r3f is None else tag_batch(batch, idx, self.state.step)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
@@ -374,14 +381,19 @@ class Trainer:
         if lambdas is not None:
             record["lambda"] = lambdas
         record.update(self.strategy.train_metrics())
-        distance = self.strategy.forgetting_distance()
-        if self.cfg.model.lora is not None:  # the optimizer anchors nothing: the merged weights' distance
-            distance = merged_forgetting_distance(self.strategy.unwrapped_model())
-        if distance is not None:
-            record["forgetting_distance"] = distance
+        if self.r3f is not None:
+            record.update(self.r3f.pop_metrics())
+        record.update(self._forgetting_distance())
         self.log.write(record)
         if progress is not None:
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}")
+
+    def _forgetting_distance(self) -> dict[str, float]:
+        """{"forgetting_distance": ‖θ − θ*‖₂} where the run has θ* (collective under sharding)."""
+        distance = self.strategy.forgetting_distance()
+        if self.cfg.model.lora is not None:  # the optimizer anchors nothing: the merged weights' distance
+            distance = merged_forgetting_distance(self.strategy.unwrapped_model())
+        return {} if distance is None else {"forgetting_distance": distance}
 
     # ---- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -414,6 +426,9 @@ class Trainer:
         if self.forgetting is not None:  # collective: every rank runs its share of the probe
             self.model.eval()
             record["forgetting"] = self.forgetting.measure(lambda batch: self.strategy.forward(batch))
+        # Every evaluation point carries the distance too, so ft-report can set it against the
+        # functional forgetting whatever logging.log_every_steps is.
+        record.update(self._forgetting_distance())
         st.evals.append(record)
         self.log.write({"type": "eval", **record})
         main = self.task.main_metric

@@ -356,6 +356,17 @@ class ScheduleConfig(_Section):
         return round(self.warmup_ratio * total_steps)
 
 
+class R3FConfig(_Section):
+    """R3F (Aghajanyan et al. 2020): a symmetric-KL penalty between the clean forward and one with
+    noise on the word embeddings (ft_framework/models/r3f.py, docs/forgetting_methods.md)."""
+
+    # fairseq's --r3f-lambda: loss = task loss + weight · mean over examples of the symmetric KL.
+    weight: float = Field(1.0, gt=0.0)
+    # Noise on each word-embedding element: uniform in [-sigma, sigma], or normal N(0, sigma²).
+    noise: Literal["uniform", "normal"] = "uniform"
+    sigma: float = Field(1e-5, gt=0.0)
+
+
 class TrainingConfig(_Section):
     """Length, batch, precision, seeds and device of the training loop."""
 
@@ -379,6 +390,8 @@ class TrainingConfig(_Section):
     # Refuse, before anything loads, a run whose planned peak per rank (ft-plan; on a CPU run, its
     # memory) exceeds this many GiB of the device; the error names overrides that fit.
     memory_budget_gib: float | None = Field(None, gt=0)
+    # R3F's penalty (classification tasks only); None: off.
+    r3f: R3FConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":
@@ -621,6 +634,9 @@ class RunConfig(_Section):
                 "pretrained weights have none. Drop select_best (the export at the end works), or use strategy "
                 "fsdp or ddp")
         _check_child_tuning(self)
+        if self.training.r3f is not None and self.data.task_spec().is_regression:
+            raise ValueError(f"training.r3f needs a classification task: its KL compares class distributions, "
+                             f"and task {self.data.task_spec().name!r} is a regression; set training.r3f: null")
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
