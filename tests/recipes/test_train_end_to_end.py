@@ -192,7 +192,8 @@ def test_best_on_validation_with_held_out_half_of_dev(tiny_bert_dir, tmp_path):
     first_best = next(r for r in evals if r["metrics"]["validation"]["accuracy"] == best_score)
     assert results["reported"] == "best"
     assert results["best"] == {"step": first_best["step"], "metrics": first_best["metrics"],
-                               "forgetting": first_best["forgetting"]}
+                               "forgetting": first_best["forgetting"],
+                               "forgetting_distance": first_best["forgetting_distance"]}
     assert set(results["majority_baseline"]) == {"validation", "test"}
     # With select_best the failed flag judges the best evaluation, on the validation half.
     assert results["failed"] is (best_score <= results["majority_baseline"]["validation"]["accuracy"])
