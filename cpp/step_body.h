@@ -60,9 +60,24 @@ struct StepProgram {
     using I = typename V::IReg;
     static constexpr int W = V::kWidth;
 
+    // The compact state stores its moments rounded to bf16, so an fp32 result one ulp apart on
+    // another SIMD level can round to another bf16 value, and the run would depend on the CPU. Its
+    // program therefore uses only correctly rounded IEEE operations, the same on every level: a
+    // product then a sum (never fused; the scalar path is built with -ffp-contract=off) and a true
+    // division, not the vector paths' refined reciprocal estimate. The fp32 state keeps the faster
+    // forms (its results differ from scalar by a few ulp and are stored as they are).
+    static inline R madd(R a, R b, R c) {
+        if constexpr (Compact) return V::add(V::mul(a, b), c);
+        else return V::fmadd(a, b, c);
+    }
+    static inline R quotient(R a, R b) {
+        if constexpr (Compact) return V::div(a, b);
+        else return V::ratio(a, b);
+    }
+
     // Applies the program to W elements whose operands are already loaded.
     // e + w * (x - e): moves the accumulated change toward x by w (a lerp on the delta).
-    static inline R lerp(R e, R x, float w) { return V::fmadd(V::set1(w), V::sub(x, e), e); }
+    static inline R lerp(R e, R x, float w) { return madd(V::set1(w), V::sub(x, e), e); }
 
     static inline void apply(const ftk::StepCoeffs& c, R& p, R g, R& m, R& v, R a) {
         const R d = HasAnchor ? V::sub(p, a) : V::zero();   // p - a, before this step
@@ -71,10 +86,10 @@ struct StepProgram {
 
     // Updates m and v and returns the step's total change e of p, given d = p - a.
     static inline R change(const ftk::StepCoeffs& c, R p, R d, R g, R& m, R& v) {
-        m = V::fmadd(V::set1(c.one_minus_beta1), g, V::mul(V::set1(c.beta1), m));
-        v = V::fmadd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(V::set1(c.beta2), v));
-        const R denom = V::fmadd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
-        R e = V::mul(V::set1(c.step_size), V::ratio(m, denom));   // change of p so far
+        m = madd(V::set1(c.one_minus_beta1), g, V::mul(V::set1(c.beta1), m));
+        v = madd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(V::set1(c.beta2), v));
+        const R denom = madd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
+        R e = V::mul(V::set1(c.step_size), quotient(m, denom));   // change of p so far
         if (HasPre) {
             R pre = V::mul(V::set1(c.pre_decay), p);
             if (HasAnchor) pre = lerp(pre, d, c.pre_pull);

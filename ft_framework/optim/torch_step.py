@@ -10,6 +10,8 @@ loops (PyTorch excludes CPU from its foreach kernels), where the C++ kernel is t
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from ft_framework.optim.coefficients import StepCoefficients
@@ -63,6 +65,41 @@ def _foreach_change(params, grads, exp_avgs, exp_avg_sqs, diffs, c: StepCoeffici
     return change
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32, as the kernel's coefficient struct and torch's scalar operand hold it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _compact_change(p: torch.Tensor, d: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    c: StepCoefficients) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e, m', v') of the compact program, operation for operation as cpp/step_body.h's compact
+    path computes them: each product and sum a separate, correctly rounded fp32 op (no lerp,
+    addcmul or fused multiply-add, whose rounding differs), a true division. The stored moments are
+    rounded to bf16 afterwards, so any other order could round one of them to another bf16 value;
+    this one gives the kernel's bits at every SIMD level. d = p − θ* (None: no anchor terms)."""
+    m = g * (1.0 - c.beta1) + m * c.beta1  # the kernel holds 1 − β as computed in double, then rounded
+    v = (g * (1.0 - c.beta2)) * g + v * c.beta2
+    # torch's fp32 sqrt on a CPU is not correctly rounded (torch 2.13: 1 ulp off for ~16% of
+    # values) and the kernel's is. The float64 sqrt, within an ulp of float64, rounded to fp32 is:
+    # a float's square root lies at least 2^-51 (relative) from a midpoint between two floats.
+    denom = torch.sqrt(v.double()).float() * c.denom_scale + c.eps
+    e = (m / denom) * c.step_size
+
+    def lerp(e: torch.Tensor, x: torch.Tensor, w: float) -> torch.Tensor:  # e + w (x − e), unfused
+        return (x - e) * w + e
+
+    if _f32(c.pre_decay) != 0.0 or (d is not None and _f32(c.pre_pull) != 0.0):
+        pre = p * c.pre_decay
+        if d is not None:
+            pre = lerp(pre, d, c.pre_pull)
+        e = e + pre
+    if d is not None:
+        e = lerp(e, d, c.post_pull)
+    if _f32(c.post_decay) != 0.0:
+        e = lerp(e, p, c.post_decay)
+    return e, m, v
+
+
 def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                  exp_avg_sqs: list[torch.Tensor], deltas: list[torch.Tensor | None],
                  anchors: list[torch.Tensor | None], c: StepCoefficients, seed: int, step: int,
@@ -70,21 +107,20 @@ def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     """One step of the compact state (optim/compact.py), tensor by tensor, in place: the moments are
     bf16 (m rounded to nearest even, v stochastically with the bits of (seed, step, index_bases[i] +
     element)); where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull
-    reads it exactly, and params[i] is written as anchors[i] + deltas[i]."""
+    reads it exactly, and params[i] is written as anchors[i] + deltas[i]. Bit for bit the C++
+    kernel's result on a CPU (_compact_change)."""
     for p, g, m16, v16, delta, anchor, base in zip(params, grads, exp_avgs, exp_avg_sqs, deltas, anchors,
                                                    index_bases):
-        m, v = [m16.float()], [v16.float()]
         if delta is not None:
             a = anchor.float()
-            theta = [a + delta]
-            (e,) = _foreach_change(theta, [g.float()], m, v, [delta], c)
+            e, m, v = _compact_change(a + delta, delta, g.float(), m16.float(), v16.float(), c)
             delta.sub_(e)
             p.copy_(a + delta)
         else:
-            (e,) = _foreach_change([p], [g.float()], m, v, None, c)
+            e, m, v = _compact_change(p, None, g.float(), m16.float(), v16.float(), c)
             p.sub_(e)
-        m16.copy_(m[0])  # torch's cast rounds to nearest even, as the kernel's store_rne
-        v16.copy_(stochastic_round_bf16(v[0], rounding_bits(seed, step, base, v16.numel(), v16.device)))
+        m16.copy_(m)  # torch's cast rounds to nearest even, as the kernel's store_rne
+        v16.copy_(stochastic_round_bf16(v, rounding_bits(seed, step, base, v16.numel(), v16.device)))
 
 
 def inverse_keep(c: StepCoefficients, use_anchor: bool) -> float:
