@@ -20,8 +20,8 @@ BUFFER_PREFIX = "buffer/"
 EXTRA_PREFIX = "extra/"
 
 __all__ = ["ANCHOR", "BUFFER_PREFIX", "EXTRA_PREFIX", "MASTER", "PARAM_PREFIX", "STEP", "Fragment", "ParamInfo",
-           "ShardedCheckpointable", "buffer_key", "checkpoint_fields", "dtensor_fragments", "fragment_key",
-           "param_info", "param_key", "parse_param_key", "whole_tensor_fragments"]
+           "ShardedCheckpointable", "buffer_key", "checkpoint_fields", "dtensor_fragments", "dtensor_shard_offset",
+           "fragment_key", "param_info", "param_key", "parse_param_key", "whole_tensor_fragments"]
 
 
 @dataclass
@@ -163,25 +163,35 @@ def whole_tensor_fragments(named_params: Iterable[tuple[str, torch.Tensor]], opt
     return out
 
 
-def _dtensor_range(t) -> tuple[torch.Tensor, int, bool]:
-    """(1-D local view, offset into the flattened full tensor, whether this rank writes it) of a
-    DTensor sharded on dim 0 (FSDP2) or replicated."""
+def dtensor_shard_offset(t) -> int:
+    """Where the local piece of DTensor `t` starts in t's flattened full value: the offset of its
+    first row times the row's size for a shard on dim 0 (FSDP2, torch.chunk's split: the last ranks
+    may hold fewer rows or none), 0 where t is replicated. Checkpoint fragments and the compact
+    state's global element index (FSDPStrategy) both read it here."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = t.to_local()
     placements = tuple(t.placements)
     if all(isinstance(pl, Replicate) for pl in placements):
-        coordinate = t.device_mesh.get_coordinate() or [0]
-        return _flat_view(local, "a replicated DTensor"), 0, all(c == 0 for c in coordinate)
+        return 0
     if not all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements if not isinstance(pl, Replicate)):
-        raise NotImplementedError(f"checkpoint fragments of DTensor placements {placements}: only Shard(0) "
-                                  "and Replicate are contiguous flattened ranges")
+        raise NotImplementedError(f"DTensor placements {placements}: only Shard(0) and Replicate pieces are "
+                                  "contiguous ranges of the flattened tensor")
     _, global_offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     row = math.prod(t.shape[1:]) if t.dim() > 1 else 1
-    replicated_coords = [c for c, pl in zip(t.device_mesh.get_coordinate() or [], placements)
+    return int(global_offset[0]) * row
+
+
+def _dtensor_range(t) -> tuple[torch.Tensor, int, bool]:
+    """(1-D local view, offset into the flattened full tensor, whether this rank writes it) of a
+    DTensor sharded on dim 0 (FSDP2) or replicated."""
+    from torch.distributed.tensor import Replicate
+
+    local = t.to_local()
+    offset = dtensor_shard_offset(t)
+    replicated_coords = [c for c, pl in zip(t.device_mesh.get_coordinate() or [0] * len(t.placements), t.placements)
                          if isinstance(pl, Replicate)]
-    return _flat_view(local, "a DTensor shard"), int(global_offset[0]) * row, all(c == 0 for c in replicated_coords)
+    return _flat_view(local, "a DTensor piece"), offset, all(c == 0 for c in replicated_coords)
 
 
 def dtensor_fragments(named_params: Iterable[tuple[str, torch.Tensor]], optimizer, is_main: bool) -> list[Fragment]:

@@ -641,13 +641,13 @@ class RunConfig(_Section):
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
         offload = self.strategy.offload_optimizer
-        if self.optimizer.state_dtype == "bfloat16" and (self.strategy.name != "single"
-                                                        or (offload is not None and offload.overlap)):
-            raise ValueError(
-                f"optimizer.state_dtype bfloat16 runs only with strategy.name single (offload_optimizer without "
-                f"overlap: a speculative step's stochastic rounding cannot be rolled back) so far (got strategy.name "
-                f"{self.strategy.name!r}{' with overlap' if offload is not None and offload.overlap else ''}); valid: "
-                "strategy.name single, or optimizer.state_dtype float32")
+        overlap = offload is not None and offload.overlap
+        if self.optimizer.state_dtype == "bfloat16" and (self.strategy.name == "deepspeed" or overlap):
+            what = ("strategy.offload_optimizer overlap: true (its rollback of a speculative step cannot undo "
+                    "stochastic rounding)" if overlap else
+                    "strategy.name deepspeed (not built for ZeRO's flat partitions)")
+            raise ValueError(f"optimizer.state_dtype bfloat16 does not run with {what}; valid: strategy.name single "
+                             "(offload_optimizer with overlap: false), ddp or fsdp, or optimizer.state_dtype float32")
         _warn_if_pull_overshoots(self.optimizer)
         return self
 

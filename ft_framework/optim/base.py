@@ -227,6 +227,11 @@ class AnchoredOptimizer(torch.optim.Optimizer):
     def index_base(self, p: torch.Tensor) -> int:
         if id(p) in self._index_base_overrides:
             return self._index_base_overrides[id(p)]
+        if local_tensor(p).numel() != p.numel():
+            # Numbered from its parameter's base, a shard would take another shard's rounding bits.
+            raise ValueError("the compact state's rounding needs the global element index of a sharded parameter's "
+                             "local piece: call set_index_base on it (FSDPStrategy does, through "
+                             "number_local_pieces)")
         if self._index_bases is None:
             self._index_bases = element_offsets(q for g in self.param_groups for q in g["params"])
         return self._index_bases[id(p)]

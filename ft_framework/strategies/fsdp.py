@@ -6,10 +6,12 @@ started by torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment); gloo o
 Every parameter becomes a DTensor sharded on dim 0 over all ranks. The optimizer is built on the
 sharded parameters (after `fully_shard`), so the full fp32 theta* anchors it is given are sharded
 like the parameters (`AnchoredOptimizer.set_anchor`) and its state (exp_avg, exp_avg_sq, anchor)
-holds only this rank's shard. With `mixed_precision` the sharded parameters stay fp32 (FSDP casts
-them to bf16/fp16 only for compute and reduces gradients in fp32), so theta* stays exact. With
-`cpu_offload` sharded parameters, gradients and optimizer state live on the CPU, where the
-optimizer runs the C++ kernel on the local fp32 shards.
+holds only this rank's shard. In the compact state (optimizer.state_dtype bfloat16) the delta master
+and the bf16 anchor are sharded like the parameter too, and each shard's stochastic rounding is keyed
+on its elements' indices in the full model (`number_local_pieces`). With `mixed_precision` the
+sharded parameters stay fp32 (FSDP casts them to bf16/fp16 only for compute and reduces gradients
+in fp32), so theta* stays exact. With `cpu_offload` sharded parameters, gradients and optimizer
+state live on the CPU, where the optimizer runs the C++ kernel on the local fp32 shards.
 
 Checkpoints are the layout every strategy shares (ft_framework/checkpointing): every rank writes
 its DTensor shards of the master weights, moments and anchors through torch.distributed.checkpoint,
@@ -24,10 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ft_framework.checkpointing import dtensor_fragments
+from ft_framework.checkpointing import dtensor_fragments, dtensor_shard_offset
 from ft_framework.distributed import collectives
 from ft_framework.models.blocks import transformer_block_lists
-from ft_framework.optim.base import local_tensor
+from ft_framework.optim.base import AnchoredOptimizer, local_tensor
+from ft_framework.optim.compact import element_offsets
 from ft_framework.strategies.base import Strategy
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.distributed.process_group import ProcessGroupMixin
@@ -89,6 +92,20 @@ class _ShardedLossScaler:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
+def number_local_pieces(optimizer: torch.optim.Optimizer) -> None:
+    """The compact state (optimizer.state_dtype bfloat16) keys v's stochastic rounding on each
+    element's index in the full model (optim/compact.py), so that the ranks round as one process
+    would: each sharded parameter's local piece starts at its parameter's global base plus the
+    piece's offset inside the parameter."""
+    if not (isinstance(optimizer, AnchoredOptimizer) and optimizer.compact):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    bases = element_offsets(params)
+    for p in params:
+        if hasattr(p, "device_mesh"):
+            optimizer.set_index_base(p, bases[id(p)] + dtensor_shard_offset(p))
+
+
 class FSDPStrategy(ProcessGroupMixin, Strategy):
     """FSDP2: sharded parameters, gradients and optimizer state (anchors included)."""
 
@@ -139,6 +156,7 @@ class FSDPStrategy(ProcessGroupMixin, Strategy):
         # Built on the sharded (DTensor) parameters; place_anchors then shards the full fp32 theta*
         # like each parameter, locally on every rank (set_anchor), keeping only this rank's shard.
         self.optimizer = build_optimizer(model)
+        number_local_pieces(self.optimizer)
         if anchors:
             self.place_anchors(anchors)
         return self.model, self.optimizer

@@ -228,9 +228,15 @@ COMPACT_CONFIG = {
     ([], None),
     (["optimizer.anchor_dtype=float32"], "set optimizer.anchor_dtype: bfloat16 too"),
     (["strategy.offload_optimizer.overlap=false"], None),
-    (["strategy.name=ddp"], "runs only with strategy.name single"),
-    (["strategy.name=fsdp"], "runs only with strategy.name single"),
-    (["strategy.offload_optimizer.overlap=true"], "with overlap"),
+    (["strategy.name=ddp"], None),
+    (["strategy.name=fsdp"], None),
+    (["strategy.name=fsdp", "strategy.fsdp.cpu_offload=true"], None),
+    (["strategy.name=deepspeed"], r"does not run with strategy.name deepspeed .*; valid: strategy.name single "
+                                  r"\(offload_optimizer with overlap: false\), ddp or fsdp, or optimizer.state_dtype "
+                                  r"float32$"),
+    (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3"], "does not run with strategy.name deepspeed"),
+    (["strategy.offload_optimizer.overlap=true"], r"does not run with strategy.offload_optimizer overlap: true "
+                                                  r"\(its rollback .*; valid: strategy.name single"),
 ])
 def test_config_refuses_what_the_compact_state_does_not_run_in_one_line(overrides, message):
     data = apply_overrides(COMPACT_CONFIG, overrides)

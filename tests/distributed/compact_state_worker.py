@@ -1,0 +1,107 @@
+"""torchrun worker of test_compact_state_distributed.py.
+
+    compact_state_worker.py train <config>    one run of the trainer (argv[2]: its config)
+    compact_state_worker.py pieces <out_dir>  FSDP2 steps of the compact state on a few parameters
+                                              with given gradients; each rank writes its local pieces
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from worker_exit import finish
+
+SEED = 97
+STEPS = 3
+# Rows that torch.chunk splits unevenly over 2 ranks: 4 + 3, 2 + 1, and 1 + 0 (rank 1 holds nothing).
+SHAPES = {"a": (7, 5), "b": (3,), "c": (1, 4), "head": (5, 2)}
+ANCHORED = ("a", "b", "c")
+HPARAMS = dict(lr=1e-2, weight_decay=0.01, anneal_k=0.5, anneal_t0=2, pretrain_cof=5.0)
+
+
+def parameters() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in SHAPES.items()}
+
+
+def pretrained(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: params[name] + 0.01 for name in ANCHORED}
+
+
+def gradients() -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(4)
+    return [{name: torch.randn(shape, generator=gen) for name, shape in SHAPES.items()} for _ in range(STEPS)]
+
+
+def groups(named: dict[str, torch.Tensor]) -> list[dict]:
+    return [{"params": [named[n] for n in ANCHORED], "anchored": True, "param_names": list(ANCHORED)},
+            {"params": [named["head"]], "param_names": ["head"]}]
+
+
+class Pieces(nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name, value in parameters().items():
+            self.register_parameter(name, nn.Parameter(value.clone()))
+
+
+def pieces(out_dir: Path) -> None:
+    """Per variant (impl, FSDP2's cpu_offload): each step's local pieces of every parameter and its
+    state, and the index base each rank's optimizer rounds them with."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from ft_framework.config.schema import FSDPConfig
+    from ft_framework.optim import build_optimizer
+    from ft_framework.optim import cpu as cpu_kernel
+    from ft_framework.strategies.fsdp import FSDPStrategy
+
+    impls = ["torch"] + (["cpu"] if cpu_kernel.kernel_available() else [])
+    results = {}
+    for impl in impls:
+        for offload in (False, True):
+            strategy = FSDPStrategy(FSDPConfig(cpu_offload=offload))
+            model, opt = strategy.setup(
+                Pieces(), lambda m: build_optimizer("recadam", groups(dict(m.named_parameters())), impl=impl,
+                                                    state_dtype="bfloat16", anchor_dtype="bfloat16",
+                                                    rounding_seed=SEED, **HPARAMS),
+                anchors=pretrained(parameters()))
+            named = dict(model.named_parameters())
+            record = {}
+            for step, grads in enumerate(gradients(), start=1):
+                for name, p in named.items():
+                    p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements, src_data_rank=None)
+                strategy.clip_and_step(None)
+                for name, p in named.items():
+                    state = opt.state[p]
+                    record[(step, name)] = {
+                        "index_base": opt.index_base(p), "param": p.to_local().detach().clone(),
+                        **{k: state[k].to_local().clone() for k in ("exp_avg", "exp_avg_sq", "delta", "anchor")
+                           if k in state}}
+            results[(impl, offload)] = record
+    # An optimizer on the shards that nobody told their offsets refuses to number them.
+    unnumbered = build_optimizer("recadam", groups(named), impl="torch", state_dtype="bfloat16",
+                                 anchor_dtype="bfloat16", rounding_seed=SEED, **HPARAMS)
+    try:
+        unnumbered.index_base(named["a"])
+        results["unnumbered"] = None
+    except ValueError as exc:
+        results["unnumbered"] = str(exc)
+    torch.save(results, out_dir / f"pieces_rank{strategy.rank}.pt")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    mode, arg = sys.argv[1], sys.argv[2]
+    if mode == "train":
+        from ft_framework.config import load_config
+        from ft_framework.trainer import Trainer
+
+        Trainer(load_config(arg)).fit()
+    else:
+        pieces(Path(arg))
+    finish()
