@@ -163,7 +163,9 @@ def test_ray_runner_runs_the_same_grid_to_the_same_results(grid, local_sweep):
     from ft_framework.sweep import RayRunner, load_sweep, run_sweep
 
     spec = load_sweep(grid / "sweep.yaml")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": an instance of this test's own; without it ray.init joins a cluster another
+    # test (tests/unit/sweep/test_ray_cluster.py, on the other xdist worker) may have running.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         result = run_sweep(spec, output_dir=grid / "ray", runner=RayRunner(spec.runner), progress=False)
     finally:
