@@ -640,14 +640,10 @@ class RunConfig(_Section):
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
-        offload = self.strategy.offload_optimizer
-        overlap = offload is not None and offload.overlap
-        if self.optimizer.state_dtype == "bfloat16" and (self.strategy.name == "deepspeed" or overlap):
-            what = ("strategy.offload_optimizer overlap: true (its rollback of a speculative step cannot undo "
-                    "stochastic rounding)" if overlap else
-                    "strategy.name deepspeed (not built for ZeRO's flat partitions)")
-            raise ValueError(f"optimizer.state_dtype bfloat16 does not run with {what}; valid: strategy.name single "
-                             "(offload_optimizer with overlap: false), ddp or fsdp, or optimizer.state_dtype float32")
+        if self.optimizer.state_dtype == "bfloat16" and self.strategy.name == "deepspeed":
+            raise ValueError("optimizer.state_dtype bfloat16 does not run with strategy.name deepspeed (not built for "
+                             "ZeRO's flat partitions); valid: strategy.name single (with or without "
+                             "offload_optimizer), ddp or fsdp, or optimizer.state_dtype float32")
         _warn_if_pull_overshoots(self.optimizer)
         return self
 

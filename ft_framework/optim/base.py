@@ -84,14 +84,6 @@ def check_loaded_anchors(source: str, entries: Iterable[tuple[str | int, tuple[i
                              f"the parameter has {tuple(want)}: wrong or corrupted checkpoint")
 
 
-# The overlapped offload's rollback cannot invert stochastic rounding: refused. A redo would need
-# copies of the old bf16 m and v and of the old master (the change came from the unrounded moments):
-# 8 bytes per parameter, not built.
-NO_ROLLBACK_MESSAGE = (
-    "optimizer.state_dtype bfloat16 cannot roll back a speculative step (stochastic rounding has no inverse), "
-    "so it does not run with strategy.offload_optimizer {overlap: true}; valid: overlap false, or state_dtype "
-    "float32")
-
 # Elements per fp64 chunk of forgetting_sq_sum on CPU (512 KiB: stays in L2).
 _FORGETTING_CHUNK = 1 << 16
 
@@ -123,6 +115,11 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         self.compact = state_dtype == "bfloat16"
         self.rounding_seed = int(rounding_seed)
         self._index_base_overrides: dict[int, int] = {}
+        # The compact state's undo copies (step_tensors' keep_undo), per parameter id: the parameter,
+        # the step count they undo, and its old bf16 m and v and old master (delta, or the parameter
+        # itself where there is no anchor). Stochastic rounding has no inverse, so a speculative
+        # compact step is undone from these: 8 bytes per parameter, kept (and reused) between steps.
+        self._undo: dict[int, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if impl == "cpu" and not cpu_kernel.kernel_available():
             cpu_kernel._require_kernel()  # raises with the build instructions
         self._requested_impl = impl
@@ -372,7 +369,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None = None,
-                     num_threads: int | None = None, known_finite: bool = False) -> list[StepCoefficients | None]:
+                     num_threads: int | None = None, known_finite: bool = False,
+                     keep_undo: bool = False) -> list[StepCoefficients | None]:
         """Steps each parameter of `ps` on its own, with `grads` (default: each ``p.grad``), as
         step() would: the same coefficients and arithmetic, so a step split over several calls
         equals one step().
@@ -382,12 +380,14 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         step used (what `rollback_tensors` needs), or None where it was left untouched.
         `known_finite`: the caller has checked the gradients already (a finite norm), so the
         kernel's own check, one more pass over each gradient, is skipped.
+        `keep_undo`: the step may be rolled back (a speculative step). The fp32 state needs nothing
+        for that; the compact state copies what the rollback restores first.
         """
         grads = [p.grad for p in ps] if grads is None else grads
         if self._resolved_impl == "auto":
             self._resolved_impl = self._resolve_impl()
         if self.compact:
-            return self._step_tensors_compact(ps, grads, num_threads, known_finite)
+            return self._step_tensors_compact(ps, grads, num_threads, known_finite, keep_undo)
         used: list[StepCoefficients | None] = []
         plans: dict[tuple, tuple[StepCoefficients, bool]] = {}  # per (group, step, anchored) in this call
         # Known-finite steps on the kernel go in one call per set of coefficients (after the loop),
@@ -431,7 +431,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             torch._foreach_add_([state["step"] for state in batched_states], 1)
         return used
 
-    def _step_tensors_compact(self, ps, grads, num_threads, known_finite) -> list[StepCoefficients | None]:
+    def _step_tensors_compact(self, ps, grads, num_threads, known_finite,
+                              keep_undo: bool) -> list[StepCoefficients | None]:
         """step_tensors in the compact state: tensor by tensor, a non-finite gradient leaves its
         tensor untouched (as the guarded fp32 step)."""
         used: list[StepCoefficients | None] = []
@@ -446,19 +447,56 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             if with_anchor and c.uses_anchor:
                 self._warn_if_overshoot(next(i for i, q in enumerate(self.param_groups) if q is group), group,
                                         stacklevel=4)
+            if keep_undo:
+                self._keep_undo(p, state, t - 1)
             self._apply_compact([p], [g], c, with_anchor, t, num_threads)
             state["step"] += 1
             used.append(c)
         return used
 
+    def _keep_undo(self, p: torch.Tensor, state: dict[str, Any], step: int) -> None:
+        """Copies p's compact state before its step `step + 1` (into the buffers of an earlier copy)."""
+        master = state["delta"] if "delta" in state else p
+        now = [local_tensor(x) for x in (state["exp_avg"], state["exp_avg_sq"], master)]
+        kept = self._undo.get(id(p))
+        if kept is None or kept[0] is not p:
+            copies = [x.clone() for x in now]
+        else:
+            copies = list(kept[2:])
+            for copy, x in zip(copies, now):
+                copy.copy_(x)
+        self._undo[id(p)] = (p, step, *copies)
+
+    def _rollback_compact(self, ps: list[torch.Tensor]) -> None:
+        """Restores each parameter's compact state from the copies its last step kept, bit for bit:
+        the parameter of an anchored tensor is written as anchor + delta, as every step writes it."""
+        for p in ps:
+            state = self.state[p]
+            kept = self._undo.get(id(p))
+            if kept is None or kept[0] is not p or kept[1] != int(state["step"].item()) - 1:
+                raise RuntimeError("rollback_tensors: this compact step was taken without keep_undo=True, so "
+                                   "there is nothing to restore it from")
+            _, _, m, v, master = kept
+            local_tensor(state["exp_avg"]).copy_(m)
+            local_tensor(state["exp_avg_sq"]).copy_(v)
+            if "delta" in state:
+                local_tensor(state["delta"]).copy_(master)
+                local_tensor(p).copy_(local_tensor(state["anchor"]).float() + master)
+            else:
+                local_tensor(p).copy_(master)
+            state["step"] -= 1
+
     @torch.no_grad()
     def rollback_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None,
                          coefficients: list[StepCoefficients], num_threads: int | None = None) -> None:
         """Undoes the last step of each parameter, taken with `grads` and `coefficients` (what
-        step_tensors returned), from the stepped state alone: the inverse element program of
-        cpp/step_args.h, exact to a few ulp, with no saved copy. The step count goes back by one."""
+        step_tensors returned). The fp32 state: from the stepped state alone, the inverse element
+        program of cpp/step_args.h, exact to a few ulp, with no saved copy. The compact state: from
+        the copies step_tensors(keep_undo=True) kept, bit for bit (stochastic rounding has no
+        inverse). The step count goes back by one."""
         if self.compact:
-            raise UserError(NO_ROLLBACK_MESSAGE)
+            self._rollback_compact(ps)
+            return
         grads = [p.grad for p in ps] if grads is None else grads
         for p, g, c in zip(ps, grads, coefficients):
             state = self.state[p]

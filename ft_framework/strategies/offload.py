@@ -261,7 +261,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         if not finite:
             return
         used = self.optimizer.step_tensors([m for m, _, _, _ in finite], [g for _, g, _, _ in finite],
-                                           num_threads=self.worker_threads, known_finite=True)
+                                           num_threads=self.worker_threads, known_finite=True, keep_undo=True)
         for (master, grad, norm, dev), c in zip(finite, used):
             self._speculated.append(_Speculation(master, grad, norm, c))
             if c is not None:

@@ -23,6 +23,7 @@ HPARAMS = {
 }
 PATHS = ["torch"] + SIMD_LEVELS
 SEED = 1234
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "delta", "step")
 ANCHORED, HEAD = 1037, 53  # sizes that leave tails at every vector width
 
 
@@ -231,12 +232,11 @@ COMPACT_CONFIG = {
     (["strategy.name=ddp"], None),
     (["strategy.name=fsdp"], None),
     (["strategy.name=fsdp", "strategy.fsdp.cpu_offload=true"], None),
+    (["strategy.offload_optimizer.overlap=true"], None),
     (["strategy.name=deepspeed"], r"does not run with strategy.name deepspeed .*; valid: strategy.name single "
-                                  r"\(offload_optimizer with overlap: false\), ddp or fsdp, or optimizer.state_dtype "
+                                  r"\(with or without offload_optimizer\), ddp or fsdp, or optimizer.state_dtype "
                                   r"float32$"),
     (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3"], "does not run with strategy.name deepspeed"),
-    (["strategy.offload_optimizer.overlap=true"], r"does not run with strategy.offload_optimizer overlap: true "
-                                                  r"\(its rollback .*; valid: strategy.name single"),
 ])
 def test_config_refuses_what_the_compact_state_does_not_run_in_one_line(overrides, message):
     data = apply_overrides(COMPACT_CONFIG, overrides)
@@ -249,9 +249,10 @@ def test_config_refuses_what_the_compact_state_does_not_run_in_one_line(override
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpu"])
-def test_step_tensors_equals_step_and_rollback_is_refused(impl):
+def test_step_tensors_equals_step_and_a_rollback_restores_the_state_bit_for_bit(impl):
     """The serial offload's per-tensor steps are step()'s, bit for bit; a non-finite gradient leaves
-    its tensor untouched; a rollback (the overlapped offload's) is refused."""
+    its tensor untouched; a step taken with keep_undo rolls back to the state before it, bit for
+    bit, and its redo equals the step; a step taken without it cannot be rolled back."""
     path = "torch" if impl == "torch" else (cpu_kernel.simd_level() if cpu_kernel.kernel_available() else None)
     if path is None:
         pytest.skip("C++ kernel not built")
@@ -268,8 +269,27 @@ def test_step_tensors_equals_step_and_rollback_is_refused(impl):
     before = a2.detach().clone()
     assert split.step_tensors([a2], [torch.full((ANCHORED,), float("nan"))]) == [None]
     assert torch.equal(a2, before)
-    with pytest.raises(UserError, match="cannot roll back"):
+    with pytest.raises(RuntimeError, match="without keep_undo"):
         split.rollback_tensors([a2], [ga], [None])
+
+    def snapshot():
+        return [x.clone() for x in (a2.detach(), h2.detach(), *(split.state[a2][k] for k in STATE_KEYS),
+                                    *(split.state[h2][k] for k in STATE_KEYS if k != "delta"))]
+
+    ga, gh = torch.randn(ANCHORED, generator=gen), torch.randn(HEAD, generator=gen)
+    saved = snapshot()
+    used = split.step_tensors([a2, h2], [ga, gh], keep_undo=True)
+    assert not torch.equal(a2.detach(), saved[0])
+    split.rollback_tensors([a2, h2], [ga, gh], used)
+    for got, want in zip(snapshot(), saved):
+        assert torch.equal(got, want)
+    # The redo rounds with the same bits (the step count went back): it equals step().
+    split.step_tensors([a2, h2], [ga, gh], keep_undo=True)
+    a1.grad, h1.grad = ga, gh
+    whole.step()
+    assert torch.equal(a1, a2) and torch.equal(h1, h2)
+    for key in STATE_KEYS:
+        assert torch.equal(whole.state[a1][key], split.state[a2][key]), key
 
 
 def test_compact_kernel_is_identical_under_any_thread_count():
@@ -294,40 +314,63 @@ def test_compact_kernel_is_identical_under_any_thread_count():
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("impl", ["torch", "cpu"])
-def test_serial_offload_with_the_compact_state_equals_the_single_device_strategy(impl):
+def _train_compact(impl: str, strategy, max_grad_norm: float | None = None, steps: int = 5):
+    """A small MLP with theta* on all but its last weight, RecAdam in the compact state, `steps` steps."""
     from torch import nn
 
     from ft_framework.optim.groups import build_param_groups
-    from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy
 
     if impl == "cpu" and not cpu_kernel.kernel_available():
         pytest.skip("C++ kernel not built")
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 2))
+    pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
+    strategy.setup(model, lambda m: build_optimizer(
+        "recadam", build_param_groups(m, pretrained, lr=1e-2, weight_decay=0.01, attach_anchors=False),
+        impl=impl, state_dtype="bfloat16", anchor_dtype="bfloat16", rounding_seed=SEED, anneal_k=0.5,
+        anneal_t0=3, pretrain_cof=5.0), anchors=pretrained)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(steps):
+        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
+        strategy.backward(torch.nn.functional.mse_loss(strategy.forward({"input": x}), y))
+        strategy.clip_and_step(max_grad_norm)
+    strategy.close()
+    return strategy
 
-    def train(strategy):
-        torch.manual_seed(5)
-        model = nn.Sequential(nn.Linear(6, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 2))
-        pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
-        strategy.setup(model, lambda m: build_optimizer(
-            "recadam", build_param_groups(m, pretrained, lr=1e-2, weight_decay=0.01, attach_anchors=False),
-            impl=impl, state_dtype="bfloat16", anchor_dtype="bfloat16", rounding_seed=SEED, anneal_k=0.5,
-            anneal_t0=3, pretrain_cof=5.0), anchors=pretrained)
-        gen = torch.Generator().manual_seed(9)
-        for _ in range(5):
-            x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
-            strategy.backward(nn.functional.mse_loss(strategy.forward({"input": x}), y))
-            strategy.clip_and_step(None)  # the two strategies clip with different (equally exact) ops
-        strategy.close()
-        return strategy
 
-    serial = train(OffloadedSingleDeviceStrategy("fp32", "cpu"))
-    plain = train(SingleDeviceStrategy("fp32", "cpu"))
-    for p, q in zip(serial.model.parameters(), plain.model.parameters()):
+def _assert_same_compact_state(a, b) -> None:
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
-        for key in ("exp_avg", "exp_avg_sq", "delta"):
-            if key in plain.optimizer.state[q]:
-                assert torch.equal(serial.optimizer.state[p][key], plain.optimizer.state[q][key]), key
-    assert any("delta" in s for s in plain.optimizer.state.values())
+        for key in STATE_KEYS:
+            if key in b.optimizer.state[q]:
+                assert torch.equal(a.optimizer.state[p][key], b.optimizer.state[q][key]), key
+    assert any("delta" in s for s in b.optimizer.state.values())
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_serial_offload_with_the_compact_state_equals_the_single_device_strategy(impl):
+    from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy
+
+    # No clipping: the two strategies clip with different (equally exact) ops.
+    _assert_same_compact_state(_train_compact(impl, OffloadedSingleDeviceStrategy("fp32", "cpu")),
+                               _train_compact(impl, SingleDeviceStrategy("fp32", "cpu")))
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+@pytest.mark.parametrize("max_grad_norm, rollbacks", [(None, 0), (1e-3, 1)])
+def test_overlapped_offload_with_the_compact_state_equals_the_serial_offload(impl, max_grad_norm, rollbacks):
+    """The overlapped offload steps each bucket speculatively during backward, keeping undo copies.
+    With no clipping every speculative step stands. With a tiny max_grad_norm every step clips: the
+    first step's speculative steps are rolled back from their copies and redone on the clipped
+    gradients, and the offload then stops speculating while steps clip (later steps run after
+    backward). Either way the run equals the serial offload's bit for bit."""
+    from ft_framework.strategies import OffloadedSingleDeviceStrategy
+
+    serial = _train_compact(impl, OffloadedSingleDeviceStrategy("fp32", "cpu"), max_grad_norm)
+    overlap = _train_compact(impl, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1,
+                                                                 bucket_mb=1e-3), max_grad_norm)
+    assert overlap.train_metrics()["offload_rollbacks"] == rollbacks
+    _assert_same_compact_state(overlap, serial)
 
 
 @pytest.mark.gpu
