@@ -82,25 +82,29 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
         rows += [PlanRow("Adam moments (exp_avg, exp_avg_sq)", *_place(2 * P * 4 / shard, off_opt)),
                  PlanRow("anchors theta*", *_place(A * anchor_bytes / shard, off_opt))]
         return rows
-    if strategy.name == "fsdp":
-        off = strategy.fsdp.cpu_offload
-        return [PlanRow("parameters (fp32 shards)", *_place(P * 4 / W, off)),
-                PlanRow("gradients (fp32 shards)", *_place(P * 4 / W, off)),
-                PlanRow("Adam moments (exp_avg, exp_avg_sq)", *_place(2 * P * 4 / W, off)),
-                PlanRow("anchors theta*", *_place(A * anchor_bytes / W, off))]
-    offload = strategy.offload_optimizer if strategy.name == "single" else None
     compact = run_cfg.optimizer.state_dtype == "bfloat16"  # the compact state (optim/compact.py)
     moment_rows = ([PlanRow("Adam moments (exp_avg, exp_avg_sq in bf16)", 2 * P * 2, 0.0),
                     PlanRow("delta = theta - theta* (fp32 master of the anchored)", A * 4, 0.0)]
                    if compact else [PlanRow("Adam moments (exp_avg, exp_avg_sq)", 2 * P * 4, 0.0)])
+    if strategy.name == "fsdp":
+        off = strategy.fsdp.cpu_offload
+        return [PlanRow("parameters (fp32 shards)", *_place(P * 4 / W, off)),
+                PlanRow("gradients (fp32 shards)", *_place(P * 4 / W, off)),
+                *[PlanRow(r.what, *_place(r.device_bytes / W, off)) for r in moment_rows],
+                PlanRow("anchors theta*", *_place(A * anchor_bytes / W, off))]
+    offload = strategy.offload_optimizer if strategy.name == "single" else None
     if offload is not None:  # fp32 masters, their gradients and the state in host memory (offload.py)
         copies = 0.0 if device_is_host else P * 4
+        # A speculative compact step keeps copies of the old bf16 m and v and the old fp32 master
+        # (AnchoredOptimizer._keep_undo): what its rollback restores, stochastic rounding having no inverse.
+        undo = [PlanRow("undo copies of speculative steps (bf16 m, v and the fp32 master)", 0.0, P * 8)] \
+            if compact and offload.overlap else []
         return [PlanRow("parameters (fp32 device copies of the masters)", copies, 0.0),
                 PlanRow("gradients", 0.0 if offload.overlap and not device_is_host else P * 4, 0.0),
                 PlanRow("fp32 master weights" + (" (theta* + delta for the anchored)" if compact else ""), 0.0, P * 4),
                 PlanRow("gradients (fp32 host copy for the CPU step)", 0.0, copies),
                 *[PlanRow(r.what, 0.0, r.device_bytes) for r in moment_rows],
-                PlanRow("anchors theta*", 0.0, A * anchor_bytes)]
+                PlanRow("anchors theta*", 0.0, A * anchor_bytes), *undo]
     if compact:
         return [PlanRow("parameters (theta* + delta for the anchored)", P * 4, 0.0), PlanRow("gradients", P * 4, 0.0),
                 *moment_rows, PlanRow("anchors theta*", A * anchor_bytes, 0.0)]

@@ -7,11 +7,12 @@ from ft_framework.config import validate_config
 from ft_framework.strategies.memory_plan import GIB, format_memory_plan, plan_memory
 
 
-def run_cfg(strategy: dict, precision: str = "bf16", anchor_dtype: str = "float32"):
+def run_cfg(strategy: dict, precision: str = "bf16", anchor_dtype: str = "float32", state_dtype: str = "float32"):
     return validate_config({
         "model": {"name_or_path": "albert/albert-xxlarge-v2"},
         "data": {"task": "rte"},
-        "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}, "anchor_dtype": anchor_dtype},
+        "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}, "anchor_dtype": anchor_dtype,
+                      "state_dtype": state_dtype},
         "schedule": {"warmup_steps": 0},
         "training": {"max_steps": 1, "precision": precision},
         "strategy": strategy,
@@ -44,6 +45,26 @@ def test_zero3_fsdp_and_single_bytes_by_hand():
     single = rows(run_cfg({"name": "single"}, precision="fp32"), world_size=1, num_params=10, num_anchored=8)
     assert single == {"parameters": (40, 0), "gradients": (40, 0),
                       "Adam moments (exp_avg, exp_avg_sq)": (80, 0), "anchors theta*": (32, 0)}
+
+
+def test_compact_state_bytes_by_hand():
+    """optimizer.state_dtype bfloat16: bf16 moments (4 B), the fp32 delta of the anchored (4 B),
+    bf16 theta* (2 B); the overlapped offload adds its undo copies (8 B)."""
+    def compact(strategy, world_size=1):
+        return rows(run_cfg(strategy, precision="fp32", anchor_dtype="bfloat16", state_dtype="bfloat16"),
+                    world_size=world_size, num_params=10, num_anchored=8)
+
+    moments, delta = "Adam moments (exp_avg, exp_avg_sq in bf16)", "delta = theta - theta* (fp32 master of the anchored)"
+    for name in ("single", "ddp"):
+        got = compact({"name": name})
+        assert got[moments] == (40, 0) and got[delta] == (32, 0) and got["anchors theta*"] == (16, 0)
+    fsdp = compact({"name": "fsdp", "fsdp": {"cpu_offload": True}}, world_size=2)
+    assert fsdp[moments] == (0, 20) and fsdp[delta] == (0, 16) and fsdp["anchors theta*"] == (0, 8)
+    serial = compact({"name": "single", "offload_optimizer": {"overlap": False}})
+    overlap = compact({"name": "single", "offload_optimizer": {"overlap": True}})
+    assert serial[moments] == overlap[moments] == (0, 40) and serial[delta] == (0, 32)
+    undo = "undo copies of speculative steps (bf16 m, v and the fp32 master)"
+    assert undo not in serial and overlap[undo] == (0, 80)
 
 
 def test_albert_xxlarge_zero2_offload_fits_a_16gb_gpu():
