@@ -4,8 +4,6 @@ valid), and a resume of a checkpoint written before the key existed."""
 import pytest
 
 from ft_framework.config import ConfigError, apply_overrides, validate_config
-from ft_framework.config.schema import schema_default
-from ft_framework.run.fingerprint import diff_configs
 
 
 def minimal() -> dict:
@@ -43,12 +41,3 @@ def test_bad_values_are_errors(override, said):
 def test_refused_combinations_name_what_is_valid(overrides, said):
     message = error_of(overrides)
     assert said in message and "valid: single, ddp, fsdp and deepspeed zero_stage 0-2" in message
-
-
-def test_a_checkpoint_without_the_key_resumes_when_it_stays_off():
-    new = validate_config(apply_overrides(minimal(), ["optimizer.child_tuning=null"])).to_dict()
-    old = {**new, "optimizer": {k: v for k, v in new["optimizer"].items() if k != "child_tuning"}}
-    assert diff_configs({"config": old}, {"config": new}, default_of=schema_default) == []
-    on = validate_config(minimal()).to_dict()
-    assert [key for key, *_ in diff_configs({"config": old}, {"config": on}, default_of=schema_default)] == [
-        "optimizer.child_tuning.fisher_batches", "optimizer.child_tuning.reserve_p"]

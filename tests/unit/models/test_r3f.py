@@ -13,11 +13,9 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from ft_framework import counter_rng
 from ft_framework.config import ConfigError, apply_overrides, validate_config
-from ft_framework.config.schema import schema_default
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
 from ft_framework.models.loading import apply_mixout
 from ft_framework.models.r3f import R3FSettings, attach_r3f, embedding_noise, tag_batch
-from ft_framework.run.fingerprint import diff_configs
 
 SIZES = dict(vocab_size=50, hidden_size=24, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
              num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -162,12 +160,3 @@ def test_bad_values_and_regression_are_refused(override, said):
     with pytest.raises(ConfigError) as info:
         validate_config(apply_overrides(minimal(), [override]), pinned=[override])
     assert said in str(info.value)
-
-
-def test_a_checkpoint_without_the_key_resumes_when_it_stays_off():
-    new = validate_config(apply_overrides(minimal(), ["training.r3f=null"])).to_dict()
-    old = {**new, "training": {k: v for k, v in new["training"].items() if k != "r3f"}}
-    assert diff_configs({"config": old}, {"config": new}, default_of=schema_default) == []
-    on = validate_config(minimal()).to_dict()
-    assert [key for key, *_ in diff_configs({"config": old}, {"config": on}, default_of=schema_default)] == [
-        "training.r3f.noise", "training.r3f.sigma", "training.r3f.weight"]
