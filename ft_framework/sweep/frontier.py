@@ -39,6 +39,7 @@ from ft_framework.errors import UserError
 from ft_framework.models.forgetting import CKA_DRIFT_LAST, FORGETTING_MEASURES, MLM_FORGETTING
 from ft_framework.run.files import INTERPOLATION_FILE
 
+from ft_framework.sweep.markdown import fmt, md_table
 from ft_framework.sweep.records import RunRecord, read_metrics
 
 __all__ = ["AUTO_MEASURE", "DEFAULT_MATCHED_FRACTION", "DEFAULT_REFERENCE_METHOD", "MEASURE_CHOICES",
@@ -144,7 +145,7 @@ class Frontier:
                      "–" if p.step is None else str(p.step), f"{p.score:.2f}", f"{p.forgetting:.4g}"]
                     for p in front]
             out += [f"### {task}: non-dominated points", "",
-                    _md(["Method", "Run", "Seed", "Model", "Step", "Score", self.measure], rows, 5), ""]
+                    md_table(["Method", "Run", "Seed", "Model", "Step", "Score", self.measure], rows, 5), ""]
         if self.matched_rows:
             out += ["### Forgetting at matched accuracy", "",
                     f"Target: {self.fraction:g} × the best score of `{self.reference}` (its best evaluation, any "
@@ -155,7 +156,7 @@ class Frontier:
                      "not reached" if r["forgetting"] is None else f"{r['forgetting']:.4g}",
                      "–" if r["score"] is None else f"{r['score']:.2f}", r.get("run_id") or "–"]
                     for r in self.matched_rows]
-            out += [_md(["Task", "Method", "Target", "Points reaching", f"Least {self.measure}", "Its score",
+            out += [md_table(["Task", "Method", "Target", "Points reaching", f"Least {self.measure}", "Its score",
                          "Run"], rows, 2), ""]
         if self.correlation_rows:
             out += ["### Does ‖θ − θ*‖ predict functional forgetting?", "",
@@ -164,20 +165,10 @@ class Frontier:
                     "distance ranks models as their functional forgetting does, so watching it tells you something; "
                     "near 0 or negative: it does not, and a method that shrinks the distance need not forget less.",
                     ""]
-            rows = [[r["task"], r["method"], str(r["n"]), _num(r["rho"], 3), _num(r["pvalue"], 4)]
+            rows = [[r["task"], r["method"], str(r["n"]), fmt(r["rho"], 3), fmt(r["pvalue"], 4)]
                     for r in self.correlation_rows]
-            out += [_md(["Task", "Points of", "n", "ρ", "p"], rows, 2), ""]
+            out += [md_table(["Task", "Points of", "n", "ρ", "p"], rows, 2), ""]
         return "\n".join(out)
-
-
-def _num(value: float | None, digits: int) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
-def _md(header: Sequence[str], rows: Sequence[Sequence[str]], align_left: int) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(":---" if i < align_left else "---:" for i in range(len(header))) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def _eval_points(run: RunRecord) -> list[dict[str, Any]]:

@@ -47,6 +47,7 @@ from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
 from ft_framework.interpolate import mean_curves
 from ft_framework.run.files import INTERPOLATION_FILE, REPORT_FILE
 
+from ft_framework.sweep.markdown import fmt, md_table
 from ft_framework.sweep.frontier import AUTO_MEASURE, DEFAULT_MATCHED_FRACTION, Frontier, build_frontier
 from ft_framework.sweep.records import RunRecord, load_records, setting_label
 from ft_framework.sweep.stats import expected_max_curve, levene, sample_std
@@ -146,19 +147,6 @@ def _ordered_tasks(tasks: Iterable[str], sizes: dict[str, int] | None = None) ->
     return sorted(nominal, key=lambda t: -size[t])
 
 
-def _fmt(value: float | None, digits: int = 1) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}f}"
-
-
-def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]], align_left: int = 1) -> str:
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(":---" if i < align_left else "---:" for i in range(len(header))) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 @dataclass
 class Report:
     """Everything ft-report prints and writes, computed once from the records."""
@@ -224,7 +212,7 @@ class Report:
         rows = []
         for stat, title in (("median", "Median"), ("max", "Max"), ("mean", "Mean"), ("std", "Std")):
             for method in self.methods:
-                rows.append([f"{method} {title}", *[_fmt(self.table1_value(method, stat, c)) for c in columns]])
+                rows.append([f"{method} {title}", *[fmt(self.table1_value(method, stat, c)) for c in columns]])
         # Failed runs are counted among the n evaluated ones; diverged runs come on top of them.
         counts = [("failed", 0)] + ([("diverged", 1)] if any(r.state == "diverged" for r in self.records) else [])
         for stat, add_to_total in counts:
@@ -235,7 +223,7 @@ class Report:
                     total = n + count * add_to_total
                     cells.append("–" if math.isnan(n) else f"{int(count)}/{int(total)}")
                 rows.append([f"{method} {stat} runs", *cells])
-        return _md_table(header, rows)
+        return md_table(header, rows)
 
     # ---- Markdown -------------------------------------------------------------------------
     def markdown(self) -> str:
@@ -267,18 +255,18 @@ class Report:
         for (method, task), cell in sorted(self.cells.items(), key=lambda kv: (self.methods.index(kv[0][0]),
                                                                                self.tasks.index(kv[0][1]))):
             rows.append([method, task, setting_label(cell.setting), f"{cell.settings_tried}",
-                         _fmt(cell.selection_mean, 2), _fmt(cell.stat("mean"), 2), _fmt(cell.stat("std"), 2),
+                         fmt(cell.selection_mean, 2), fmt(cell.stat("mean"), 2), fmt(cell.stat("std"), 2),
                          str(cell.n)])
-        out += [_md_table(["Method", "Task", "Best setting", "Settings", "Mean (selection)", "Mean (score)",
+        out += [md_table(["Method", "Task", "Best setting", "Settings", "Mean (selection)", "Mean (score)",
                            "Std", "Seeds"], rows, align_left=3), ""]
         out += ["## Stability: Levene's test for equal variances (Mosbach et al. 2021)", ""]
         if self.levene_rows:
-            rows = [[r["task"], r["method_a"], r["method_b"], _fmt(r["std_a"], 2), _fmt(r["std_b"], 2),
-                     f"{r['n_a']}/{r['n_b']}", _fmt(r["statistic"], 3), _fmt(r["pvalue"], 4)]
+            rows = [[r["task"], r["method_a"], r["method_b"], fmt(r["std_a"], 2), fmt(r["std_b"], 2),
+                     f"{r['n_a']}/{r['n_b']}", fmt(r["statistic"], 3), fmt(r["pvalue"], 4)]
                     for r in self.levene_rows]
             out += ["Median-centred (Brown-Forsythe), on the seeds of each method's chosen setting; "
                     "a small p: the spreads differ.", "",
-                    _md_table(["Task", "Method A", "Method B", "Std A", "Std B", "n A/B", "W", "p"], rows, 3), ""]
+                    md_table(["Task", "Method A", "Method B", "Std A", "Std B", "n A/B", "W", "p"], rows, 3), ""]
         else:
             out += [f"Needs two methods with at least {LEVENE_MIN_SEEDS} finished seeds (of their chosen setting) "
                     "on a task.", ""]
@@ -292,12 +280,12 @@ class Report:
         rows = []
         for (method, task), by_n in groups.items():
             rows.append([method, task, str(by_n[1]["trials"]),
-                         *[f"{_fmt(by_n[n]['mean'], 2)} ± {_fmt(by_n[n]['std'], 2)}" if n in by_n else "–" for n in ns]])
-        out += [_md_table(["Method", "Task", "Trials", *[f"n={n}" for n in ns]], rows, align_left=2), ""]
+                         *[f"{fmt(by_n[n]['mean'], 2)} ± {fmt(by_n[n]['std'], 2)}" if n in by_n else "–" for n in ns]])
+        out += [md_table(["Method", "Task", "Trials", *[f"n={n}" for n in ns]], rows, align_left=2), ""]
         unfinished = [r for r in self.records if not r.finished]
         if unfinished:
             out += ["## Runs without results", "",
-                    _md_table(["Run", "Method", "Task", "Seed", "Setting", "State"],
+                    md_table(["Run", "Method", "Task", "Seed", "Setting", "State"],
                               [[r.run_id, r.method, r.task, str(r.seed), r.setting_label, r.state]
                                for r in unfinished], align_left=6), ""]
         interpolation = interpolation_markdown(self)  # runs with interpolation.json (ft-interpolate)
@@ -413,7 +401,7 @@ def interpolation_markdown(report: "Report") -> str:
             per_seed = ", ".join(f"{a:g}" for a in curve["best_alphas"])
             rows.append([method, str(curve["n"]), *[f"{scores.get(a, float('nan')):.1f}" for a in alphas],
                          f"{curve['rows'][-1]['distance']:.3f}", f"{best:g} ({per_seed})"])
-        lines += [f"### {task}", "", _md_table(header, rows), ""]
+        lines += [f"### {task}", "", md_table(header, rows), ""]
     return "\n".join(lines)
 
 
