@@ -26,7 +26,6 @@ How numbers are made (also stated in report.md's section):
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -37,10 +36,9 @@ from scipy import stats
 
 from ft_framework.errors import UserError
 from ft_framework.models.forgetting import CKA_DRIFT_LAST, FORGETTING_MEASURES, MLM_FORGETTING
-from ft_framework.run.files import INTERPOLATION_FILE
 
 from ft_framework.sweep.markdown import fmt, md_table
-from ft_framework.sweep.records import RunRecord, read_metrics
+from ft_framework.sweep.records import RunRecord, read_interpolation, read_metrics
 
 __all__ = ["AUTO_MEASURE", "DEFAULT_MATCHED_FRACTION", "DEFAULT_REFERENCE_METHOD", "MEASURE_CHOICES",
            "MIN_CORRELATION_POINTS", "Frontier", "FrontierPoint", "build_frontier", "non_dominated"]
@@ -186,10 +184,8 @@ def _eval_points(run: RunRecord) -> list[dict[str, Any]]:
 
 
 def _interpolated_points(run: RunRecord) -> list[dict[str, Any]]:
-    path = run.directory / INTERPOLATION_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    data = read_interpolation(run)
+    if data is None:
         return []
     out = []
     for row in data.get("rows", []):

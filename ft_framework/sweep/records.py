@@ -15,11 +15,12 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from ft_framework.run.files import INDEX_FILE, METRICS_FILE, RESULTS_FILE, RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE
+from ft_framework.run.files import (INDEX_FILE, INTERPOLATION_FILE, METRICS_FILE, RESULTS_FILE, RUNS_SUBDIR,
+                                    STATUS_FILE, SWEEP_FILE)
 
 from ft_framework.sweep.store import SweepStore
 
-__all__ = ["DEFAULT_SEED_KEYS", "RunRecord", "load_records", "read_metrics", "setting_label"]
+__all__ = ["DEFAULT_SEED_KEYS", "RunRecord", "load_records", "read_interpolation", "read_metrics", "setting_label"]
 
 DEFAULT_SEED_KEYS = ("training.seed", "training.data_seed")
 
@@ -65,6 +66,12 @@ def read_metrics(run: RunRecord) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def read_interpolation(run: RunRecord) -> dict[str, Any] | None:
+    """The run's interpolation.json (ft-interpolate, or the sweep's post-step); None when it has
+    none or the file is unreadable."""
+    return _read_json(run.directory / INTERPOLATION_FILE)
 
 
 def setting_label(setting: Iterable[tuple[str, str]]) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,11 +44,11 @@ import numpy as np
 from ft_framework.data.tasks import GLUE_TASKS
 from ft_framework.data.tasks import LARGE_TASK_MIN_TRAIN_SIZE as LARGE_TASK_SIZE
 from ft_framework.interpolate import mean_curves
-from ft_framework.run.files import INTERPOLATION_FILE, REPORT_FILE
+from ft_framework.run.files import REPORT_FILE
 
 from ft_framework.sweep.markdown import fmt, md_table
 from ft_framework.sweep.frontier import AUTO_MEASURE, DEFAULT_MATCHED_FRACTION, Frontier, build_frontier
-from ft_framework.sweep.records import RunRecord, load_records, setting_label
+from ft_framework.sweep.records import RunRecord, load_records, read_interpolation, setting_label
 from ft_framework.sweep.stats import expected_max_curve, levene, sample_std
 
 __all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "TaskCell", "Report", "build_report",
@@ -360,14 +359,7 @@ def interpolation_curves(report: "Report") -> dict[tuple[str, str], dict[str, An
     """(method, task) -> the mean curve over the chosen setting's seeds that have interpolation.json."""
     out = {}
     for (method, task), cell in report.cells.items():
-        outs = []
-        for run in cell.runs:
-            path = run.directory / INTERPOLATION_FILE
-            if path.is_file():
-                try:
-                    outs.append(json.loads(path.read_text()))
-                except json.JSONDecodeError:
-                    continue
+        outs = [o for o in map(read_interpolation, cell.runs) if o is not None]
         outs = [o for o in outs if outs and o["alphas"] == outs[0]["alphas"]]
         if outs:
             curve = mean_curves(outs)
