@@ -128,14 +128,17 @@ float inverse_keep(const ftk::StepCoeffs& c, bool has_anchor) {
     return static_cast<float>(1.0 / (1.0 - a));
 }
 
-// Checks the buffers (GIL held) and describes the step over them.
+// Checks the buffers (GIL held) and describes the step over them. `bf16_moments`: the compact
+// state's exp_avg and exp_avg_sq, which must then be bfloat16 (fp32 otherwise).
 ftk::StepArgs make_args(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
                         const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
-                        const ftk::StepCoeffs& coeffs, int64_t* numel_out) {
+                        const ftk::StepCoeffs& coeffs, int64_t* numel_out, bool bf16_moments = false) {
     const Buffer p = as_buffer(param, "param", true, false);
     const Buffer g = as_buffer(grad, "grad", false, true);
-    const Buffer m = as_buffer(exp_avg, "exp_avg", true, false);
-    const Buffer v = as_buffer(exp_avg_sq, "exp_avg_sq", true, false);
+    const Buffer m = as_buffer(exp_avg, "exp_avg", true, bf16_moments);
+    const Buffer v = as_buffer(exp_avg_sq, "exp_avg_sq", true, bf16_moments);
+    if (bf16_moments && (m.type != ftk::ElemType::BF16 || v.type != ftk::ElemType::BF16))
+        throw std::invalid_argument("the compact step keeps exp_avg and exp_avg_sq in bfloat16 (int16 bits)");
     const Buffer a = anchor ? as_buffer(*anchor, "anchor", false, true) : Buffer{nullptr, p.numel, ftk::ElemType::F32};
     const int64_t numel = p.numel;
     if (g.numel != numel || m.numel != numel || v.numel != numel || a.numel != numel)
@@ -236,31 +239,15 @@ void fused_step_compact(const py::buffer& param, const py::buffer& grad, const p
                         const py::buffer& exp_avg_sq, const std::optional<py::buffer>& delta,
                         const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, uint32_t sr_key,
                         int64_t index_base, int num_threads) {
-    const Buffer p = as_buffer(param, "param", true, false);
-    const Buffer g = as_buffer(grad, "grad", false, true);
-    const Buffer m = as_buffer(exp_avg, "exp_avg", true, true);
-    const Buffer v = as_buffer(exp_avg_sq, "exp_avg_sq", true, true);
-    if (m.type != ftk::ElemType::BF16 || v.type != ftk::ElemType::BF16)
-        throw std::invalid_argument("the compact step keeps exp_avg and exp_avg_sq in bfloat16 (int16 bits)");
     if (delta.has_value() != anchor.has_value())
         throw std::invalid_argument(
             "the compact step takes delta and anchor together (an anchored parameter) or neither");
     if (index_base < 0) throw std::invalid_argument("index_base must be >= 0");
-    const Buffer d = delta ? as_buffer(*delta, "delta", true, false) : Buffer{nullptr, p.numel, ftk::ElemType::F32};
-    const Buffer a = anchor ? as_buffer(*anchor, "anchor", false, true) : Buffer{nullptr, p.numel, ftk::ElemType::F32};
-    const int64_t numel = p.numel;
-    if (g.numel != numel || m.numel != numel || v.numel != numel || d.numel != numel || a.numel != numel)
-        throw std::invalid_argument("grad, exp_avg, exp_avg_sq, delta and anchor must have the parameter's " +
-                                    std::to_string(numel) + " elements");
-    ftk::StepArgs s;
-    s.param = static_cast<float*>(p.ptr);
-    s.grad = g.ptr;
-    s.exp_avg = static_cast<float*>(m.ptr);      // bf16 bits: the compact program casts back
-    s.exp_avg_sq = static_cast<float*>(v.ptr);
-    s.anchor = a.ptr;
-    s.grad_type = g.type;
-    s.anchor_type = a.type;
-    s.c = coeffs;
+    int64_t numel = 0;
+    ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel, true);
+    const Buffer d = delta ? as_buffer(*delta, "delta", true, false) : Buffer{nullptr, numel, ftk::ElemType::F32};
+    if (d.numel != numel)
+        throw std::invalid_argument("delta must have the parameter's " + std::to_string(numel) + " elements");
     s.compact = true;
     s.delta = static_cast<float*>(d.ptr);
     s.sr_key = sr_key;
