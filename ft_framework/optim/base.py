@@ -114,7 +114,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         self.state_dtype: torch.dtype = STATE_DTYPES[state_dtype]
         self.compact = state_dtype == "bfloat16"
         self.rounding_seed = int(rounding_seed)
-        self._index_base_overrides: dict[int, int] = {}
+        self._shard_offsets: dict[int, int] = {}  # set_shard_offset
         # The compact state's undo copies (step_tensors' keep_undo), per parameter id: the parameter,
         # the step count they undo, and its old bf16 m and v and old master (delta, or the parameter
         # itself where there is no anchor). Stochastic rounding has no inverse, so a speculative
@@ -215,23 +215,23 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             state["delta"] = p.detach().float() - state["anchor"].float()
         return state
 
-    def set_index_base(self, p: torch.Tensor, index_base: int) -> None:
-        """The global element index of p's first element for the compact state's stochastic
-        rounding, where p is a shard (its parameter's base plus the shard's offset inside it);
-        parameters not set here are numbered in param-group order (compact.element_offsets)."""
-        self._index_base_overrides[id(p)] = int(index_base)
+    def set_shard_offset(self, p: torch.Tensor, offset: int) -> None:
+        """Where p's local piece starts inside its full parameter, for a sharded p (an FSDP2
+        DTensor): the compact state's rounding then keys each element on its index in the full
+        model, as one process would."""
+        self._shard_offsets[id(p)] = int(offset)
 
     def index_base(self, p: torch.Tensor) -> int:
-        if id(p) in self._index_base_overrides:
-            return self._index_base_overrides[id(p)]
-        if local_tensor(p).numel() != p.numel():
+        """The global element index of p's first local element: its parameter's place in the
+        param-group numbering of the full model (compact.element_offsets) plus its shard offset."""
+        if id(p) not in self._shard_offsets and local_tensor(p).numel() != p.numel():
             # Numbered from its parameter's base, a shard would take another shard's rounding bits.
             raise ValueError("the compact state's rounding needs the global element index of a sharded parameter's "
-                             "local piece: call set_index_base on it (FSDPStrategy does, through "
+                             "local piece: call set_shard_offset on it (FSDPStrategy does, through "
                              "number_local_pieces)")
         if self._index_bases is None:
             self._index_bases = element_offsets(q for g in self.param_groups for q in g["params"])
-        return self._index_bases[id(p)]
+        return self._index_bases[id(p)] + self._shard_offsets.get(id(p), 0)
 
     def _resolve_impl(self) -> str:
         """'auto' becomes 'cpu' when every parameter is a CPU fp32 tensor and the kernel is built."""

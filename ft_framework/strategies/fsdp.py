@@ -30,7 +30,6 @@ from ft_framework.checkpointing import dtensor_fragments, dtensor_shard_offset
 from ft_framework.distributed import collectives
 from ft_framework.models.blocks import transformer_block_lists
 from ft_framework.optim.base import AnchoredOptimizer, local_tensor
-from ft_framework.optim.compact import element_offsets
 from ft_framework.strategies.base import Strategy
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.distributed.process_group import ProcessGroupMixin
@@ -95,15 +94,12 @@ class _ShardedLossScaler:
 def number_local_pieces(optimizer: torch.optim.Optimizer) -> None:
     """The compact state (optimizer.state_dtype bfloat16) keys v's stochastic rounding on each
     element's index in the full model (optim/compact.py), so that the ranks round as one process
-    would: each sharded parameter's local piece starts at its parameter's global base plus the
-    piece's offset inside the parameter."""
+    would: the optimizer learns where each sharded parameter's local piece starts inside it."""
     if not (isinstance(optimizer, AnchoredOptimizer) and optimizer.compact):
         return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    bases = element_offsets(params)
-    for p in params:
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
         if hasattr(p, "device_mesh"):
-            optimizer.set_index_base(p, bases[id(p)] + dtensor_shard_offset(p))
+            optimizer.set_shard_offset(p, dtensor_shard_offset(p))
 
 
 class FSDPStrategy(ProcessGroupMixin, Strategy):
