@@ -233,15 +233,15 @@ void fused_inverse(const py::buffer& param, const py::buffer& grad, const py::bu
     run_step(s, numel, num_threads);
 }
 
-// One step of the compact state (step_args.h): bf16 moments, and with an anchor the fp32 delta as
-// the master (param is written as anchor + delta). sr_key and index_base key the stochastic rounding.
+// One step of the compact state (step_args.h): bf16 moments; with an anchor and a delta, the fp32
+// delta is the master (param is written as anchor + delta); with an anchor alone, param is the
+// master. sr_key and index_base key the stochastic rounding.
 void fused_step_compact(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
                         const py::buffer& exp_avg_sq, const std::optional<py::buffer>& delta,
                         const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, uint32_t sr_key,
                         int64_t index_base, int num_threads) {
-    if (delta.has_value() != anchor.has_value())
-        throw std::invalid_argument(
-            "the compact step takes delta and anchor together (an anchored parameter) or neither");
+    if (delta.has_value() && !anchor.has_value())
+        throw std::invalid_argument("the compact step's delta is theta - theta*: it needs its anchor");
     if (index_base < 0) throw std::invalid_argument("index_base must be >= 0");
     int64_t numel = 0;
     ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel, true);
@@ -258,7 +258,7 @@ void fused_step_compact(const py::buffer& param, const py::buffer& grad, const p
 
 // fused_step_compact over many tensors given by address, in one call that releases the GIL once (as
 // fused_step_many); private to ft_framework.optim.cpu.fused_step_compact_many, which checks every
-// tensor first. deltas[i] and anchors[i] are 0 together (a parameter without theta*).
+// tensor first. anchors[i] 0: a parameter without theta*; deltas[i] 0 with an anchor: param is the master.
 void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                              const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                              const std::vector<uintptr_t>& deltas, const std::vector<uintptr_t>& anchors,
@@ -272,7 +272,7 @@ void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::ve
         throw std::invalid_argument("fused_step_compact_many: every list must have one entry per tensor");
     std::vector<ftk::StepArgs> args(n);
     for (size_t i = 0; i < n; ++i) {
-        if (numels[i] < 0 || index_bases[i] < 0 || (deltas[i] == 0) != (anchors[i] == 0) ||
+        if (numels[i] < 0 || index_bases[i] < 0 || (deltas[i] != 0 && anchors[i] == 0) ||
             (numels[i] > 0 && (!params[i] || !grads[i] || !exp_avgs[i] || !exp_avg_sqs[i])))
             throw std::invalid_argument("fused_step_compact_many: a null address, a negative size or index, or a "
                                         "delta without its anchor");
@@ -382,7 +382,8 @@ PYBIND11_MODULE(_cpu_kernel, m) {
           py::arg("exp_avg_sq"), py::arg("delta"), py::arg("anchor"), py::arg("coeffs"), py::arg("sr_key"),
           py::arg("index_base"), py::arg("num_threads") = 0,
           "One step of the compact state in place (bf16 moments, stochastic rounding of v; with an anchor the fp32 "
-          "delta is the master and param is written as anchor + delta); no inverse exists.");
+          "delta is the master and param is written as anchor + delta, without delta param is the master); no "
+          "inverse exists.");
     m.def("_fused_step_compact_many", &fused_step_compact_many, py::arg("params"), py::arg("grads"),
           py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("deltas"), py::arg("anchors"), py::arg("numels"),
           py::arg("grad_bf16"), py::arg("anchor_bf16"), py::arg("index_bases"), py::arg("coeffs"), py::arg("sr_key"),

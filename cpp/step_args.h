@@ -63,11 +63,13 @@ struct StepArgs {
     float inv_keep = 1.0f; // 1 / (1 - A) of the comment above, from the coefficients (inverse only)
     // The compact state (optimizer.state_dtype bfloat16, docs/optimizers.md): exp_avg and exp_avg_sq
     // point to bf16 bit patterns; m is stored rounded to nearest even, v stochastically rounded with
-    // the top 16 of 32 counter_rng bits of (sr_key, index_base + element). With an anchor the master
-    // is delta = theta - theta* (fp32): p - a is delta exactly, delta <- delta - e, and param is
-    // written as a + delta. No inverse: stochastic rounding cannot be undone.
+    // the top 16 of 32 counter_rng bits of (sr_key, index_base + element). With an anchor and a
+    // delta the master is delta = theta - theta* (fp32): p - a is delta exactly, delta <- delta - e,
+    // and param is written as a + delta. With an anchor and no delta, param is the fp32 master
+    // (another library owns it: DeepSpeed's partitions) and p - a is rounded once. No inverse:
+    // stochastic rounding cannot be undone.
     bool compact = false;
-    float* delta = nullptr;   // compact with an anchor only
+    float* delta = nullptr;   // compact with an anchor only; nullptr there: param is the master
     uint32_t sr_key = 0;      // counter_rng.stream_key(seed, STREAM_STOCHASTIC_ROUNDING, step)
     int64_t index_base = 0;   // global element index of element 0 (ft_framework/optim/compact.py)
 };

@@ -111,18 +111,25 @@ struct StepProgram {
         V::store_hi16(dst, V::iadd(V::bits(x), V::template isrl<16>(random)));
     }
 
-    // One compact step of the W elements at i, whose global index is gidx.
+    // One compact step of the W elements at i, whose global index is gidx. DeltaMaster: an
+    // anchored parameter's master is delta (param is written as anchor + delta); otherwise param
+    // is the master (a parameter without anchor, or one whose fp32 master another library owns,
+    // DeepSpeed's partitions) and the pull reads p - a, rounded once.
+    template <bool DeltaMaster>
     static inline void compact_at(const ftk::StepCoeffs& c, uint32_t key, float* __restrict param, const void* grad,
                                   uint16_t* __restrict m16, uint16_t* __restrict v16, float* __restrict delta,
                                   const void* anchor, int64_t i, int64_t gidx) {
         const R g = load_typed(grad, i, GT);
         R m = V::load_bf16(m16 + i), v = V::load_bf16(v16 + i);
-        if (HasAnchor) {
+        if (HasAnchor && DeltaMaster) {
             const R a = load_typed(anchor, i, AT);
             R d = V::load(delta + i);   // theta - theta*, the master: the pull reads it exactly
             d = V::sub(d, change(c, V::add(a, d), d, g, m, v));
             V::store(delta + i, d);
             V::store(param + i, V::add(a, d));
+        } else if (HasAnchor) {
+            const R p = V::load(param + i);
+            V::store(param + i, V::sub(p, change(c, p, V::sub(p, load_typed(anchor, i, AT)), g, m, v)));
         } else {
             const R p = V::load(param + i);
             V::store(param + i, V::sub(p, change(c, p, V::zero(), g, m, v)));
@@ -132,6 +139,13 @@ struct StepProgram {
     }
 
     static void run_compact(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+        if (HasAnchor && s.delta == nullptr) run_compact_as<false>(s, begin, end);
+        else                                 run_compact_as<true>(s, begin, end);
+    }
+
+    template <bool DeltaMaster>
+    static void run_compact_as(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+        constexpr bool HasDelta = HasAnchor && DeltaMaster;
         const ftk::StepCoeffs c = s.c;
         const uint32_t key = s.sr_key;
         const int64_t base = s.index_base;
@@ -148,12 +162,10 @@ struct StepProgram {
                 V::prefetch(m16 + i + kPrefetchElems);
                 V::prefetch(v16 + i + kPrefetchElems);
                 prefetch_typed(grad, i + kPrefetchElems, GT);
-                if (HasAnchor) {
-                    V::prefetch(delta + i + kPrefetchElems);
-                    prefetch_typed(anchor, i + kPrefetchElems, AT);
-                }
+                if (HasDelta) V::prefetch(delta + i + kPrefetchElems);
+                if (HasAnchor) prefetch_typed(anchor, i + kPrefetchElems, AT);
             }
-            compact_at(c, key, param, grad, m16, v16, delta, anchor, i, base + i);
+            compact_at<DeltaMaster>(c, key, param, grad, m16, v16, delta, anchor, i, base + i);
         }
         const int64_t tail = end - i;
         if (tail == 0) return;
@@ -165,15 +177,13 @@ struct StepProgram {
         std::memcpy(mb, m16 + i, tail * sizeof(uint16_t));
         std::memcpy(vb, v16 + i, tail * sizeof(uint16_t));
         std::memcpy(gb, static_cast<const char*>(grad) + i * gsize, tail * gsize);
-        if (HasAnchor) {
-            std::memcpy(db, delta + i, tail * sizeof(float));
-            std::memcpy(ab, static_cast<const char*>(anchor) + i * asize, tail * asize);
-        }
-        compact_at(c, key, pb, gb, mb, vb, db, ab, 0, base + i);
+        if (HasDelta) std::memcpy(db, delta + i, tail * sizeof(float));
+        if (HasAnchor) std::memcpy(ab, static_cast<const char*>(anchor) + i * asize, tail * asize);
+        compact_at<DeltaMaster>(c, key, pb, gb, mb, vb, db, ab, 0, base + i);
         std::memcpy(param + i, pb, tail * sizeof(float));
         std::memcpy(m16 + i, mb, tail * sizeof(uint16_t));
         std::memcpy(v16 + i, vb, tail * sizeof(uint16_t));
-        if (HasAnchor) std::memcpy(delta + i, db, tail * sizeof(float));
+        if (HasDelta) std::memcpy(delta + i, db, tail * sizeof(float));
     }
 
     // Undoes apply() (see step_args.h): p first, from the stepped m and v, then m and v.

@@ -15,11 +15,13 @@ import torch
 MASTER = "master"
 STEP = "step"
 ANCHOR = "anchor"
+# The compact state's fp32 delta = theta - theta* (optim/compact.py), where the optimizer keeps it.
+DELTA = "delta"
 PARAM_PREFIX = "param/"
 BUFFER_PREFIX = "buffer/"
 EXTRA_PREFIX = "extra/"
 
-__all__ = ["ANCHOR", "BUFFER_PREFIX", "EXTRA_PREFIX", "MASTER", "PARAM_PREFIX", "STEP", "Fragment", "ParamInfo",
+__all__ = ["ANCHOR", "BUFFER_PREFIX", "DELTA", "EXTRA_PREFIX", "MASTER", "PARAM_PREFIX", "STEP", "Fragment", "ParamInfo",
            "ShardedCheckpointable", "buffer_key", "checkpoint_fields", "dtensor_fragments", "dtensor_shard_offset",
            "fragment_key", "param_info", "param_key", "parse_param_key", "whole_tensor_fragments"]
 

@@ -8,6 +8,8 @@ What is stored, per model parameter ``name`` (its name in the unwrapped model's
     param/<name>/exp_avg      every optimizer state tensor of the parameter's size, under its
     param/<name>/exp_avg_sq   optimizer-state key (anchor = theta*, in its own dtype)
     param/<name>/anchor
+    param/<name>/delta        the compact state's theta - theta*, where the run kept one (not under
+                              DeepSpeed, whose fp32 masters are the master)
     param/<name>/step         0-d: the parameter's step count
     buffer/<name>             persistent buffers, whole (rank 0)
     extra/<strategy name>     small picklable engine state (a loss scaler), rank 0
@@ -39,9 +41,10 @@ What is saved comes from one object (``fragments.ShardedCheckpointable``, every 
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -49,10 +52,13 @@ from ft_framework.optim.base import check_loaded_anchors
 from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _no_dist, _own_storage, _planners,
                                               _quiet_dcp)
 from ft_framework.checkpointing.dcp_read import checkpoint_reader
-from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, EXTRA_PREFIX, MASTER, ParamInfo,
+from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, DELTA, EXTRA_PREFIX, MASTER, Fragment,
+                                                  ParamInfo,
                                                   ShardedCheckpointable, buffer_key, checkpoint_fields, fragment_key,
                                                   param_key)
 from ft_framework.checkpointing.manifest import CheckpointFormatError, read_manifest, write_manifest
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["check_against_model", "load_sharded", "read_buffers", "read_fields", "save_sharded"]
 
@@ -168,9 +174,11 @@ def load_sharded(directory: Path, target: ShardedCheckpointable) -> dict[str, An
     available = metadata.state_dict_metadata
     state: dict[str, Any] = {}
     targets: dict[str, tuple[str, int]] = {}
+    fragments = target.fragments()
+    derived = _delta_conversion(directory, checkpoint_fields(metadata), fragments, target.rank)
     # A step shared by a flat partition (ZeRO) is the target of every parameter in it: each key
     # loads into it in turn, and they all hold the same count.
-    for frag in target.fragments():
+    for frag in fragments:
         key = param_key(frag.name, frag.field)
         if key not in available:
             continue  # a moment or step the saving run never created (no gradient yet): stays zero
@@ -205,10 +213,32 @@ def load_sharded(directory: Path, target: ShardedCheckpointable) -> dict[str, An
     except dcp.api.CheckpointException as exc:  # a BaseException; anything else: a collective failed
         raise CheckpointReadError(f"checkpoint {directory} cannot be read ({_failure(exc)}); resume from an earlier "
                            "checkpoint") from exc
+    by_place = {(f.name, f.field, f.offset): f.tensor for f in fragments}
+    for frag in derived:  # before after_load, which may refresh copies of the masters
+        master, anchor = by_place[(frag.name, MASTER, frag.offset)], by_place[(frag.name, ANCHOR, frag.offset)]
+        frag.tensor.copy_(master.float() - anchor.float())
     target.after_load()
     if wants_extra and state[extra_key] is not None:
         target.load_extra_state(state[extra_key])
     return manifest
+
+
+def _delta_conversion(directory: Path, saved: Mapping[str, Mapping[str, Any]], fragments: list[Fragment],
+                      rank: int) -> list[Fragment]:
+    """The compact state across its two masters (optim/compact.py), said once by rank 0. A run that
+    keeps delta = theta - theta* (single, DDP, FSDP2) resuming a checkpoint saved without one
+    (DeepSpeed keeps the fp32 masters itself) gets delta = master - theta*: returned, the delta
+    fragments to fill after the load. A run without delta resuming one saved with it takes the
+    saved masters, theta* + delta rounded once."""
+    wanted = [f for f in fragments if f.field == DELTA]
+    missing = [f for f in wanted if DELTA not in saved.get(f.name, {})]
+    if missing and rank == 0:
+        logger.info("checkpoint %s holds no delta (its run's fp32 masters were DeepSpeed's): delta = master - "
+                    "theta*, exact where the two lie within a factor of 2 of each other, else rounded once", directory)
+    if not wanted and rank == 0 and any(DELTA in fields for fields in saved.values()):
+        logger.info("checkpoint %s holds delta = theta - theta*; this run keeps its fp32 masters in the parameters "
+                    "(DeepSpeed): it resumes from the saved masters, theta* + delta rounded once", directory)
+    return missing
 
 
 def read_fields(directory: Path, fields: Iterable[str] | None = None,

@@ -640,10 +640,10 @@ class RunConfig(_Section):
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
-        if self.optimizer.state_dtype == "bfloat16" and self.strategy.name == "deepspeed":
-            raise ValueError("optimizer.state_dtype bfloat16 does not run with strategy.name deepspeed (not built for "
-                             "ZeRO's flat partitions); valid: strategy.name single (with or without "
-                             "offload_optimizer), ddp or fsdp, or optimizer.state_dtype float32")
+        if self.optimizer.state_dtype == "bfloat16" and ds is not None and ds.zero_stage == 3:
+            raise ValueError("optimizer.state_dtype bfloat16 is not built for DeepSpeed ZeRO-3 (its sub-group partitions "
+                             "are not numbered for the stochastic rounding); valid: strategy.deepspeed.zero_stage 0, 1 "
+                             "or 2, strategy.name single, ddp or fsdp, or optimizer.state_dtype float32")
         _warn_if_pull_overshoots(self.optimizer)
         return self
 

@@ -166,6 +166,12 @@ def ft_optimizer(name: str, args: Any = None, *, new_parameters: Iterable[str], 
         raise UserError("ft_optimizer: TrainingArguments(fsdp=...) is not supported (theta* would not follow the "
                         "sharded parameters); use TrainingArguments(deepspeed=...) with ZeRO 0-2, ft-train "
                         "(strategy.name: fsdp), or an Accelerate loop with ft_framework.integrations.loops")
+    if deepspeed and hparams.get("state_dtype", "float32") != "float32":
+        # Its partitions would need numbering for the stochastic rounding, and a delta-free master
+        # (what ft-train's DeepSpeed strategy does); not wired to the Trainer's engine.
+        raise UserError(f"ft_optimizer: state_dtype={hparams['state_dtype']!r} under TrainingArguments(deepspeed=...) "
+                        "is not supported; use state_dtype='float32', or ft-train (strategy.name: deepspeed, "
+                        "optimizer.state_dtype: bfloat16)")
     if deepspeed:
         _prepare_deepspeed(args)
     merged = {**_trainer_hparams(name, args), **hparams}

@@ -115,6 +115,10 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         self.compact = state_dtype == "bfloat16"
         self.rounding_seed = int(rounding_seed)
         self._shard_offsets: dict[int, int] = {}  # set_shard_offset
+        self._given_index_bases: dict[int, int] = {}  # set_index_base
+        # An anchored parameter's compact master: delta = theta - theta* (the default), or the
+        # parameter itself where another library owns the fp32 master (keep_masters_in_params).
+        self.delta_masters = True
         # The compact state's undo copies (step_tensors' keep_undo), per parameter id: the parameter,
         # the step count they undo, and its old bf16 m and v and old master (delta, or the parameter
         # itself where there is no anchor). Stochastic rounding has no inverse, so a speculative
@@ -211,9 +215,25 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             if key not in state:
                 state[key] = torch.zeros_like(p, dtype=self.state_dtype if self.compact else None,
                                               memory_format=torch.preserve_format)
-        if self.compact and "anchor" in state and "delta" not in state:
+        if self.compact and self.delta_masters and "anchor" in state and "delta" not in state:
             state["delta"] = p.detach().float() - state["anchor"].float()
         return state
+
+    def keep_masters_in_params(self) -> None:
+        """For a strategy whose library owns the fp32 master weights (DeepSpeed's flat partitions,
+        which it copies into the model after each step): the compact state then keeps no delta, the
+        parameter stays the master and the pull reads theta - theta*, rounded once in fp32. Call it
+        before any state exists."""
+        if any("delta" in state or "exp_avg" in state for state in self.state.values()):
+            raise RuntimeError("keep_masters_in_params: the optimizer already holds state; call it before "
+                               "the first step and before loading a checkpoint")
+        self.delta_masters = False
+
+    def set_index_base(self, p: torch.Tensor, base: int) -> None:
+        """The global element index of p's first element, given whole: for a flat partition whose
+        elements come from several parameters (DeepSpeed ZeRO), which only the strategy can read.
+        The compact state's rounding keys each element on it as one process would."""
+        self._given_index_bases[id(p)] = int(base)
 
     def set_shard_offset(self, p: torch.Tensor, offset: int) -> None:
         """Where p's local piece starts inside its full parameter, for a sharded p (an FSDP2
@@ -223,7 +243,10 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     def index_base(self, p: torch.Tensor) -> int:
         """The global element index of p's first local element: its parameter's place in the
-        param-group numbering of the full model (compact.element_offsets) plus its shard offset."""
+        param-group numbering of the full model (compact.element_offsets) plus its shard offset,
+        or the base a strategy gave (set_index_base)."""
+        if id(p) in self._given_index_bases:
+            return self._given_index_bases[id(p)]
         if id(p) not in self._shard_offsets and local_tensor(p).numel() != p.numel():
             # Numbered from its parameter's base, a shard would take another shard's rounding bits.
             raise ValueError("the compact state's rounding needs the global element index of a sharded parameter's "
@@ -299,8 +322,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 if plan not in plans:
                     plans[plan] = self.coefficients(group, t, anchor is not None)
                 c = plans[plan]
-                # The compact state's anchored master is delta: theta* is read whether the rule pulls or not.
-                with_anchor = anchor is not None and (c.uses_anchor or self.compact)
+                # A compact anchored master that is delta: theta* is read whether the rule pulls or not.
+                with_anchor = anchor is not None and (c.uses_anchor or (self.compact and self.delta_masters))
                 key = (c, local_tensor(p).device, p.dtype, with_anchor, t if self.compact else None)
                 buckets[key].append(p)
                 steps.append(state["step"])
@@ -323,7 +346,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         grads = [local_tensor(g) for g in grads]
         ms = [local_tensor(s["exp_avg"]) for s in states]
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
-        deltas = [local_tensor(s["delta"]) if with_anchor else None for s in states]
+        deltas = [local_tensor(s["delta"]) if with_anchor and self.delta_masters else None for s in states]
         anchors = [local_tensor(s["anchor"]) if with_anchor else None for s in states]
         bases = [self.index_base(p) for p in ps]
         if self._resolved_impl == "cpu":
@@ -442,14 +465,14 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 continue
             state = self.init_state(p)
             t = int(state["step"].item()) + 1
-            with_anchor = "anchor" in state
-            c = self.coefficients(group, t, with_anchor)
-            if with_anchor and c.uses_anchor:
+            anchored = "anchor" in state
+            c = self.coefficients(group, t, anchored)
+            if anchored and c.uses_anchor:
                 self._warn_if_overshoot(next(i for i, q in enumerate(self.param_groups) if q is group), group,
                                         stacklevel=4)
             if keep_undo:
                 self._keep_undo(p, state, t - 1)
-            self._apply_compact([p], [g], c, with_anchor, t, num_threads)
+            self._apply_compact([p], [g], c, anchored and (c.uses_anchor or self.delta_masters), t, num_threads)
             state["step"] += 1
             used.append(c)
         return used

@@ -169,14 +169,16 @@ def _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) -> i
         tensor_problem(exp_avg, "exp_avg", (torch.bfloat16,)),
         tensor_problem(exp_avg_sq, "exp_avg_sq", (torch.bfloat16,)),
     ]
-    if (delta is None) != (anchor is None):
-        raise ValueError("the compact step takes delta and anchor together (an anchored parameter) or neither")
+    if delta is not None and anchor is None:
+        raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
     if delta is not None:
-        checks += [tensor_problem(delta, "delta", _PARAM_DTYPES), tensor_problem(anchor, "anchor", _INPUT_DTYPES)]
+        checks.append(tensor_problem(delta, "delta", _PARAM_DTYPES))
+    if anchor is not None:
+        checks.append(tensor_problem(anchor, "anchor", _INPUT_DTYPES))
     problems = [c for c in checks if c]
     if problems:
         raise TypeError("cannot run the CPU optimizer kernel: " + "; ".join(problems))
-    tensors = (param, grad, exp_avg, exp_avg_sq) + ((delta, anchor) if delta is not None else ())
+    tensors = (param, grad, exp_avg, exp_avg_sq) + tuple(t for t in (delta, anchor) if t is not None)
     if any(t.numel() != param.numel() for t in tensors):
         raise ValueError(f"size mismatch with the parameter's {param.numel()} elements: "
                          f"{[t.numel() for t in tensors]}")
@@ -196,8 +198,9 @@ def fused_step_compact(
     num_threads: int | None = None,
 ) -> None:
     """One step of the compact state (optim/compact.py) on one tensor in place: bf16 exp_avg and
-    exp_avg_sq, and for an anchored parameter its fp32 delta (the master; param is written as
-    anchor + delta). `sr_key` (compact.rounding_key) and `index_base` key the stochastic rounding."""
+    exp_avg_sq; for an anchored parameter with a delta, delta is the master (param is written as
+    anchor + delta); with an anchor and no delta, param is the master (DeepSpeed's partitions).
+    `sr_key` (compact.rounding_key) and `index_base` key the stochastic rounding."""
     kernel = _require_kernel()
     if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) == 0:
         return

@@ -106,9 +106,10 @@ def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
                  index_bases: list[int]) -> None:
     """One step of the compact state (optim/compact.py), tensor by tensor, in place: the moments are
     bf16 (m rounded to nearest even, v stochastically with the bits of (seed, step, index_bases[i] +
-    element)); where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull
-    reads it exactly, and params[i] is written as anchors[i] + deltas[i]. Bit for bit the C++
-    kernel's result on a CPU (_compact_change)."""
+    element)). Where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull
+    reads it exactly, and params[i] is written as anchors[i] + deltas[i]; where only anchors[i] is
+    given, params[i] is the master (DeepSpeed's partitions) and the pull reads params[i] - anchors[i].
+    Bit for bit the C++ kernel's result on a CPU (_compact_change)."""
     for p, g, m16, v16, delta, anchor, base in zip(params, grads, exp_avgs, exp_avg_sqs, deltas, anchors,
                                                    index_bases):
         if delta is not None:
@@ -117,7 +118,8 @@ def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
             delta.sub_(e)
             p.copy_(a + delta)
         else:
-            e, m, v = _compact_change(p, None, g.float(), m16.float(), v16.float(), c)
+            d = None if anchor is None else p - anchor.float()
+            e, m, v = _compact_change(p, d, g.float(), m16.float(), v16.float(), c)
             p.sub_(e)
         m16.copy_(m)  # torch's cast rounds to nearest even, as the kernel's store_rne
         v16.copy_(stochastic_round_bf16(v, rounding_bits(seed, step, base, v16.numel(), v16.device)))

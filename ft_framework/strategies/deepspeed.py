@@ -129,6 +129,11 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     # ---- set-up ----------------------------------------------------------------------------------
     def setup(self, model: nn.Module, build_optimizer, anchors=None):
         optimizer = build_optimizer(model)
+        compact = getattr(optimizer, "compact", False)
+        if compact:
+            # DeepSpeed owns the fp32 masters (its flat partitions, copied into the model after each
+            # step): the compact state keeps its bf16 moments and theta* beside them, and no delta.
+            optimizer.keep_masters_in_params()
         if any("anchor" in s for s in optimizer.state.values()):
             raise ValueError("DeepSpeed repartitions the optimizer's parameters, so anchors in its param groups "
                              "would be lost: build the param groups without anchors "
@@ -138,6 +143,9 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self.model = engine
         self.optimizer = optimizer  # ours; ZeRO's wrapper shares its param_groups
         self.state_map = self._adapter.state_map_for(engine, optimizer, engine.module.parameters())
+        if compact:  # each partition's elements round with their global indices, as one process's
+            for flat, base in self.state_map.index_bases():
+                optimizer.set_index_base(flat, base)
         if anchors:
             self.place_anchors(anchors)
         return self.model, self.optimizer

@@ -39,6 +39,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ft_framework.distributed import collectives
 from ft_framework.checkpointing.fragments import MASTER as CKPT_MASTER
+from ft_framework.optim.compact import element_offsets
 from ft_framework.checkpointing.fragments import STEP, Fragment, whole_tensor_fragments
 
 MASTER = "fp32"
@@ -115,6 +116,28 @@ class Zero12StateMap:
         collectives.all_reduce_(buffer, group=p._dp_group)
         return buffer.view(p.shape).cpu()
 
+    def index_bases(self) -> list[tuple[torch.Tensor, int]]:
+        """(flat partition, the global element index of its element 0) for the compact state's
+        stochastic rounding (optim/compact.py): the model's parameters are numbered one after the
+        other in param-group order, as one process numbers them (ZeRO keeps the groups and their
+        order), and each partition is a contiguous range of its flattened group, so one base serves
+        all its elements. Raises when a partition is not such a range (a DeepSpeed that reorders a
+        group, round_robin_gradients): its elements would round with other elements' bits."""
+        offsets = element_offsets(p for params in self.groups for p in params)
+        end = sum(p.numel() for params in self.groups for p in params)
+        out = []
+        for params, flat in self.partitions():
+            bases = {offsets[id(p)] + p._hp_mapping.lp_fragment_address.start - p._hp_mapping.hp_fragment_address.start
+                     for p in params if p._hp_mapping is not None}
+            if len(bases) > 1:
+                raise ValueError("optimizer.state_dtype bfloat16 under DeepSpeed needs each ZeRO partition to hold its "
+                                 "group's parameters in order (their global element indices key the rounding); this "
+                                 "engine's do not (zero_optimization.round_robin_gradients?): set it false, or use "
+                                 "optimizer.state_dtype float32")
+            # A partition of padding alone: no element of it is real, any base serves.
+            out.append((flat, bases.pop() if bases else end))
+        return out
+
     def real_slices(self):
         """(flat partition, start, numel) of every real (not padding) element range on this rank."""
         for params, flat in self.partitions():
@@ -183,6 +206,10 @@ class Zero3StateMap:
     def get_full(self, p, key: str) -> torch.Tensor:
         value = safe_get_full_fp32_param(p) if key == MASTER else safe_get_full_optimizer_state(p, key)
         return value.float().view(full_shape(p)).cpu()
+
+    def index_bases(self) -> list[tuple[torch.Tensor, int]]:
+        raise ValueError("optimizer.state_dtype bfloat16 is not built for DeepSpeed ZeRO-3 (its sub-group "
+                         "partitions are not numbered); valid: deepspeed.zero_stage 0, 1 or 2, or strategy.name fsdp")
 
     def real_slices(self):
         for params, flat in self.partitions():
@@ -253,6 +280,10 @@ class NoZeroStateMap:
 
     def get_full(self, p, key):
         return (p.detach() if key == MASTER else self.base.state[p][key]).float().cpu().clone()
+
+    def index_bases(self) -> list[tuple[torch.Tensor, int]]:
+        """Nothing to give: the optimizer holds the model's own parameters and numbers them itself."""
+        return []
 
     def real_slices(self):
         for p in self.params:

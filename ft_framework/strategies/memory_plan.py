@@ -65,6 +65,7 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
     anchor_bytes = 2 if run_cfg.optimizer.anchor_dtype == "bfloat16" else 4
     P, A, W = num_params, num_anchored, world_size
     strategy = run_cfg.strategy
+    compact = run_cfg.optimizer.state_dtype == "bfloat16"  # the compact state (optim/compact.py)
     if strategy.name == "deepspeed":
         ds = strategy.deepspeed
         stage, off_opt, off_par = ds.zero_stage, ds.offload_optimizer, ds.offload_param
@@ -79,10 +80,11 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
             rows.append(PlanRow("gradients", P * weight_bytes / (W if stage >= 2 else 1), 0.0))
         if stage >= 1 or mixed:
             rows.append(PlanRow("fp32 master weights", *_place(P * 4 / shard, off_opt)))
-        rows += [PlanRow("Adam moments (exp_avg, exp_avg_sq)", *_place(2 * P * 4 / shard, off_opt)),
+        # The compact state keeps no delta here: DeepSpeed's fp32 partitions are the masters.
+        rows += [PlanRow("Adam moments (exp_avg, exp_avg_sq" + (" in bf16)" if compact else ")"),
+                         *_place(2 * P * (2 if compact else 4) / shard, off_opt)),
                  PlanRow("anchors theta*", *_place(A * anchor_bytes / shard, off_opt))]
         return rows
-    compact = run_cfg.optimizer.state_dtype == "bfloat16"  # the compact state (optim/compact.py)
     moment_rows = ([PlanRow("Adam moments (exp_avg, exp_avg_sq in bf16)", 2 * P * 2, 0.0),
                     PlanRow("delta = theta - theta* (fp32 master of the anchored)", A * 4, 0.0)]
                    if compact else [PlanRow("Adam moments (exp_avg, exp_avg_sq)", 2 * P * 4, 0.0)])

@@ -3,13 +3,17 @@
     compact_state_worker.py train <config>    one run of the trainer (argv[2]: its config)
     compact_state_worker.py pieces <out_dir>  FSDP2 steps of the compact state on a few parameters
                                               with given gradients; each rank writes its local pieces
+    compact_state_worker.py zero <out_dir>    the same steps under DeepSpeed ZeRO 0-2 (DS_ACCELERATOR=cpu);
+                                              rank 0 writes the gathered state
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -48,6 +52,11 @@ class Pieces(nn.Module):
         super().__init__()
         for name, value in parameters().items():
             self.register_parameter(name, nn.Parameter(value.clone()))
+
+    def forward(self, **targets: torch.Tensor) -> SimpleNamespace:
+        """A loss whose gradient is `targets`, exactly: every rank passes the same, so ZeRO's
+        average over 2 ranks ((g + g) / 2) is g again, bit for bit."""
+        return SimpleNamespace(loss=sum((getattr(self, name) * t).sum() for name, t in targets.items()))
 
 
 def pieces(out_dir: Path) -> None:
@@ -94,6 +103,45 @@ def pieces(out_dir: Path) -> None:
     torch.save(results, out_dir / f"pieces_rank{strategy.rank}.pt")
 
 
+# (ZeRO stage, offload_optimizer) of the zero mode.
+ZERO_VARIANTS = ((0, False), (1, False), (2, False), (2, True))
+
+
+def zero(out_dir: Path) -> None:
+    """Per (impl, stage, offload): each step's full master, moments and theta* of every parameter,
+    gathered from the ZeRO partitions (the strategy's gather_full_state), and each partition's
+    index base on each rank."""
+    from ft_framework.config.schema import DeepSpeedConfig, TrainingConfig
+    from ft_framework.optim import build_optimizer
+    from ft_framework.optim import cpu as cpu_kernel
+    from ft_framework.strategies.deepspeed import DeepSpeedStrategy
+
+    impls = ["torch"] + (["cpu"] if cpu_kernel.kernel_available() else [])
+    results, strategy = {}, None
+    for impl in impls:
+        for stage, offload in ZERO_VARIANTS:
+            strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload),
+                                         TrainingConfig(max_steps=STEPS, per_device_batch_size=1, device="cpu",
+                                                        max_grad_norm=None))
+            model, opt = strategy.setup(
+                Pieces(), lambda m: build_optimizer("recadam", groups(dict(m.named_parameters())), impl=impl,
+                                                    state_dtype="bfloat16", anchor_dtype="bfloat16",
+                                                    rounding_seed=SEED, **HPARAMS),
+                anchors=pretrained(parameters()))
+            record = {"index_bases": strategy.gather_objects([b for _, b in strategy.state_map.index_bases()]),
+                      "deltas": strategy.gather_objects(sum("delta" in s for s in opt.state.values()))}
+            for step, grads in enumerate(gradients(), start=1):
+                strategy.backward(strategy.forward(grads).loss)
+                strategy.clip_and_step(None)
+                record[step] = {key: strategy.gather_full_state(key) for key in ("fp32", "exp_avg", "exp_avg_sq",
+                                                                                 "anchor")}
+                record[step]["dtypes"] = {key: {str(s[key].dtype) for s in opt.state.values() if key in s}
+                                          for key in ("exp_avg", "exp_avg_sq", "anchor")}
+            results[(impl, stage, offload)] = record
+    if strategy.rank == 0:
+        torch.save(results, out_dir / "zero.pt")
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     mode, arg = sys.argv[1], sys.argv[2]
@@ -102,6 +150,9 @@ if __name__ == "__main__":
         from ft_framework.trainer import Trainer
 
         Trainer(load_config(arg)).fit()
+    elif mode == "zero":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        zero(Path(arg))
     else:
         pieces(Path(arg))
     finish()

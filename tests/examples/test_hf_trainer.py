@@ -81,6 +81,21 @@ def test_fsdp_trainer_args_are_refused_in_one_line(tmp_path):
         ft_optimizer("recadam", args, new_parameters=[])
 
 
+def test_the_compact_state_under_trainer_deepspeed_is_refused_in_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("deepspeed")
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # TrainingArguments sets it; restored after
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             deepspeed={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"})
+    try:
+        with pytest.raises(UserError, match=r"^ft_optimizer: state_dtype='bfloat16' under "
+                                            r"TrainingArguments\(deepspeed=\.\.\.\) is not supported; use"):
+            ft_optimizer("recadam", args, new_parameters=[], state_dtype="bfloat16", anchor_dtype="bfloat16")
+    finally:
+        unset_hf_deepspeed_config()
+
+
 def test_install_callbacks_needs_a_trainer_built_with_ft_optimizer(hf, tmp_path):
     model, _, _ = hf.load_model()
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])

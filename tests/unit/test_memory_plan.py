@@ -49,7 +49,7 @@ def test_zero3_fsdp_and_single_bytes_by_hand():
 
 def test_compact_state_bytes_by_hand():
     """optimizer.state_dtype bfloat16: bf16 moments (4 B), the fp32 delta of the anchored (4 B),
-    bf16 theta* (2 B); the overlapped offload adds its undo copies (8 B)."""
+    bf16 theta* (2 B); the overlapped offload adds its undo copies (8 B); DeepSpeed keeps no delta."""
     def compact(strategy, world_size=1):
         return rows(run_cfg(strategy, precision="fp32", anchor_dtype="bfloat16", state_dtype="bfloat16"),
                     world_size=world_size, num_params=10, num_anchored=8)
@@ -65,6 +65,11 @@ def test_compact_state_bytes_by_hand():
     assert serial[moments] == overlap[moments] == (0, 40) and serial[delta] == (0, 32)
     undo = "undo copies of speculative steps (bf16 m, v and the fp32 master)"
     assert undo not in serial and overlap[undo] == (0, 80)
+    # DeepSpeed ZeRO-2 with offload: its fp32 partitions are the masters, so no delta; the state on
+    # the host is master 4 + moments 4 + theta* 2 = 10 bytes per parameter (of the rank's share).
+    zero = compact({"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}}, world_size=2)
+    assert delta not in zero and "Adam moments (exp_avg, exp_avg_sq)" not in zero
+    assert zero["fp32 master weights"] == (0, 20) and zero[moments] == (0, 20) and zero["anchors theta*"] == (0, 8)
 
 
 def test_albert_xxlarge_zero2_offload_fits_a_16gb_gpu():

@@ -33,8 +33,9 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(2.0, exponent - 8)
 
 
-def _compact_pair(rule: str, path: str, seed: int = SEED, **extra):
-    """An anchored parameter and a head without theta*, with a compact-state optimizer on `path`."""
+def _compact_pair(rule: str, path: str, seed: int = SEED, masters: str = "delta", **extra):
+    """An anchored parameter and a head without theta*, with a compact-state optimizer on `path`;
+    masters "param": the anchored parameter is its own master (as under DeepSpeed), no delta."""
     if path != "torch":
         level_or_skip(path)
         cpu_kernel.set_simd_level(path)
@@ -45,14 +46,19 @@ def _compact_pair(rule: str, path: str, seed: int = SEED, **extra):
     opt = build_optimizer(rule, [{"params": [anchored], "anchors": [theta0]}, {"params": [head]}],
                           impl="torch" if path == "torch" else "cpu", state_dtype="bfloat16",
                           anchor_dtype="bfloat16", rounding_seed=seed, **{**HPARAMS[rule], **extra})
+    if masters == "param":
+        opt.keep_masters_in_params()
     return anchored, head, opt
 
 
 @pytest.mark.usefixtures("restore_level")
+@pytest.mark.parametrize("masters", ["delta", "param"])
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rule", sorted(HPARAMS))
-def test_each_step_matches_a_float64_reference_with_the_same_rounding_bits(rule, path):
-    anchored, head, opt = _compact_pair(rule, path)
+def test_each_step_matches_a_float64_reference_with_the_same_rounding_bits(rule, path, masters):
+    """masters "delta": the anchored master is delta, checked relative to |delta|; "param" (the
+    master DeepSpeed owns): theta itself, relative to |theta|, with the pull reading theta - theta*."""
+    anchored, head, opt = _compact_pair(rule, path, masters=masters)
     head.grad_dtype = None  # allow a bf16 gradient on the fp32 head (the kernel reads bf16 gradients)
     gen = torch.Generator().manual_seed(11)
     anchor = opt.state[anchored]["anchor"].double()
@@ -65,7 +71,7 @@ def test_each_step_matches_a_float64_reference_with_the_same_rounding_bits(rule,
             ref = Reference(rule, p.detach() if "delta" not in s else anchor + s["delta"].double(),
                             anchor if p is anchored else None, **HPARAMS[rule])
             ref.m, ref.v, ref.t = s["exp_avg"].double(), s["exp_avg_sq"].double(), t - 1
-            old = s["delta"].double().clone() if p is anchored else p.detach().double().clone()
+            old = s["delta"].double().clone() if "delta" in s else p.detach().double().clone()
             # the fp32 m' = beta1 m + (1 - beta1) g carries a few ulp of its terms (they may cancel)
             m_terms = 0.9 * ref.m.abs() + 0.1 * p.grad.double().abs()
             ref.step(p.grad)
@@ -74,11 +80,13 @@ def test_each_step_matches_a_float64_reference_with_the_same_rounding_bits(rule,
         for p, index_base in ((anchored, 0), (head, ANCHORED)):
             ref, old, m_terms = before[p]
             s = opt.state[p]
-            if p is anchored:
+            if p is anchored and masters == "delta":
+                assert "delta" in s
                 got, want = s["delta"].double(), ref.theta - anchor
                 # theta is written as theta* + delta, rounded once
                 torch.testing.assert_close(p.detach(), (anchor + s["delta"].double()).float(), rtol=0, atol=0)
             else:
+                assert "delta" not in s
                 got, want = p.detach().double(), ref.theta
             change = (want - old).abs()
             # relative to |delta| (the master's own rounding) plus a few fp32 ulp of the step's change
@@ -116,7 +124,8 @@ def test_kernel_rounding_bits_equal_counter_rng_bit_for_bit(level):
 
 
 def _compact_run(rule: str, path: str, steps: int = 30, **extra) -> list[torch.Tensor]:
-    """delta, m, v of the anchored parameter and the head's weights, m, v after `steps` steps."""
+    """delta (the weights again where the parameter is the master), m, v of the anchored parameter
+    and the head's weights, m, v after `steps` steps."""
     anchored, head, opt = _compact_pair(rule, path, **extra)
     gen = torch.Generator().manual_seed(3)
     for t in range(steps):
@@ -126,23 +135,25 @@ def _compact_run(rule: str, path: str, steps: int = 30, **extra) -> list[torch.T
         head.grad = torch.randn(HEAD, generator=gen)
         opt.step()
     a, h = opt.state[anchored], opt.state[head]
-    return [a["delta"], a["exp_avg"], a["exp_avg_sq"], anchored.detach(), head.detach(), h["exp_avg"],
-            h["exp_avg_sq"]]
+    return [a.get("delta", anchored.detach()), a["exp_avg"], a["exp_avg_sq"], anchored.detach(), head.detach(),
+            h["exp_avg"], h["exp_avg_sq"]]
 
 
 @pytest.mark.usefixtures("restore_level")
+@pytest.mark.parametrize("masters", ["delta", "param"])
 @pytest.mark.parametrize("path", ["torch", "avx2", "avx512"])
 @pytest.mark.parametrize("rule", sorted(HPARAMS))
-def test_every_simd_level_and_the_torch_path_equal_scalar_bit_for_bit(rule, path):
+def test_every_simd_level_and_the_torch_path_equal_scalar_bit_for_bit(rule, path, masters):
     """The compact program uses only correctly rounded operations (no fused multiply-add, no
     reciprocal estimate; cpp/step_body.h, optim/torch_step.py), so every path stores the same bits,
     tails included (ANCHORED and HEAD leave tails at every vector width). Pre-step decay (bertadam
-    with a pre-decay, prior_wd) and post-decay both run in this set."""
+    with a pre-decay, prior_wd) and post-decay both run in this set; so do both masters of an
+    anchored parameter (delta, or the parameter itself as under DeepSpeed)."""
     level_or_skip("scalar")
-    want = _compact_run(rule, "scalar")
+    want = _compact_run(rule, "scalar", masters=masters)
     if path != "torch":
         level_or_skip(path)
-    got = _compact_run(rule, path)
+    got = _compact_run(rule, path, masters=masters)
     for name, g, w in zip(("delta", "m", "v", "theta", "head", "head m", "head v"), got, want):
         assert g.dtype == w.dtype, name
         assert torch.equal(g.view(torch.int16 if g.dtype == torch.bfloat16 else torch.int32),
@@ -233,10 +244,13 @@ COMPACT_CONFIG = {
     (["strategy.name=fsdp"], None),
     (["strategy.name=fsdp", "strategy.fsdp.cpu_offload=true"], None),
     (["strategy.offload_optimizer.overlap=true"], None),
-    (["strategy.name=deepspeed"], r"does not run with strategy.name deepspeed .*; valid: strategy.name single "
-                                  r"\(with or without offload_optimizer\), ddp or fsdp, or optimizer.state_dtype "
-                                  r"float32$"),
-    (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3"], "does not run with strategy.name deepspeed"),
+    (["strategy.name=deepspeed"], None),
+    (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=0"], None),
+    (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=1", "strategy.deepspeed.offload_optimizer=true"],
+     None),
+    (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=3"],
+     r"optimizer.state_dtype bfloat16 is not built for DeepSpeed ZeRO-3 .*; valid: strategy.deepspeed.zero_stage 0, "
+     r"1 or 2, strategy.name single, ddp or fsdp, or optimizer.state_dtype float32$"),
 ])
 def test_config_refuses_what_the_compact_state_does_not_run_in_one_line(overrides, message):
     data = apply_overrides(COMPACT_CONFIG, overrides)
