@@ -27,6 +27,8 @@ Candidates (--only takes these names):
   ours_bf16    ft_framework recadam, impl="cpu", anchor_dtype="bfloat16"
   ours_compact ft_framework recadam, impl="cpu", state_dtype="bfloat16" (the compact state: 26 B moved, 10 B
                host; opt-in)
+  ours_compact_ds  the same with the parameter as its own master (keep_masters_in_params: the step on
+               DeepSpeed's fp32 partitions, no delta: 22 B moved, 10 B host; opt-in)
   ours_torch   ft_framework recadam, impl="torch" (CPU or CUDA)
   authors      RecAdam in the style of the authors' release (benchmarks/authors_style_recadam.py)
   adamw_pull   torch.optim.AdamW(fused=True) step + a separate p.lerp_(theta*, pull)
@@ -73,11 +75,14 @@ HP = dict(lr=2e-5, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, anneal_fun="s
 BYTES = {"recadam": 32, "recadam_bf16": 30, "adam": 28,
          # the compact state (optim/compact.py): reads g 4, m 2, v 2, delta 4, theta* 2; writes p 4, m 2,
          # v 2, delta 4 (p is written as theta* + delta for the model's forward)
-         "recadam_compact": 26}
+         "recadam_compact": 26,
+         # the compact state on DeepSpeed's partitions (the fp32 weight is the master, no delta):
+         # reads g 4, p 4, m 2, v 2, theta* 2; writes p 4, m 2, v 2
+         "recadam_compact_ds": 22}
 # Bytes per parameter the optimizer keeps in host memory: its master (the fp32 weight, or delta),
 # the moments and theta*; the model's own fp32 weight and gradient are not counted (they exist in
 # every candidate; in the compact state the weight is a copy of theta* + delta, not the master).
-HOST_BYTES = {"recadam": 16, "recadam_bf16": 14, "adam": 12, "recadam_compact": 10}
+HOST_BYTES = {"recadam": 16, "recadam_bf16": 14, "adam": 12, "recadam_compact": 10, "recadam_compact_ds": 10}
 
 # Steps of the slow multi-pass candidates are capped so that their timed steps take about this long.
 SLOW_BUDGET_S = 3.0
@@ -147,12 +152,14 @@ class Candidate:
         return HOST_BYTES["adam"] if self.bytes_per_param == BYTES["adam"] else HOST_BYTES["recadam"]
 
 
-def _ours(impl: str, anchor_dtype: str = "float32", state_dtype: str = "float32"):
+def _ours(impl: str, anchor_dtype: str = "float32", state_dtype: str = "float32", masters_in_params: bool = False):
     def build(data: SizeData):
         params = fresh_params(data)
         group = {"params": params, "anchors": data.theta_star}
         opt = build_optimizer("recadam", [group], impl=impl, anchor_dtype=anchor_dtype, state_dtype=state_dtype,
                               **HP)
+        if masters_in_params:
+            opt.keep_masters_in_params()
         if opt.impl != impl:
             raise Skip(f"asked impl={impl!r}, got {opt.impl!r}")
         return opt.step
@@ -220,6 +227,9 @@ CANDIDATES = [
     Candidate("ours_fp32", "ours cpu fp32-anchor", BYTES["recadam"], _ours("cpu")),
     Candidate("ours_compact", "ours cpu compact state", BYTES["recadam_compact"], _ours("cpu", "bfloat16", "bfloat16"),
               host_bytes_per_param=HOST_BYTES["recadam_compact"]),
+    Candidate("ours_compact_ds", "ours cpu compact, DeepSpeed's masters", BYTES["recadam_compact_ds"],
+              _ours("cpu", "bfloat16", "bfloat16", masters_in_params=True),
+              host_bytes_per_param=HOST_BYTES["recadam_compact_ds"]),
     Candidate("ours_bf16", "ours cpu bf16-anchor", BYTES["recadam_bf16"], _ours("cpu", "bfloat16"),
               host_bytes_per_param=HOST_BYTES["recadam_bf16"]),
     Candidate("ours_torch", "ours torch", BYTES["recadam"], _ours("torch"), ("cpu", "cuda"), slow=True),
@@ -359,6 +369,7 @@ RATIOS = [
     ("ours bf16 / DeepSpeedCPUAdam", "ours_bf16", "ds_adam", "<= 1.10, 0.97 of its GB/s",
      lambda r: r <= BYTES["recadam_bf16"] / BYTES["adam"] / 0.97),
     ("ours compact / DeepSpeedCPUAdam", "ours_compact", "ds_adam", "<= 0.67", lambda r: r <= 0.67),
+    ("ours compact on DS masters / DeepSpeedCPUAdam", "ours_compact_ds", "ds_adam", "<= 0.67", lambda r: r <= 0.67),
     ("authors-style / ours fp32", "authors", "ours_fp32", ">= 5", lambda r: r >= 5.0),
     ("AdamW fused + pull / ours fp32", "adamw_pull", "ours_fp32", "> 1", lambda r: r > 1.0),
     ("ours torch / ours fp32", "ours_torch", "ours_fp32", "info", None),

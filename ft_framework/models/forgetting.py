@@ -35,7 +35,7 @@ from ft_framework.models.loading import fp32_load_argument, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CKA_DRIFT_LAST", "CKA_DRIFT_MEAN", "DEFAULT_PROBE_SOURCE", "FORGETTING_MEASURES", "MLM_FORGETTING",
+__all__ = ["CKA_DRIFT_LAST", "CKA_DRIFT_MEAN", "DEFAULT_PROBE_SOURCE", "DEFAULT_PROBE_WORDS", "FORGETTING_MEASURES", "MLM_FORGETTING",
            "ForgettingProbe", "build_probe", "debiased_linear_cka", "default_probe_sentences",
            "mask_positions", "read_probe_file"]
 
@@ -52,6 +52,10 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 _MARKUP = re.compile(r"[*=_`{}<>\[\]|]")
 # Probe batches stay small so that each is cut close to its sentences' length (see ForgettingProbe).
 _MAX_PROBE_BATCH = 16
+# The default probe's sentence lengths in words: none is cut at the default max_length, and the
+# probe's forward costs about half a quickstart training step (docs/benchmarks.md, "Functional
+# forgetting: its cost against training").
+DEFAULT_PROBE_WORDS = (8, 12)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,18 +64,22 @@ _MAX_PROBE_BATCH = 16
 
 
 def default_probe_sentences(num: int) -> list[str]:
-    """The first `num` prose sentences of Python's documentation topics (pydoc_data.topics, which
-    every Python install has): topics in name order, paragraphs that are not indented code, split
-    after . ! or ?; kept: 8 to 40 words, ending with a period, no markup characters."""
+    """The first `num` distinct prose sentences of Python's documentation topics (pydoc_data.topics,
+    which every Python install has): topics in name order, paragraphs that are not indented code,
+    split after . ! or ?; kept: DEFAULT_PROBE_WORDS words, ending with a period, no markup characters. A
+    sentence the documentation repeats is taken once: a repeated row would be two examples that
+    are one."""
     from pydoc_data.topics import topics
 
+    shortest, longest = DEFAULT_PROBE_WORDS
     out: list[str] = []
     for name in sorted(topics):
         for paragraph in re.split(r"\n\s*\n", topics[name]):
             if paragraph.startswith((" ", "\t")) or ">>>" in paragraph or "::" in paragraph:
                 continue
             for sentence in _SENTENCE_END.split(" ".join(paragraph.split())):
-                if 8 <= len(sentence.split()) <= 40 and sentence.endswith(".") and not _MARKUP.search(sentence):
+                if (shortest <= len(sentence.split()) <= longest and sentence.endswith(".")
+                        and not _MARKUP.search(sentence) and sentence not in out):
                     out.append(sentence)
                     if len(out) == num:
                         return out

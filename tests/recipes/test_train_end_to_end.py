@@ -17,6 +17,7 @@ from ft_framework.cli import export_main
 from ft_framework.checkpointing.manager import resolve_latest
 from ft_framework.checkpointing.manifest import MANIFEST_FILE
 from ft_framework.config import load_config
+from ft_framework.config.schema import ForgettingConfig
 from ft_framework.models.activation_checkpointing import checkpointed_blocks
 from ft_framework.errors import UserError
 from ft_framework.run.files import RunPaths, checkpoint_name
@@ -66,7 +67,8 @@ def test_training_lowers_the_loss_and_writes_logs_and_results(tiny_bert_dir, tmp
     # Functional forgetting at every evaluation (the tiny BERT has no MLM head: drift only).
     assert all(set(r["forgetting"]) == {"cka_drift_last", "cka_drift_mean"} for r in evals)
     assert saved["final"]["forgetting"]["cka_drift_last"] > 1e-4
-    assert saved["forgetting_probe"]["mlm"] is False and saved["forgetting_probe"]["sentences"] == 32
+    assert saved["forgetting_probe"]["mlm"] is False and saved["forgetting_probe"]["sentences"] == \
+        ForgettingConfig().num_sentences
 
 
 def test_resumed_run_equals_uninterrupted_run(tiny_bert_dir, tmp_path):
