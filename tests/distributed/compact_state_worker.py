@@ -103,12 +103,14 @@ def pieces(out_dir: Path) -> None:
     torch.save(results, out_dir / f"pieces_rank{strategy.rank}.pt")
 
 
-# (ZeRO stage, offload_optimizer) of the zero mode.
-ZERO_VARIANTS = ((0, False), (1, False), (2, False), (2, True))
+# (ZeRO stage, offload_optimizer, impl) of the zero mode: every stage, each impl twice (the
+# numbering does not depend on the impl; unit tests hold the impls equal bit for bit). "cpu" runs
+# the torch path where the kernel is not built.
+ZERO_VARIANTS = ((0, False, "torch"), (1, False, "cpu"), (2, False, "torch"), (2, True, "cpu"))
 
 
 def zero(out_dir: Path) -> None:
-    """Per (impl, stage, offload): each step's full master, moments and theta* of every parameter,
+    """Per (impl, stage, offload) of ZERO_VARIANTS: each step's full master, moments and theta* of every parameter,
     gathered from the ZeRO partitions (the strategy's gather_full_state), and each partition's
     index base on each rank."""
     from ft_framework.config.schema import DeepSpeedConfig, TrainingConfig
@@ -116,28 +118,27 @@ def zero(out_dir: Path) -> None:
     from ft_framework.optim import cpu as cpu_kernel
     from ft_framework.strategies.deepspeed import DeepSpeedStrategy
 
-    impls = ["torch"] + (["cpu"] if cpu_kernel.kernel_available() else [])
     results, strategy = {}, None
-    for impl in impls:
-        for stage, offload in ZERO_VARIANTS:
-            strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload),
-                                         TrainingConfig(max_steps=STEPS, per_device_batch_size=1, device="cpu",
-                                                        max_grad_norm=None))
-            model, opt = strategy.setup(
-                Pieces(), lambda m: build_optimizer("recadam", groups(dict(m.named_parameters())), impl=impl,
-                                                    state_dtype="bfloat16", anchor_dtype="bfloat16",
-                                                    rounding_seed=SEED, **HPARAMS),
-                anchors=pretrained(parameters()))
-            record = {"index_bases": strategy.gather_objects([b for _, b in strategy.state_map.index_bases()]),
-                      "deltas": strategy.gather_objects(sum("delta" in s for s in opt.state.values()))}
-            for step, grads in enumerate(gradients(), start=1):
-                strategy.backward(strategy.forward(grads).loss)
-                strategy.clip_and_step(None)
-                record[step] = {key: strategy.gather_full_state(key) for key in ("fp32", "exp_avg", "exp_avg_sq",
-                                                                                 "anchor")}
-                record[step]["dtypes"] = {key: {str(s[key].dtype) for s in opt.state.values() if key in s}
-                                          for key in ("exp_avg", "exp_avg_sq", "anchor")}
-            results[(impl, stage, offload)] = record
+    for stage, offload, wanted in ZERO_VARIANTS:
+        impl = wanted if wanted == "torch" or cpu_kernel.kernel_available() else "torch"
+        strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload),
+                                     TrainingConfig(max_steps=STEPS, per_device_batch_size=1, device="cpu",
+                                                    max_grad_norm=None))
+        model, opt = strategy.setup(
+            Pieces(), lambda m: build_optimizer("recadam", groups(dict(m.named_parameters())), impl=impl,
+                                                state_dtype="bfloat16", anchor_dtype="bfloat16",
+                                                rounding_seed=SEED, **HPARAMS),
+            anchors=pretrained(parameters()))
+        record = {"index_bases": strategy.gather_objects([b for _, b in strategy.state_map.index_bases()]),
+                  "deltas": strategy.gather_objects(sum("delta" in s for s in opt.state.values()))}
+        for step, grads in enumerate(gradients(), start=1):
+            strategy.backward(strategy.forward(grads).loss)
+            strategy.clip_and_step(None)
+            record[step] = {key: strategy.gather_full_state(key) for key in ("fp32", "exp_avg", "exp_avg_sq",
+                                                                             "anchor")}
+            record[step]["dtypes"] = {key: {str(s[key].dtype) for s in opt.state.values() if key in s}
+                                      for key in ("exp_avg", "exp_avg_sq", "anchor")}
+        results[(impl, stage, offload)] = record
     if strategy.rank == 0:
         torch.save(results, out_dir / "zero.pt")
 

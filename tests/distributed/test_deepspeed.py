@@ -61,7 +61,7 @@ def reference():
 
 
 def load(results, name):
-    return torch.load(results / name, weights_only=False)
+    return torch.load(results / name, weights_only=True)
 
 
 def assert_params_match(got: dict, want: dict, atol=PARAM_ATOL):

@@ -54,7 +54,7 @@ def runs(tmp_path_factory):
     results = {}
     for phase, nproc in (("one", 1), ("two", 2), ("three", 1)):
         torchrun(nproc, [str(HERE / "fsdp_worker.py"), phase, str(out)], cwd=HERE)
-        results[phase] = torch.load(out / f"results_{phase}.pt", weights_only=False)
+        results[phase] = torch.load(out / f"results_{phase}.pt", weights_only=True)
     return SimpleNamespace(out=out, **results)
 
 
