@@ -46,12 +46,14 @@ WITHOUT_DELTA = {"zero2_offload"}
 FIELDS = ["master", "exp_avg", "exp_avg_sq", "delta", "anchor", "step"]
 
 
-def torchrun(args: list[str], cwd: Path) -> None:
+def torchrun(args: list[str], cwd: Path) -> str:
+    """The worker on 2 ranks; returns its output (stdout and stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(free_port()), str(HERE / "compact_state_worker.py"), *args],
                          capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return out.stdout + out.stderr
 
 
 def state_at(run_dir: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -205,6 +207,19 @@ def test_a_compact_zero_checkpoint_resumes_in_one_process_with_delta_derived(two
             torch.testing.assert_close(fields["master"], (fields["anchor"].float() + fields["delta"]), rtol=0, atol=0)
     # The uninterrupted 2-rank run, without delta, against the resumed one with it.
     assert_like_one_process(state_at(zero, 4), resumed, got_delta=False)
+
+
+@pytest.mark.slow
+def test_a_compact_checkpoint_with_delta_resumes_under_zero2_from_its_masters(single, model_dir, tmp_path):
+    """The other direction: one process's checkpoint (delta kept) resumed by DeepSpeed ZeRO-2 with
+    offload on 2 ranks, which keeps no delta: it starts from the saved masters (theta* + delta,
+    rounded once), says so once, and ends like the uninterrupted one-process run."""
+    cfg = run_config(tmp_path / "zero.yaml", model_dir, tmp_path / "zero", 4, strategy=BACKENDS["zero2_offload"],
+                     checkpoint={"resume_from": str(single / "checkpoints" / "step_00000002")})
+    log = torchrun(["train", str(cfg)], tmp_path)
+    assert log.count("this run keeps its fp32 masters in the parameters (DeepSpeed)") == 1, log[-3000:]
+    assert train_steps(tmp_path / "zero") == [3, 4]
+    assert_like_one_process(state_at(tmp_path / "zero", 4), state_at(single, 4), got_delta=False)
 
 
 def _chunk_offsets(shape: tuple[int, ...], world: int) -> list[int]:
