@@ -53,9 +53,8 @@ from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _n
                                               _quiet_dcp)
 from ft_framework.checkpointing.dcp_read import checkpoint_reader
 from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, DELTA, EXTRA_PREFIX, MASTER, Fragment,
-                                                  ParamInfo,
-                                                  ShardedCheckpointable, buffer_key, checkpoint_fields, fragment_key,
-                                                  param_key)
+                                                  ParamInfo, ShardedCheckpointable, buffer_key, checkpoint_fields,
+                                                  fragment_key, param_key)
 from ft_framework.checkpointing.manifest import CheckpointFormatError, read_manifest, write_manifest
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from ft_framework.models.loading import fp32_load_argument, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CKA_DRIFT_LAST", "CKA_DRIFT_MEAN", "DEFAULT_PROBE_SOURCE", "DEFAULT_PROBE_WORDS", "FORGETTING_MEASURES", "MLM_FORGETTING",
-           "ForgettingProbe", "build_probe", "debiased_linear_cka", "default_probe_sentences",
+__all__ = ["CKA_DRIFT_LAST", "CKA_DRIFT_MEAN", "DEFAULT_PROBE_SOURCE", "DEFAULT_PROBE_WORDS", "FORGETTING_MEASURES",
+           "MLM_FORGETTING", "ForgettingProbe", "build_probe", "debiased_linear_cka", "default_probe_sentences",
            "mask_positions", "read_probe_file"]
 
 # The names of the functional forgetting measures in metrics.jsonl, results.json and interpolation.json.

@@ -322,8 +322,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 if plan not in plans:
                     plans[plan] = self.coefficients(group, t, anchor is not None)
                 c = plans[plan]
-                # A compact anchored master that is delta: theta* is read whether the rule pulls or not.
-                with_anchor = anchor is not None and (c.uses_anchor or (self.compact and self.delta_masters))
+                with_anchor = anchor is not None and self._reads_anchor(c)
                 key = (c, local_tensor(p).device, p.dtype, with_anchor, t if self.compact else None)
                 buckets[key].append(p)
                 steps.append(state["step"])
@@ -338,6 +337,12 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 else:
                     self._apply(ps, c, with_anchor)
         return loss
+
+    def _reads_anchor(self, c: StepCoefficients) -> bool:
+        """Whether the step of an anchored parameter with coefficients `c` reads theta*: the rule
+        pulls toward it, or the compact state's master is delta (theta* + delta is written whether
+        the rule pulls or not)."""
+        return c.uses_anchor or (self.compact and self.delta_masters)
 
     def _apply_compact(self, ps: list[torch.Tensor], grads: list[torch.Tensor], c: StepCoefficients,
                        with_anchor: bool, t: int, num_threads: int | None = None) -> None:
@@ -472,7 +477,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                                         stacklevel=4)
             if keep_undo:
                 self._keep_undo(p, state, t - 1)
-            self._apply_compact([p], [g], c, anchored and (c.uses_anchor or self.delta_masters), t, num_threads)
+            self._apply_compact([p], [g], c, anchored and self._reads_anchor(c), t, num_threads)
             state["step"] += 1
             used.append(c)
         return used

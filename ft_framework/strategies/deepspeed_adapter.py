@@ -39,8 +39,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 
 from ft_framework.distributed import collectives
 from ft_framework.checkpointing.fragments import MASTER as CKPT_MASTER
-from ft_framework.optim.compact import element_offsets
 from ft_framework.checkpointing.fragments import STEP, Fragment, whole_tensor_fragments
+from ft_framework.optim.compact import element_offsets
 
 MASTER = "fp32"
 # Lower bound: the ZeRO-3 partition accessor takes release_swap_buffers since DeepSpeed's NVMe
