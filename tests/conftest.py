@@ -21,19 +21,24 @@ torch.set_num_threads(1)
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 HERE = Path(__file__).parent
-# Directories whose test files share session fixtures (reference runs): one pytest-xdist worker
-# runs all of them, so each reference is computed once.
-SHARED_SESSION_DIRS = ("multinode",)
+# Session fixtures that are whole reference runs (tests/multinode/conftest.py): every test that asks
+# for one runs on one pytest-xdist worker, so each reference is computed once.
+SHARED_REFERENCE_FIXTURES = ("fsdp_reference", "zero2_offload_reference")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """An xdist group per test file (module fixtures are set up once), one per directory of
-    SHARED_SESSION_DIRS; `--dist loadgroup` sends a group to one worker."""
+    """An xdist group per test file (module fixtures are set up once), and one per shared reference
+    run of SHARED_REFERENCE_FIXTURES; `--dist loadgroup` sends a group to one worker. Groups with a
+    test marked slow go first: the workers then end on short groups together, not one of them on a
+    long one while the other has nothing left."""
+    groups = {}
     for item in items:
-        relative = Path(str(item.path)).relative_to(HERE)
-        group = relative.parts[0] if relative.parts[0] in SHARED_SESSION_DIRS else relative.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+        shared = [name for name in SHARED_REFERENCE_FIXTURES if name in item.fixturenames]
+        groups[item] = shared[0] if shared else Path(str(item.path)).relative_to(HERE).as_posix()
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    slow_groups = {groups[item] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: groups[item] not in slow_groups)   # stable: the order within stays
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ from ft_framework.checkpointing.dcp_read import read_whole_checkpoint
 from ft_framework.checkpointing.fragments import parse_param_key
 from ft_framework.distributed.rendezvous import free_port
 
+pytestmark = pytest.mark.slow
 ATOL = 1e-6
 
 

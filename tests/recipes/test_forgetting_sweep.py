@@ -20,6 +20,7 @@ from ft_framework.cli import report_main
 
 pytest.importorskip("peft")
 pytest.importorskip("mlflow")
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 # The methods of the frontier sweep as the file defines them (the tiny model takes them as they are).
 METHODS = yaml.safe_load((REPO / "configs" / "sweeps" / "forgetting_frontier.yaml").read_text())["methods"]

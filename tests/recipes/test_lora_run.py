@@ -57,6 +57,7 @@ def test_lora_run_end_to_end_exports_merged_model_and_adapter(tiny_bert_dir, tmp
     assert results["exported_to"] == str(export)
 
 
+@pytest.mark.slow
 def test_lora_under_two_rank_fsdp2_equals_one_process(tiny_bert_dir, tmp_path):
     common = dict(model={"lora": {"r": 4, "alpha": 8}}, optimizer={"name": "recadam", "hparams": {"lr": 5e-3}},
                   evaluation={"num_evals": 1})

@@ -25,6 +25,7 @@ import yaml
 from tiny_run import write_run_config
 from ft_framework.cli import report_main
 
+pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 N_RUNS = 6
 

@@ -141,6 +141,7 @@ def test_corrupted_checkpoint_is_a_clear_error(tiny_bert_dir, tmp_path):
     assert isinstance(info.value.__cause__, CheckpointReadError)
 
 
+@pytest.mark.slow
 def test_cli_runs_and_prints_the_results_table(tiny_bert_dir, tmp_path):
     cfg = write_run_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out", training={"max_steps": 3})
     out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(cfg),
@@ -152,6 +153,7 @@ def test_cli_runs_and_prints_the_results_table(tiny_bert_dir, tmp_path):
     assert bad.returncode == 2 and "max_stepz" in bad.stderr and "max_steps" in bad.stderr
 
 
+@pytest.mark.slow
 def test_two_rank_ddp_equals_single_process(tiny_bert_dir, tmp_path):
     # 13 probe sentences: rank 1's share is padded, and the padding must not count.
     probe = {"forgetting": {"num_sentences": 13}}

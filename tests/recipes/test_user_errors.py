@@ -35,6 +35,7 @@ from tiny_run import write_run_config
 from ft_framework import cli
 from ft_framework.resources import quickstart_glue_dir
 
+pytestmark = pytest.mark.slow
 EXIT_OK, EXIT_CRASH, EXIT_USER_ERROR, EXIT_DIVERGED = 0, 1, 2, 3
 KILLED = 137  # a row that simulates kill -9
 

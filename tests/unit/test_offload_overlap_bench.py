@@ -20,6 +20,7 @@ def _run(*args):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the benchmark pins the training thread and "
                     "the worker to two cores; this machine gives the process one")
+@pytest.mark.slow
 def test_tiny_run_prints_one_row_per_shape():
     out = _run("--shape", "2x32:4", "--shape", "3x16:2", "--steps", "2", "--warmup", "1", "--quiet-wait", "0",
                "--max-grad-norm", "1e-6")

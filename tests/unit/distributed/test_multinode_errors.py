@@ -148,6 +148,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_join_through_the_bounded_rendezvous_and_compare_config_hashes():
     import json
     import os

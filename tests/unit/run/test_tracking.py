@@ -226,6 +226,7 @@ def _open_mlflow_run_after(barrier, uri):
     MLflowTracker(tracking_uri=uri, experiment="shared", run_name="r", params={})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["sqlite_default", "file"])
 def test_parallel_runs_share_one_mlflow_experiment(tmp_path, monkeypatch, store):
     """A sweep's runs start together and name the same experiment in a new store: opening the store

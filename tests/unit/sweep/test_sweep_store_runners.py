@@ -150,6 +150,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_sweep_leaves_no_run_behind_and_the_next_one_finishes(tmp_path, sig):
     store = SweepStore(tmp_path / "store")
