@@ -279,6 +279,16 @@ def phase_two(out: Path, res: Results):
     res["mp_log"] = log
     res["mp_impl"] = s.optimizer.impl
 
+    # The same with the compact state: the fp32 shards FSDP2 keeps are anchor + delta, beside bf16
+    # moments and a bf16 theta*, while the forward and backward compute in bf16.
+    s = fsdp_strategy(mixed_precision=True, precision="bf16")
+    set_up(s, state_dtype="bfloat16", anchor_dtype="bfloat16", rounding_seed=11)
+    log = {}
+    train_steps(s, range(2), log)
+    res["mp_compact_state"] = {n: v for n, v in full_opt_state(s).items() if v}
+    res["mp_compact_params"] = full_params(s)
+    res["mp_compact_log"] = log
+
     # The fp16 loss scaler's skip logic (exercised in fp32 on CPU): an inf on one rank's shard makes
     # every rank skip the step and halve the scale; the next step goes through.
     from ft_framework.strategies.fsdp import _ShardedLossScaler

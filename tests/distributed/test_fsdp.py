@@ -17,6 +17,7 @@ a resumed run on the same number of ranks.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -241,6 +242,30 @@ def test_mixed_precision_computes_in_bf16_with_fp32_master_weights_and_exact_anc
     assert all(map(torch.isfinite, map(torch.tensor, log["loss"] + log["grad_norm"] + log["forgetting"])))
     # bf16 compute changes the numbers, not the picture.
     assert log["forgetting"] == pytest.approx(runs.one["ref_log"]["forgetting"][:2], rel=0.05)
+
+
+@pytest.mark.slow
+def test_mixed_precision_with_the_compact_state_keeps_fp32_shards_as_anchor_plus_delta(runs):
+    """bf16 compute over FSDP2's fp32 shards whose optimizer keeps the compact state: each anchored
+    master is exactly bf16 theta* + fp32 delta after the steps, the moments are bf16, theta* is the
+    pretrained weights rounded once, and the run's forgetting is that of the fp32-state run."""
+    state, params = runs.two["mp_compact_state"], runs.two["mp_compact_params"]
+    anchored = [name for name, fields in state.items() if "anchor" in fields]
+    assert anchored and set(anchored) == set(runs.one["pretrained"])
+    for name, fields in state.items():
+        assert fields["exp_avg"].dtype == fields["exp_avg_sq"].dtype == torch.bfloat16, name
+        if name in anchored:
+            assert fields["anchor"].dtype == torch.bfloat16 and fields["delta"].dtype == torch.float32, name
+            assert torch.equal(fields["anchor"], runs.one["pretrained"][name].to(torch.bfloat16)), name
+            assert torch.equal(params[name], fields["anchor"].float() + fields["delta"]), name
+    log = runs.two["mp_compact_log"]
+    assert all(map(torch.isfinite, map(torch.tensor, log["loss"] + log["grad_norm"] + log["forgetting"])))
+    # |theta - bf16(theta*)| against |theta' - theta*|: by the triangle inequality they differ by at
+    # most theta*'s rounding, |bf16(theta*) - theta*|, plus the runs' own difference (1% here).
+    pretrained = runs.one["pretrained"].values()
+    rounding = math.sqrt(sum(float((t.to(torch.bfloat16).double() - t.double()).square().sum()) for t in pretrained))
+    for got, want in zip(log["forgetting"], runs.two["mp_log"]["forgetting"], strict=True):
+        assert abs(got - want) <= rounding + 0.01 * want, (got, want, rounding)
 
 
 @pytest.mark.slow
