@@ -76,7 +76,27 @@ def train_main(argv: list[str] | None = None) -> int:
         print(format_results_table(results))
         paths = RunPaths(cfg.logging.output_dir)
         print(f"\nlogs: {paths.metrics}, results: {paths.results}")
+        if cfg.evaluation.interpolation is not None:
+            _interpolate_finished_run(cfg, str(trainer.strategy.device))
     return 0
+
+
+def _interpolate_finished_run(cfg, device: str) -> None:
+    """evaluation.interpolation: θ_α of the finished run, in this process, on its device (the main
+    rank's; the other ranks are done). A failure is one line and leaves the run finished: the run's
+    results stand, and ft-interpolate RUN_DIR (or a sweep's post-step) can try again."""
+    from ft_framework.interpolate import format_table, run_interpolation
+
+    spec, run_dir = cfg.evaluation.interpolation, cfg.logging.output_dir
+    try:
+        out = run_interpolation(run_dir, spec.alphas, device=device, theta_star=spec.theta_star)
+    except Exception as exc:  # noqa: BLE001 - training is done and saved; only the interpolation is missing
+        print(f"ft-train: the run finished, but its interpolation toward theta* failed ({type(exc).__name__}: "
+              f"{exc}); ft-interpolate {run_dir} tries again", file=sys.stderr)
+        return
+    print()
+    print(format_table(out))
+    print(f"\nwrote {out['run_dir']}/interpolation.json and interpolation.png")
 
 
 def sweep_main(argv: list[str] | None = None) -> int:

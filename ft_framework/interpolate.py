@@ -46,6 +46,7 @@ from ft_framework.checkpointing.manager import CheckpointError, resolve_latest
 from ft_framework.checkpointing.manifest import check_files
 from ft_framework.checkpointing.old_formats import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
 from ft_framework.config import validate_config
+from ft_framework.config.schema import DEFAULT_INTERPOLATION_ALPHAS
 from ft_framework.data import TaskSpec, load_task_data, make_collator
 from ft_framework.errors import UserError
 from ft_framework.metrics import compute_metrics
@@ -62,7 +63,7 @@ __all__ = ["DEFAULT_ALPHAS", "InterpolationError", "parse_alphas",
            "load_run", "finetuned_state", "anchors_from_checkpoint", "interpolate_state",
            "run_interpolation", "format_table", "plot_interpolation"]
 
-DEFAULT_ALPHAS = tuple(round(i / 10, 1) for i in range(11))
+DEFAULT_ALPHAS = DEFAULT_INTERPOLATION_ALPHAS
 
 
 

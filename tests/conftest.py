@@ -26,6 +26,14 @@ HERE = Path(__file__).parent
 SHARED_REFERENCE_FIXTURES = ("fsdp_reference", "zero2_offload_reference")
 
 
+def pytest_configure(config):
+    # pytest-xdist sends groups out largest first by their number of tests unless told not to: the
+    # heaviest groups here hold one test each (a whole sweep, a DeepSpeed launch) and would come
+    # last, one worker busy at the end while the other has nothing left. Keep the order below.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """An xdist group per test file (module fixtures are set up once), and one per shared reference

@@ -25,7 +25,8 @@ from ft_framework.config.overrides import resolve_task_overrides
 __all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "TrainingConfig",
            "ForgettingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
-           "CheckpointConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig"]
+           "CheckpointConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig", "InterpolationConfig",
+           "DEFAULT_INTERPOLATION_ALPHAS"]
 
 # The valid data.task values, from the task specs (ft_framework/data/tasks.py).
 GlueTask = Literal[GLUE_TASK_NAMES]  # type: ignore[valid-type]
@@ -417,6 +418,27 @@ class ForgettingConfig(_Section):
     mask_seed: int = 0
 
 
+# α of θ_α = θ* + α (θ − θ*) evaluated when none are given (ft-interpolate, a run's or a sweep's interpolation).
+DEFAULT_INTERPOLATION_ALPHAS: tuple[float, ...] = tuple(round(i / 10, 1) for i in range(11))
+
+
+class InterpolationConfig(_Section):
+    """WiSE-FT interpolation toward θ* of a finished run (ft_framework/interpolate.py): θ_α evaluated at
+    each α. A run's `evaluation.interpolation` does it at the run's end, in its own process; a sweep's
+    `interpolate:` gives it to every run."""
+
+    alphas: list[float] = Field(default_factory=lambda: list(DEFAULT_INTERPOLATION_ALPHAS))
+    # Where θ* comes from: auto (checkpoint anchors when θ comes from a checkpoint, else the pretrained model).
+    theta_star: Literal["auto", "anchors", "pretrained"] = "auto"
+
+    @field_validator("alphas")
+    @classmethod
+    def _alphas(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0.0 <= a <= 1.0 for a in value):
+            raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {value}")
+        return sorted(set(float(a) for a in value))
+
+
 class EvaluationConfig(_Section):
     """When and how the dev set is evaluated during training (always once at the end)."""
 
@@ -427,6 +449,9 @@ class EvaluationConfig(_Section):
     # Report (and keep) the best evaluation instead of the last one (early stopping).
     select_best: bool = False
     forgetting: ForgettingConfig = Field(default_factory=ForgettingConfig)
+    # Interpolate the finished run toward θ* at its end (needs checkpoint.export_dir or select_best);
+    # None: not (ft-interpolate RUN_DIR does it later).
+    interpolation: InterpolationConfig | None = None
 
     @model_validator(mode="after")
     def _at_most_one(self) -> "EvaluationConfig":
@@ -644,6 +669,9 @@ class RunConfig(_Section):
             raise ValueError("optimizer.state_dtype bfloat16 is not built for DeepSpeed ZeRO-3 (its sub-group partitions "
                              "are not numbered for the stochastic rounding); valid: strategy.deepspeed.zero_stage 0, 1 "
                              "or 2, strategy.name single, ddp or fsdp, or optimizer.state_dtype float32")
+        if self.evaluation.interpolation is not None and not (self.checkpoint.export_dir or self.evaluation.select_best):
+            raise ValueError("evaluation.interpolation needs the run's final weights saved: set checkpoint.export_dir "
+                             "(or evaluation.select_best), or set evaluation.interpolation: null")
         _warn_if_pull_overshoots(self.optimizer)
         return self
 

@@ -32,6 +32,7 @@ ALLOWED_ON_RESUME: dict[str, str] = {
     "logging": "where and how often the run logs (includes the progress bar and output_dir)",
     "evaluation.batch_size": "evaluation batch size (same predictions, other memory use)",
     "evaluation.forgetting": "what forgetting is measured on (measuring changes no weight)",
+    "evaluation.interpolation": "the interpolation toward θ* at the run's end (it evaluates the finished model)",
     "checkpoint.every_steps": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoint cadence",
     "checkpoint.resume_from": "where to resume from",

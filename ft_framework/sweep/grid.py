@@ -31,6 +31,8 @@ __all__ = ["PlannedRun", "IDENTITY_EXCLUDED", "run_identity", "expand", "RUNS_SU
 # Config keys left out of a run's identity: they change where and how a run reports, not its result.
 IDENTITY_EXCLUDED: tuple[tuple[str, ...], ...] = (
     ("logging", "output_dir"),
+    # Interpolation after training evaluates the finished model; it does not change it.
+    ("evaluation", "interpolation"),
     ("logging", "progress_bar"),
     ("checkpoint", "resume_from"),
     # Trackers (ft_framework/tracking.py): where a run reports, not what it computes.
@@ -176,9 +178,12 @@ def expand(spec: SweepSpec, overrides: Sequence[str] = (), store_root: str | Pat
                 "run_name": cfg.logging.run_name or " ".join(
                     [name, *[f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in combo.items()]])})
             update: dict[str, Any] = {"logging": logging_cfg}
-            if getattr(spec, "interpolate", None) is not None and not cfg.checkpoint.export_dir:
-                # The interpolation post-step needs the final weights: export them into the run.
-                update["checkpoint"] = cfg.checkpoint.model_copy(update={"export_dir": str(run_dir / EXPORT_DIR)})
+            if getattr(spec, "interpolate", None) is not None:
+                # Each run interpolates itself at its end (its own process and resources); the
+                # post-step does the ones that did not. Both need the final weights: exported into the run.
+                if not cfg.checkpoint.export_dir:
+                    update["checkpoint"] = cfg.checkpoint.model_copy(update={"export_dir": str(run_dir / EXPORT_DIR)})
+                update["evaluation"] = cfg.evaluation.model_copy(update={"interpolation": spec.interpolate})
             cfg = cfg.model_copy(update=update)
             run = PlannedRun(run_id=run_id, method=name, axes=dict(combo), config=cfg, fixed=fixed)
             if run_id in seen:

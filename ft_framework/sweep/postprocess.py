@@ -1,9 +1,13 @@
 """Post-steps of a sweep (their part of the report is in report.py and plots.py).
 
-``interpolate: {alphas: [0, 0.25, 0.5, 0.75, 1]}`` in a sweep file runs ft-interpolate on every
-finished run once training is done (in the sweep's process, one run after another), writing each
-run's interpolation.json and interpolation.png. The sweep gives every run an export directory
+``interpolate: {alphas: [0, 0.25, 0.5, 0.75, 1]}`` in a sweep file becomes every run's
+``evaluation.interpolation`` (ft_framework/sweep/grid.py), so each run interpolates itself at its end,
+in its own process and on its own resources (a Ray sweep spreads the work over the cluster), writing
+its interpolation.json and interpolation.png. The sweep gives every run an export directory
 (``<run>/export``) when its config sets none, so that the final weights are there to interpolate.
+This post-step then runs ft-interpolate, in the sweep's process and one run after another, only on
+the finished runs that still have no up-to-date interpolation.json: runs that finished before the
+sweep asked for it, or whose own interpolation failed (their log says why).
 
 ft-report then shows, per task, the interpolation curve of each method (the chosen setting's seeds
 averaged): a table of the main metric at every α with ‖θ_α − θ*‖, the α that is best on the

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ft_framework.config import ConfigError, read_yaml
+from ft_framework.config.schema import InterpolationConfig
 
 __all__ = ["AXIS_ALIASES", "RunnerSpec", "MethodSpec", "ReportSpec", "SweepSpec", "load_sweep",
            "validate_sweep", "canonical_key"]
@@ -144,19 +145,9 @@ class ReportSpec(_Strict):
     seed_keys: list[str] = Field(default_factory=lambda: ["training.seed", "training.data_seed"])
 
 
-class InterpolateSpec(_Strict):
-    """The interpolation post-step (ft_framework/sweep/postprocess.py): ft-interpolate on every run."""
-
-    alphas: list[float] = Field(default_factory=lambda: [round(i / 10, 1) for i in range(11)])
-    # Where θ* comes from: auto (checkpoint anchors when θ comes from a checkpoint, else the pretrained model).
-    theta_star: Literal["auto", "anchors", "pretrained"] = "auto"
-
-    @field_validator("alphas")
-    @classmethod
-    def _alphas(cls, value: list[float]) -> list[float]:
-        if not value or any(not 0.0 <= a <= 1.0 for a in value):
-            raise ValueError(f"alphas must be a non-empty list of values in [0, 1], got {value}")
-        return sorted(set(float(a) for a in value))
+# The sweep's `interpolate:` post-step is a run's evaluation.interpolation, which the sweep gives to every
+# run (ft_framework/sweep/postprocess.py): one schema, owned by the run config.
+InterpolateSpec = InterpolationConfig
 
 
 class SweepSpec(_SetAndAxesChecks):

@@ -1,6 +1,6 @@
 """The forgetting-frontier sweep (configs/sweeps/forgetting_frontier.yaml: every method) on the tiny
-BERT, one seed, each run reporting to MLflow (one experiment for the sweep), interpolated by the
-sweep's `interpolate:` post-step, and ft-report showing the interpolation curves and the
+BERT, one seed, each run reporting to MLflow (one experiment for the sweep), interpolated at its
+end as the sweep's `interpolate:` asks, and ft-report showing the interpolation curves and the
 learning–forgetting frontier, consistent with the runs' own files."""
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def test_frontier_sweep_of_every_method_with_interpolation_tracking_and_report(t
         interp = json.loads((run_dir / "interpolation.json").read_text())
         assert interp["alphas"] == [0.0, 0.5, 1.0]
         assert interp["rows"][-1]["metrics"] == results["final"]["metrics"], method
+        # Each run interpolated itself at its end (the sweep's post-step found it up to date).
+        assert f"wrote {run_dir}/interpolation.json" in (run_dir / "log.txt").read_text(), method
         assert (run_dir / "export" / "config.json").is_file()
     assert (runs["lora"] / "export" / "adapter" / "adapter_config.json").is_file()
 

@@ -132,3 +132,59 @@ def test_select_best_interpolates_from_the_best_checkpoint(tiny_bert_dir, tmp_pa
     assert out["theta_source"] == str(tmp_path / "b" / "checkpoints" / "best")
     assert out["theta_star_source"].startswith("anchors")
     assert out["rows"][-1]["metrics"] == results["best"]["metrics"]
+
+
+def test_a_run_with_evaluation_interpolation_interpolates_itself_at_its_end(tiny_bert_dir, tmp_path, capsys):
+    """ft-train with evaluation.interpolation: interpolation.json is written by the run's own process
+    after results.json, with the configured α, and α = 1 is the run's reported model."""
+    from ft_framework.cli import train_main
+
+    cfg = write_run_config(tmp_path / "r.yaml", tiny_bert_dir, tmp_path / "r", training={"max_steps": 3},
+                           data={"max_train_examples": 16}, evaluation={"num_evals": 1,
+                                                                        "interpolation": {"alphas": [1, 0, 0.5]}},
+                           checkpoint={"export_dir": str(tmp_path / "r" / "export")})
+    assert train_main(["--config", str(cfg)]) == 0
+    printed = capsys.readouterr().out
+    assert "||theta_a - theta*||" in printed and f"wrote {tmp_path / 'r'}/interpolation.json" in printed
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert results["config"]["evaluation"]["interpolation"] == {"alphas": [0.0, 0.5, 1.0], "theta_star": "auto"}
+    out = json.loads((tmp_path / "r" / "interpolation.json").read_text())
+    assert out["alphas"] == [0.0, 0.5, 1.0] and out["theta_source"].startswith("export")
+    assert out["rows"][-1]["metrics"] == results["final"]["metrics"]
+    assert (tmp_path / "r" / "interpolation.json").stat().st_mtime >= (tmp_path / "r" / "results.json").stat().st_mtime
+
+
+def test_a_failed_interpolation_at_the_end_leaves_the_run_finished_and_says_so_in_one_line(tiny_bert_dir, tmp_path,
+                                                                                         capsys):
+    # θ* from the anchors, but θ comes from the export, which holds none: the interpolation is refused.
+    from ft_framework.cli import train_main
+
+    cfg = write_run_config(tmp_path / "r.yaml", tiny_bert_dir, tmp_path / "r", training={"max_steps": 2},
+                           data={"max_train_examples": 16},
+                           evaluation={"num_evals": 1, "interpolation": {"alphas": [0, 1], "theta_star": "anchors"}},
+                           checkpoint={"export_dir": str(tmp_path / "r" / "export")})
+    assert train_main(["--config", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("ft-train:")]
+    assert len(lines) == 1 and "interpolation toward theta* failed" in lines[0] and "Traceback" not in err
+    assert f"ft-interpolate {tmp_path / 'r'} tries again" in lines[0]
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert "status" not in results and results["steps"] == 2   # finished (an interrupted run says so)
+    assert not (tmp_path / "r" / "interpolation.json").exists()
+
+
+def test_evaluation_interpolation_without_saved_final_weights_is_refused_before_the_run(tiny_bert_dir, tmp_path,
+                                                                                       capsys):
+    from ft_framework.cli import train_main
+
+    cfg = write_run_config(tmp_path / "r.yaml", tiny_bert_dir, tmp_path / "r", training={"max_steps": 2},
+                           evaluation={"num_evals": 1, "interpolation": {}})
+    assert train_main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "evaluation.interpolation needs the run's final weights saved" in err[0]
+    assert "checkpoint.export_dir" in err[0] and not (tmp_path / "r" / "results.json").exists()
+    bad = write_run_config(tmp_path / "b.yaml", tiny_bert_dir, tmp_path / "b",
+                           evaluation={"interpolation": {"alphas": [0, 2]}},
+                           checkpoint={"export_dir": str(tmp_path / "b" / "export")})
+    assert train_main(["--config", str(bad)]) == 2
+    assert "alphas must be a non-empty list of values in [0, 1]" in capsys.readouterr().err

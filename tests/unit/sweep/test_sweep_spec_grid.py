@@ -50,6 +50,20 @@ def test_identity_ignores_where_a_run_writes_but_not_what_it_computes():
     assert run_identity(validate_config(a)) == run_identity(validate_config(b))
 
 
+def test_an_interpolating_sweep_gives_every_run_its_interpolation_and_export_without_changing_the_ids(tmp_path):
+    plain = expand(validate_sweep(sweep_dict()), store_root=tmp_path)
+    spec = validate_sweep(sweep_dict(interpolate={"alphas": [1, 0, 0.5], "theta_star": "pretrained"}))
+    runs = expand(spec, store_root=tmp_path)
+    assert [r.run_id for r in runs] == [r.run_id for r in plain]   # interpolating changes no weight
+    for run in runs:
+        assert run.config.evaluation.interpolation == spec.interpolate
+        assert run.config.evaluation.interpolation.alphas == [0.0, 0.5, 1.0]
+        assert run.config.checkpoint.export_dir == str(tmp_path / "runs" / run.run_id / "export")
+        # What the run's process reads back (config.yaml): valid, with the same interpolation.
+        assert validate_config(run.config.to_dict()).evaluation.interpolation == spec.interpolate
+    assert all(r.config.evaluation.interpolation is None for r in plain)
+
+
 def test_sweep_values_and_overrides_win_over_task_overrides(tmp_path):
     spec = validate_sweep(sweep_dict(axes={"task": ["rte", "mrpc"]}, methods=None))
     runs = expand(spec, store_root=tmp_path)
