@@ -29,10 +29,8 @@ SHARED_REFERENCE_FIXTURES = ("fsdp_reference", "zero2_offload_reference")
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """An xdist group per test file (module fixtures are set up once), and one per shared reference
-    run of SHARED_REFERENCE_FIXTURES; `--dist loadgroup` sends a group to one worker. The order is
-    xdist's (groups with the most tests first): handing out the slow groups first instead, so that
-    several multi-process tests ran side by side on two cores, measured slower (20.7 min against
-    15.4-18.2 on the same host)."""
+    run of SHARED_REFERENCE_FIXTURES; `--dist loadgroup` sends a group to one worker, in xdist's
+    order (groups with the most tests first)."""
     for item in items:
         shared = [name for name in SHARED_REFERENCE_FIXTURES if name in item.fixturenames]
         group = shared[0] if shared else Path(str(item.path)).relative_to(HERE).as_posix()
