@@ -18,6 +18,13 @@ from gpu_common import (CASES, HERE, REPO, free_port, reference_case, run_config
                         run_device, skip_reason, write_config)
 
 LAUNCH_TIMEOUT_S = int(os.environ.get("FT_GPU_TESTS_TIMEOUT", "480"))
+# The case names of the tests this session selected (pytest -k, node ids): a launch runs only those.
+SELECTED_CASES = pytest.StashKey[set]()
+
+
+def pytest_collection_modifyitems(config, items):
+    config.stash[SELECTED_CASES] = {item.callspec.params["case_name"] for item in items
+                                    if hasattr(item, "callspec") and "case_name" in item.callspec.params}
 
 
 def launcher_command(launcher: str, script: Path) -> list[str]:
@@ -46,15 +53,16 @@ def worker_env() -> dict[str, str]:
 
 
 class Launches:
-    """Launches each launcher's cases once (the first test that needs one of them), then serves
-    every case's results to every test."""
+    """Launches each launcher's selected cases once (the first test that needs one of them), then
+    serves every case's results to every test."""
 
-    def __init__(self, root: Path, model_dir: Path):
-        self.root, self.model_dir = root, model_dir
+    def __init__(self, root: Path, model_dir: Path, selected: set[str]):
+        self.root, self.model_dir, self.selected = root, model_dir, selected
         self.logs: dict[str, str] = {}
 
     def _launch(self, launcher: str) -> None:
-        names = [n for n, c in CASES.items() if c.launcher == launcher and skip_reason(n) is None]
+        names = [n for n, c in CASES.items()
+                 if c.launcher == launcher and n in self.selected and skip_reason(n) is None]
         out = self.root / launcher
         out.mkdir(parents=True, exist_ok=True)
         cmd = launcher_command(launcher, HERE / "gpu_worker.py") + [str(out), str(self.model_dir), *names]
@@ -89,8 +97,9 @@ def gpu_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def launches(tmp_path_factory, gpu_model_dir):
-    return Launches(tmp_path_factory.mktemp("gpu_runs"), gpu_model_dir)
+def launches(request, tmp_path_factory, gpu_model_dir):
+    return Launches(tmp_path_factory.mktemp("gpu_runs"), gpu_model_dir,
+                    request.config.stash.get(SELECTED_CASES, set(CASES)))
 
 
 @pytest.fixture(scope="session")

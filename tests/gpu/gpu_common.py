@@ -38,22 +38,44 @@ class Case:
     precision: str = "fp32"
     strategy: dict[str, Any] = field(default_factory=lambda: {"name": "single"})
     offload: bool = False           # the optimizer step runs on the CPU (C++ kernel)
+    # "bfloat16": the compact optimizer state (bf16 moments, theta* in bf16, fp32 theta - theta*).
+    state_dtype: str = "float32"
 
     @property
     def group(self) -> str:
         return self.launcher
+
+    @property
+    def compact(self) -> bool:
+        return self.state_dtype == "bfloat16"
+
+    @property
+    def anchor_dtype(self) -> str:
+        """The anchors' dtype in the optimizer state: the compact state keeps theta* in bf16."""
+        return "bfloat16" if self.compact else "float32"
 
     def tolerance(self) -> float:
         """Relative tolerance of ||theta - theta*|| against the fp32 CPU reference run."""
         # Low precision: rounding flips the sign of near-zero gradient elements, each of which then
         # moves a full step the other way; 4.5% was measured between CPU bf16 and fp32. The
         # tolerance still catches anchors or shards counted wrongly (a factor, e.g. sqrt(2)).
-        return 2e-3 if self.precision == "fp32" else 0.12
+        # The compact state in fp32 compute: bf16 moments move each element's normalized step by up
+        # to half a bf16 ulp of m (0.4%), and the logged distance is to bf16(theta*), the target the
+        # optimizer keeps: 1.14% from the reference at step 1, 0.31% at step 5 on the CPU
+        # (FT_GPU_TESTS_DEVICE=cpu), which COMPACT_TOLERANCE bounds with margin.
+        if self.precision != "fp32":
+            return 0.12
+        return COMPACT_TOLERANCE if self.compact else 2e-3
 
     def resume_tolerance(self) -> float:
         """Relative tolerance of the resumed run against the uninterrupted one (both on the GPU,
         deterministic algorithms on: expected equal; the margin covers atomics that remain)."""
         return 1e-5 if self.precision == "fp32" else 1e-3
+
+
+COMPACT_TOLERANCE = 0.025
+
+_OVERLAP_OFFLOAD = {"name": "single", "offload_optimizer": {"overlap": True}}
 
 
 def _ds(stage: int, offload: bool = False) -> dict[str, Any]:
@@ -73,6 +95,14 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("zero3_offload", "deepspeed", "fp32", _ds(3, True), offload=True),
     Case("fsdp", "torchrun", "fp32", {"name": "fsdp", "fsdp": {"cpu_offload": False}}),
     Case("fsdp_offload", "torchrun", "fp32", {"name": "fsdp", "fsdp": {"cpu_offload": True}}, offload=True),
+    # Our offload: the CPU step overlapped with backward (CUDA streams, pinned buffers, rollback).
+    Case("single_offload_overlap", "python", "fp32", _OVERLAP_OFFLOAD, offload=True),
+    # The compact state wherever an offloaded step runs it (issue 27, part 3).
+    Case("single_offload_overlap_compact", "python", "fp32", _OVERLAP_OFFLOAD, offload=True,
+         state_dtype="bfloat16"),
+    Case("zero2_offload_compact", "deepspeed", "bf16", _ds(2, True), offload=True, state_dtype="bfloat16"),
+    Case("fsdp_offload_compact", "torchrun", "fp32", {"name": "fsdp", "fsdp": {"cpu_offload": True}},
+         offload=True, state_dtype="bfloat16"),
 )}
 
 LAUNCHERS = ("python", "deepspeed", "torchrun")
@@ -201,7 +231,8 @@ def run_config(model_dir: Path, out_dir: Path, case: Case, device: str, *, expor
         # partial step depending on rounding, and ||theta - theta*|| moved ~10% between bf16 and
         # fp32 (measured on the CPU); with 1e-12 every element takes a full normalized step.
         "optimizer": {"name": "recadam", "hparams": {"lr": 1e-3, "anneal_k": 0.5, "anneal_t0": 3,
-                                                      "pretrain_cof": 100.0, "eps": 1e-12}},
+                                                      "pretrain_cof": 100.0, "eps": 1e-12},
+                      "anchor_dtype": case.anchor_dtype, "state_dtype": case.state_dtype},
         "schedule": {"name": "linear", "warmup_steps": 1},
         "training": {"max_steps": STEPS, "per_device_batch_size": BATCH, "seed": 1, "data_seed": 2,
                      "device": device, "precision": case.precision, "max_grad_norm": 1.0},

@@ -79,16 +79,26 @@ def gather_anchors(trainer, strategy_name: str) -> tuple[dict[str, torch.Tensor]
                 errors.append(f"{name}: {type(exc).__name__}: {exc}")
                 continue
             if value is not None:
-                anchors[name] = value.detach().float().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+                anchors[name] = value.detach().cpu().reshape(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
         return anchors, errors
-    for name, p in trainer.model.named_parameters():
-        state = opt.state.get(p, {})
-        if "anchor" in state:
-            anchors[name] = full_dtensor(state["anchor"]) if strategy_name == "fsdp" else state["anchor"].detach().cpu()
+    if strategy_name == "fsdp":
+        for name, p in trainer.model.named_parameters():
+            state = opt.state.get(p, {})
+            if "anchor" in state:
+                anchors[name] = full_dtensor(state["anchor"])
+        return anchors, errors
+    # One process: the checkpoint's fragments name each anchor, also where the optimizer steps
+    # host masters rather than the model's (device) parameters (strategy.offload_optimizer).
+    shapes = {name: p.shape for name, p in trainer.model.named_parameters()}
+    for fragment in trainer.strategy.checkpointable().fragments():
+        if fragment.field == "anchor":
+            anchors[fragment.name] = fragment.tensor.detach().cpu().reshape(shapes[fragment.name])
     return anchors, errors
 
 
-def compare_anchors(anchors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], names: list[str]) -> dict:
+def compare_anchors(anchors: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], names: list[str],
+                    anchor_dtype: torch.dtype) -> dict:
+    """Each anchor against theta* as saved, rounded to the dtype the optimizer keeps it in."""
     expected = {n: file_key(saved, n) for n in names}
     expected = {n: k for n, k in expected.items() if k is not None}
     mismatched, max_diff, dtypes = [], 0.0, set()
@@ -96,11 +106,11 @@ def compare_anchors(anchors: dict[str, torch.Tensor], saved: dict[str, torch.Ten
         dtypes.add(str(a.dtype))
         if n not in expected:
             continue
-        ref = saved[expected[n]]
+        ref = saved[expected[n]].to(anchor_dtype)
         if tuple(a.shape) != tuple(ref.shape):
             mismatched.append(f"{n}: shape {tuple(a.shape)} != {tuple(ref.shape)}")
             continue
-        if not torch.equal(a.to(ref.dtype), ref):
+        if not torch.equal(a, ref):
             mismatched.append(n)
             max_diff = max(max_diff, float((a.double() - ref.double()).abs().max()))
     return {"count": len(anchors), "expected": len(expected),
@@ -125,8 +135,13 @@ def observe(trainer, case, saved) -> dict:
     names = [n for n, _ in module.named_parameters()]
     anchors, errors = gather_anchors(trainer, strategy)
     opt = trainer.optimizer
-    obs = {"impl": opt.impl, **optimizer_placement(opt), "anchors": compare_anchors(anchors, saved, names),
-           "anchor_errors": errors[:5], "optimizer_steps": opt.group_steps() if hasattr(opt, "group_steps") else None,
+    anchor_dtype = getattr(torch, case.anchor_dtype)
+    obs = {"impl": opt.impl, **optimizer_placement(opt),
+           "anchors": compare_anchors(anchors, saved, names, anchor_dtype),
+           "anchor_errors": errors[:5],
+           # as the optimizer keeps them (DeepSpeed's full-state gather hands back fp32 whatever they are)
+           "anchor_state_dtypes": sorted({str(s["anchor"].dtype) for s in opt.state.values() if "anchor" in s}),
+           "optimizer_steps": opt.group_steps() if hasattr(opt, "group_steps") else None,
            "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
            "model_param_devices": sorted({str(local(p).device) for p in module.parameters()})}
     if torch.cuda.is_available():
