@@ -1,5 +1,7 @@
+import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,26 @@ def pytest_collection_modifyitems(config, items):
         shared = [name for name in SHARED_REFERENCE_FIXTURES if name in item.fixturenames]
         group = shared[0] if shared else Path(str(item.path)).relative_to(HERE).as_posix()
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+SESSION_STARTED = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Removes DeepSpeed's CPU all-reduce segments this session made: a run removes its ranks' own
+    when it ends (DeepSpeedStrategy.close), but a rank a test kills cannot, and each is 66 MB of
+    RAM until the machine restarts. Once, in the process that ends last (xdist's controller)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or importlib.util.find_spec("deepspeed") is None:
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    from ft_framework.strategies.deepspeed_adapter import shm_allreduce_segments_of_this_user
+
+    for segment in shm_allreduce_segments_of_this_user():
+        try:
+            if segment.stat().st_mtime >= SESSION_STARTED:
+                segment.unlink()
+        except FileNotFoundError:
+            pass
 
 
 @pytest.fixture(scope="session")

@@ -201,6 +201,14 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     def unwrapped_model(self) -> nn.Module:
         return self.engine.module
 
+    def close(self) -> None:
+        # deepspeed.initialize ran collectives of the whole group, so every rank has mapped this
+        # rank's all-reduce segment: it can go (before that, a rank still starting would wait for it).
+        engine_built = getattr(self, "engine", None) is not None
+        super().close()
+        if engine_built:
+            self._adapter.remove_shm_allreduce_segment(self.rank)
+
     # ---- telemetry -------------------------------------------------------------------------------
     def gather_full_state(self, key: str) -> dict[str, torch.Tensor]:
         """Full value of optimizer state `key` ('fp32' = master weights) per parameter name

@@ -31,7 +31,9 @@ Importing this module checks the DeepSpeed version against SUPPORTED_DEEPSPEED.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -66,6 +68,33 @@ def check_deepspeed_version(version: str) -> None:
 
 
 check_deepspeed_version(deepspeed.__version__)
+
+# DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp, the supported releases) creates one
+# shared-memory segment per rank when every rank is on this machine (LOCAL_SIZE == world size),
+# named from the user id, MASTER_ADDR, MASTER_PORT and the rank, and never unlinks it: each run
+# left 66 MB of RAM per rank in /dev/shm until the machine restarted.
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_allreduce_segment(rank: int) -> Path:
+    """The /dev/shm segment DeepSpeed's CPU all-reduce made for `rank` of this run's group."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def shm_allreduce_segments_of_this_user() -> list[Path]:
+    """Every such segment this user has in /dev/shm, of any run (a killed rank leaves its own)."""
+    return sorted(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+
+
+def remove_shm_allreduce_segment(rank: int) -> None:
+    """Unlinks `rank`'s segment, if there is one. Call it only after a collective of the group
+    has completed (every rank has then mapped every segment: a rank still starting would otherwise
+    wait for it forever); the mappings stay valid until the processes exit."""
+    try:
+        shm_allreduce_segment(rank).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def full_shape(p: torch.Tensor) -> tuple[int, ...]:

@@ -46,13 +46,16 @@ def test_deepspeed_launcher_runs_the_trainer_like_one_process(tmp_path):
                                         "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
                               checkpoint={"export_dir": str(tmp_path / "export")})
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+    port = free_port()
+    out = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port),
                           str(REPO / "launch" / "train.py"), "--config", str(ds_cfg)],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "memory plan per rank (deepspeed, 2 rank(s)" in log
     assert "anchors theta*" in log
+    # DeepSpeed's CPU all-reduce made a /dev/shm segment per rank; each rank removed its own.
+    assert sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")) == []
 
     single, ds = read_train_records(tmp_path / "single" / "metrics.jsonl"), read_train_records(tmp_path / "ds" / "metrics.jsonl")
     assert len(single) == len(ds) == 4
