@@ -185,8 +185,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if hasattr(p, "device_mesh") and not hasattr(anchor, "device_mesh"):
             from torch.distributed.tensor import distribute_tensor
 
-            shard = distribute_tensor(anchor.to(device=local_tensor(p).device, dtype=self.anchor_dtype),
-                                      p.device_mesh, p.placements, src_data_rank=None).to_local()
+            shard = distribute_tensor(anchor.to(dtype=self.anchor_dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None).to_local()
             # Laid out like p with its shard where p's shard is: FSDP2's CPU offload keeps host
             # shards on a CUDA mesh, and distribute_tensor (and DTensor.from_local) put a shard on
             # the mesh's device; zeros_like keeps p's, as it does for the moments.

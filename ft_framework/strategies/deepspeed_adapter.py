@@ -82,9 +82,11 @@ def shm_allreduce_segment(rank: int) -> Path:
     return SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
-def shm_allreduce_segments_of_this_user() -> list[Path]:
-    """Every such segment this user has in /dev/shm, of any run (a killed rank leaves its own)."""
-    return sorted(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+def shm_allreduce_segments_of_this_user(port: int | None = None) -> list[Path]:
+    """Every such segment this user has in /dev/shm, of any run (a killed rank leaves its own), or
+    of the runs whose MASTER_PORT is `port`."""
+    pattern = "*" if port is None else f"*_{port}_*"
+    return sorted(SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{pattern}"))
 
 
 def remove_shm_allreduce_segment(rank: int) -> None:

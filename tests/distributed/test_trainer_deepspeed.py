@@ -55,7 +55,9 @@ def test_deepspeed_launcher_runs_the_trainer_like_one_process(tmp_path):
     assert "memory plan per rank (deepspeed, 2 rank(s)" in log
     assert "anchors theta*" in log
     # DeepSpeed's CPU all-reduce made a /dev/shm segment per rank; each rank removed its own.
-    assert sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")) == []
+    from ft_framework.strategies.deepspeed_adapter import shm_allreduce_segments_of_this_user
+
+    assert shm_allreduce_segments_of_this_user(port) == []
 
     single, ds = read_train_records(tmp_path / "single" / "metrics.jsonl"), read_train_records(tmp_path / "ds" / "metrics.jsonl")
     assert len(single) == len(ds) == 4

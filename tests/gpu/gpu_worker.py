@@ -101,9 +101,8 @@ def compare_anchors(anchors: dict[str, torch.Tensor], saved: dict[str, torch.Ten
     """Each anchor against theta* as saved, rounded to the dtype the optimizer keeps it in."""
     expected = {n: file_key(saved, n) for n in names}
     expected = {n: k for n, k in expected.items() if k is not None}
-    mismatched, max_diff, dtypes = [], 0.0, set()
+    mismatched, max_diff = [], 0.0
     for n, a in anchors.items():
-        dtypes.add(str(a.dtype))
         if n not in expected:
             continue
         ref = saved[expected[n]].to(anchor_dtype)
@@ -116,7 +115,7 @@ def compare_anchors(anchors: dict[str, torch.Tensor], saved: dict[str, torch.Ten
     return {"count": len(anchors), "expected": len(expected),
             "missing": sorted(set(expected) - set(anchors)),
             "unexpected": sorted(set(anchors) - set(expected)),
-            "mismatched": mismatched, "max_abs_diff": max_diff, "dtypes": sorted(dtypes)}
+            "mismatched": mismatched, "max_abs_diff": max_diff}
 
 
 def optimizer_placement(opt) -> dict:
