@@ -2,6 +2,7 @@
 # Installs ft_framework and what it needs on a fresh machine; safe to run again.
 #   bash scripts/install.sh          the library, its C++ kernel and the quickstart model (what ft-train needs)
 #   bash scripts/install.sh --test   the same plus the test extra (pytest, DeepSpeed, Ray, MLflow, W&B, peft, ...)
+#                                    and, as root with apt-get, Debian's slurm-wlm and munge (tests/slurm)
 # torch is installed first and pinned: a bare `torch` requirement with no torch installed would
 # pull several GB of CUDA packages. On a GPU machine, install your CUDA torch build first and set
 # FT_TORCH_SPEC= (empty) to keep it. FT_EXTRAS=a,b names the extras yourself.
@@ -23,4 +24,15 @@ fi
 # The C++ kernel is built by scikit-build-core + CMake + pybind11 (g++ and cmake must be present).
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja
 "$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
+if [ "$EXTRAS" = test ]; then
+  # The SLURM tests (tests/slurm/) start a real two-node cluster on this host (scripts/slurm_cluster.sh).
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "scripts/install.sh: no apt-get here: SLURM (slurm-wlm, munge) not installed; tests/slurm will skip"
+  elif [ "$(id -u)" != 0 ]; then
+    echo "scripts/install.sh: not root: SLURM (slurm-wlm, munge) not installed; tests/slurm will skip"
+  elif ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then
+    (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null) \
+      || echo "scripts/install.sh: apt-get could not install slurm-wlm and munge; tests/slurm will skip"
+  fi
+fi
 "$PY" -c "from ft_framework.optim import cpu; print('ft_framework installed (extras: ${EXTRAS}); CPU kernel SIMD level:', cpu.simd_level())"
