@@ -53,6 +53,7 @@ from ft_framework.metrics import compute_metrics
 from ft_framework.models.forgetting import FORGETTING_MEASURES, build_probe
 from ft_framework.models.loading import load_model, load_tokenizer
 from ft_framework.models.lora import apply_lora, merged_copy
+from ft_framework.path_containment import links_leading_out
 from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
                                     LATEST_FILE, RunPaths)
 from ft_framework.run.tracking import log_artifacts_to_run
@@ -137,8 +138,18 @@ def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
     return any(".lora_A." in k or k.startswith("base_model.model.") for k in state)
 
 
+def _refuse_links_out(directory: Path) -> Path:
+    """`directory` when no symlink in it leads out of it (path_containment.py): checked before
+    anything in it is opened."""
+    escaped = links_leading_out(directory) if Path(directory).is_dir() else []
+    if escaped:
+        raise InterpolationError(f"{directory}: {escaped[0]}")
+    return directory
+
+
 def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """(model state dict, fp32 anchors by parameter name or None) of one checkpoint, any strategy."""
+    _refuse_links_out(directory)
     if (directory / MANIFEST_FILE).is_file():  # the sharded layout every strategy writes
         damaged = check_files(directory)
         if damaged:
@@ -199,19 +210,20 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
     reported = results.get("reported", "final")
     exported = results.get("exported_to")
     if exported and Path(exported).is_dir():
+        _refuse_links_out(Path(exported))
         from transformers import AutoModelForSequenceClassification
 
         loaded = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32)
         return loaded.state_dict(), None, f"export {exported}"
     if reported == "best":
-        best = paths.best_checkpoint
+        best = _refuse_links_out(paths.best_checkpoint)
         if not (best / COMPLETE_MARKER).is_file():
             raise InterpolationError(f"{run_dir} reports its best evaluation but {best} is not a complete checkpoint")
         state, anchors = _checkpoint_model_state(best)
         return _plain_state(state, cfg, model), anchors, str(best)
     if paths.latest_checkpoint.is_file():
         try:
-            directory = resolve_latest(paths.latest_checkpoint)
+            directory = _refuse_links_out(resolve_latest(paths.latest_checkpoint))
         except CheckpointError as exc:
             raise InterpolationError(str(exc)) from exc
         step = int(json.loads((directory / COMPLETE_MARKER).read_text()).get("step", -1))

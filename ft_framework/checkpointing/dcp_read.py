@@ -7,8 +7,10 @@ with `torch.load(weights_only=False)`: a planted file would run code on whoever 
 - `checkpoint_reader`: DCP's FileSystemReader, `.metadata` read through an unpickler whose
   `find_class` resolves only the globals of DCP's metadata classes (an explicit allow-list of
   (module, name) pairs mapped to the objects themselves: nothing is imported or looked up by a
-  name from the file); any other global is refused in one line naming it. The result must be a `Metadata` whose data files are plain
-  file names inside the checkpoint directory.
+  name from the file); any other global is refused in one line naming it. The result must be a
+  `Metadata` whose data files are plain file names inside the checkpoint directory, each resolved
+  by `path_containment.resolve_inside` (a symlink leading out is refused before DCP opens it), as
+  is `.metadata` itself.
 - `read_bytes_as_data`: a non-tensor entry through `torch.load(weights_only=True)`.
 - `read_whole_checkpoint`: every entry of a DCP checkpoint (the old FSDP format), through both.
 
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from ft_framework.checkpointing.manifest import CheckpointFormatError
+from ft_framework.path_containment import NameOutsideError, resolve_inside
 
 __all__ = ["DCP_METADATA", "checkpoint_reader", "read_bytes_as_data", "read_metadata", "read_whole_checkpoint"]
 
@@ -117,13 +120,22 @@ def _checked(metadata: Any, path: Path) -> Any:
         raise CheckpointFormatError(f"checkpoint {path.parent}: {path.name} {problem}: it was not written by "
                                     "torch.distributed.checkpoint, or it was tampered with; resume from an earlier "
                                     "checkpoint")
+    for relative_path in sorted({v.relative_path for v in metadata.storage_data.values()}):
+        _inside(path.parent, relative_path, f"{path.name}'s data file")  # a symlink to elsewhere: refused
     return metadata
+
+
+def _inside(directory: Path, name: str, entry: str) -> Path:
+    try:
+        return resolve_inside(directory, name, entry=entry)
+    except NameOutsideError as exc:
+        raise CheckpointFormatError(f"checkpoint {directory}: {exc}; resume from an earlier checkpoint") from exc
 
 
 def read_metadata(path: Path) -> Any:
     """DCP's Metadata from the file `path`, read as data; CheckpointFormatError (one line) for a file
     that names anything but DCP's metadata classes, or cannot be read."""
-    path = Path(path)
+    path = _inside(Path(path).parent, Path(path).name, "DCP's index")
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()

@@ -21,6 +21,7 @@ from ft_framework.checkpointing.dcp_read import DCP_METADATA, read_metadata
 from ft_framework.checkpointing.manifest import (MANIFEST_FILE, CheckpointFormatError, check_files, file_records,
                                                  record_files)
 from ft_framework.errors import UserError
+from ft_framework.path_containment import NameOutsideError, links_leading_out, quote_name, resolve_inside
 from ft_framework.run.files import (BEST_CHECKPOINT, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
                                     LATEST_FILE, TRAINER_STATE_FILE, checkpoint_name)
 
@@ -45,8 +46,9 @@ class CheckpointError(UserError, RuntimeError):
 def resolve_latest(path: str | Path) -> Path:
     """The checkpoint directory a user means by `path`: a checkpoint directory itself, the `latest`
     pointer file, a run's checkpoints/ directory, or a run's output directory (the latter three
-    through the pointer). The one place the pointer is read; raises CheckpointError naming what is
-    accepted when `path` is none of these."""
+    through the pointer). The one place the pointer is read; the name it holds must stay inside its
+    directory (path_containment.py). Raises CheckpointError naming what is accepted when `path` is
+    none of these, or the pointer's name when it leads out."""
     path = Path(path)
     if path.is_file() and path.name == LATEST_FILE:
         pointer = path
@@ -62,9 +64,16 @@ def resolve_latest(path: str | Path) -> Path:
             f"directory, its {CHECKPOINTS_DIR}/ directory, the {CHECKPOINTS_DIR}/{LATEST_FILE} pointer file, or a "
             f"checkpoint directory ({CHECKPOINTS_DIR}/{CHECKPOINT_PREFIX}N)")
     name = pointer.read_text().strip()
-    directory = pointer.parent / name
-    if not name or not directory.is_dir():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a directory beside it; pass a checkpoint "
+    if not name:
+        raise CheckpointError(f"{pointer} is empty; pass a checkpoint directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) "
+                              "instead")
+    try:
+        directory = resolve_inside(pointer.parent, name, entry=f"the {LATEST_FILE} pointer's checkpoint")
+    except NameOutsideError as exc:
+        raise CheckpointError(f"{exc}; pass a checkpoint directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) "
+                              "instead") from exc
+    if not directory.is_dir():
+        raise CheckpointError(f"{pointer} names {quote_name(name)}, which is not a directory beside it; pass a checkpoint "
                               f"directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) instead")
     return directory
 
@@ -239,12 +248,32 @@ class CheckpointManager:
         except CheckpointError:  # a pointer to a pruned or renamed directory
             return None
 
+    def _leads_out(self, directory: Path) -> list[str]:
+        """Why checkpoint `directory` (an entry of the root) must not be opened: the entry itself,
+        or a symlink in it, leads out of it (path_containment.py); empty when nothing does."""
+        try:
+            resolve_inside(self.root, directory.name, entry="the checkpoint directory")
+        except NameOutsideError as exc:
+            return [str(exc)]
+        return links_leading_out(directory) if directory.is_dir() else []
+
     def latest_complete(self) -> Path | None:
         """checkpoint.resume_from 'auto': the newest complete checkpoint (the `latest` pointer's,
-        else the highest step with its COMPLETE marker), or None when there is none yet."""
-        pointed = self.latest()
+        else the highest step with its COMPLETE marker), or None when there is none yet. A pointer or
+        a checkpoint that cannot be used is passed over with a warning saying why."""
+        pointed = None
+        if (self.root / LATEST_FILE).is_file():
+            try:
+                pointed = resolve_latest(self.root / LATEST_FILE)
+            except CheckpointError as exc:  # pruned, renamed, or naming a place outside
+                logger.warning("checkpoint.resume_from=auto: not following %s: %s; looking for the newest complete "
+                               "checkpoint instead", self.root / LATEST_FILE, exc)
         steps = sorted(self.root.glob(f"{CHECKPOINT_PREFIX}*"), reverse=True) if self.root.is_dir() else []
         for directory in dict.fromkeys(([pointed] if pointed is not None else []) + steps):
+            leads_out = self._leads_out(directory)  # before anything in it is looked at
+            if leads_out:
+                logger.warning("checkpoint.resume_from=auto: skipping %s: %s", directory, "; ".join(leads_out))
+                continue
             if (directory / COMPLETE_MARKER).is_file() and (directory / TRAINER_STATE_FILE).is_file():
                 # The sizes the manifest records (cheap, and what a crash or a full disk breaks), and DCP's
                 # index read as data (a planted one is refused before anything loads it).
@@ -258,16 +287,20 @@ class CheckpointManager:
     def resolve(self, where: str) -> Path:
         """The checkpoint directory for checkpoint.resume_from ('latest' or a path), verified."""
         if where == "latest":
-            directory = self.latest()
-            if directory is None:
+            if not (self.root / LATEST_FILE).is_file():
                 raise CheckpointError(f"checkpoint.resume_from is 'latest' but {self.root} holds no checkpoint; "
                                       "start without resume_from, or point it at a checkpoint directory")
+            directory = resolve_latest(self.root / LATEST_FILE)
         else:
             directory = Path(where)
         if not directory.is_dir():
             raise CheckpointError(f"checkpoint.resume_from: {directory} is not a complete checkpoint: it does not "
                                   "exist; use 'latest' (the newest checkpoint in logging.output_dir) or a checkpoint "
                                   "directory")
+        leads_out = links_leading_out(directory)  # before anything in it is looked at
+        if leads_out:
+            raise CheckpointError(f"checkpoint {directory}: {leads_out[0]}; resume from another checkpoint "
+                                  "(checkpoint.resume_from=<its directory>, or auto)")
         if not (directory / COMPLETE_MARKER).is_file():
             raise CheckpointError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: "
                                   "the save was interrupted, or this is not a checkpoint directory)")

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from ft_framework.errors import UserError
+from ft_framework.path_containment import NameOutsideError, links_leading_out, resolve_inside
 from ft_framework.checkpointing.fragments import ParamInfo
 from ft_framework.checkpointing.old_formats import legacy_format_error
 
@@ -107,6 +108,9 @@ def _jsonable(obj: Any) -> Any:
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest, or a CheckpointFormatError saying what the directory is instead."""
     directory = Path(directory)
+    escaped = links_leading_out(directory)  # before anything in it is opened (the manifest included)
+    if escaped:
+        raise CheckpointFormatError(f"checkpoint {directory}: {escaped[0]}")
     path = directory / MANIFEST_FILE
     if not path.is_file():
         legacy = legacy_format_error(directory)
@@ -166,9 +170,14 @@ def record_files(directory: Path, records: dict[str, dict[str, Any]]) -> None:
 
 def check_files(directory: Path, *, checksums: bool = False) -> list[str]:
     """What is wrong with the checkpoint's files, one entry per damaged file (empty: intact): a file
-    missing, of another size than the manifest records, or (`checksums`) whose bytes changed.
-    A checkpoint whose manifest records no files (converted from an old format) passes."""
+    missing, of another size than the manifest records, or (`checksums`) whose bytes changed; a
+    symlink leading out of the directory, or a recorded name that does (path_containment.py), before
+    anything is sized, hashed or opened. A checkpoint whose manifest records no files (converted
+    from an old format) passes."""
     directory = Path(directory)
+    escaped = links_leading_out(directory)
+    if escaped:
+        return escaped
     if not (directory / MANIFEST_FILE).is_file():  # not this layout: its reader says what it is
         return []
     try:
@@ -176,8 +185,18 @@ def check_files(directory: Path, *, checksums: bool = False) -> list[str]:
     except (OSError, ValueError) as exc:
         return [f"{directory / MANIFEST_FILE} cannot be read ({type(exc).__name__})"]
     problems = []
-    for name, want in (manifest.get("files") or {}).items():
-        path = directory / name
+    files = manifest.get("files") or {}
+    if not isinstance(files, dict):
+        return [f"{directory / MANIFEST_FILE}: its files entry is not a mapping of names to sizes"]
+    for name, want in files.items():
+        try:
+            path = resolve_inside(directory, name, entry=f"{MANIFEST_FILE}'s file")
+        except NameOutsideError as exc:
+            problems.append(str(exc))
+            continue
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            problems.append(f"{directory / MANIFEST_FILE}: the entry of {name} records no size")
+            continue
         if not path.is_file():
             problems.append(f"{path} is missing")
             continue

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
+from ft_framework.path_containment import resolve_inside
 from ft_framework.run.files import (INDEX_FILE, LOCK_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
                                     RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE, RunPaths)
 
@@ -176,6 +177,8 @@ class SweepStore:
         status = self.read_status(run_id)
         if status.get("state") != "running":
             return
+        if status.get("slurm_job_id"):
+            return  # a SLURM job runs it, outliving any sweep: the SLURM runner asks squeue (sweep/slurm_runner.py)
         pid = status.get("pid")
         if (pid and status.get("host") == socket.gethostname() and _pid_alive(int(pid))
                 and str(self.run_dir(run_id)) in _cmdline(int(pid))):
@@ -233,12 +236,21 @@ class SweepStore:
         return _read_json(self.root / INDEX_FILE)
 
     def list_runs(self) -> list[dict[str, Any]]:
-        """Index entries of the store (from index.json, else from the run directories)."""
+        """Index entries of the store (from index.json, else from the run directories). Each entry's
+        run directory ("dir") must stay inside the store (path_containment.py): an index naming a
+        place outside, or a run directory that is a symlink leading out, is refused in one line
+        (NameOutsideError) before anything there is read."""
         index = self.read_index()
         if index is not None:
-            return index["runs"]
+            entries = index["runs"]
+            for entry in entries:
+                entry.setdefault("dir", f"{RUNS_SUBDIR}/{entry.get('id')}")
+                resolve_inside(self.root, entry["dir"], entry=f"{INDEX_FILE}'s run directory")
+            return entries
         entries = []
-        for directory in sorted(p for p in self.runs_dir.glob("*") if p.is_dir()):
+        for directory in sorted(p for p in self.runs_dir.glob("*")
+                                if resolve_inside(self.root, f"{RUNS_SUBDIR}/{p.name}", entry="the run directory")
+                                and p.is_dir()):
             info = self.read_run_info(directory.name)
             if info is None:
                 continue
