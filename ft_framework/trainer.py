@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import signal
@@ -26,6 +27,7 @@ from ft_framework.checkpointing.dcp_io import CheckpointReadError
 from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.distributed.config_agreement import check_config_agreement
+from ft_framework.distributed.slurm_env import slurm_job_record
 from ft_framework.config import RunConfig
 from ft_framework.data import load_task_data, make_collator
 from ft_framework.data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
@@ -468,6 +470,9 @@ class Trainer:
         return results
 
     def _write_results(self, results: dict[str, Any]) -> None:
+        slurm = slurm_job_record(os.environ)
+        if slurm is not None:  # which SLURM job ran it, and how often SLURM requeued that job
+            results = {**results, "slurm": slurm}
         self.output_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.output_dir / (RESULTS_FILE + ".tmp")
         tmp.write_text(json.dumps(results, indent=2, allow_nan=True))

@@ -1,5 +1,5 @@
 """What every multi-process strategy (DDP, DeepSpeed, FSDP) shares: joining the process group a
-launcher (torchrun, the deepspeed launcher) describes in the environment, and the collectives the
+launcher (torchrun, the deepspeed launcher, srun: distributed/slurm_env.py) describes in the environment, and the collectives the
 trainer uses for evaluation and checkpoints (made through ft_framework.distributed.collectives)."""
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import torch.distributed as dist
 
 from ft_framework.distributed import collectives
 from ft_framework.distributed.rendezvous import join_process_group
+from ft_framework.distributed.slurm_env import adopt_slurm_launch
 
 
 class ProcessGroupMixin:
     """Mix into a Strategy subclass (before it) and call `_join_process_group` in __init__."""
 
     def _join_process_group(self, strategy_name: str, launcher: str, init=None) -> None:
+        adopt_slurm_launch()  # a task of srun (no torchrun): RANK and the rest from SLURM's variables
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RuntimeError(f"strategy {strategy_name} needs a distributed launch (also for one process): "
                                f"{launcher}")

@@ -11,6 +11,7 @@ check. The process group is then created on that store, with the usual collectiv
 
 torchrun's agents meet at their own rendezvous (``--rdzv-endpoint``) before any worker starts; the
 one-line form of *its* failures is ``python -m ft_framework.distributed.torchrun`` (ft_framework/torchrun.py).
+Under ``srun`` without a launcher, distributed/slurm_env.py first sets the same variables from SLURM's.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def join_process_group(backend: str, timeout_s: float | None = None, **init_kwar
                        f"({_first_line(exc)})")
         raise RendezvousFailed(
             f"{problem}: start every node with the same master address and port (deepspeed --master_addr/"
-            f"--master_port, torchrun --rdzv-endpoint) and the same number of nodes, check that node 0 is up "
+            f"--master_port, torchrun --rdzv-endpoint; under srun the first host of the node list and a port from "
+            f"the job id, or MASTER_ADDR / MASTER_PORT) and the same number of nodes, check that node 0 is up "
             f"and {where} is reachable from every node, or give slow starters longer with {TIMEOUT_ENV}=SECONDS"
         ) from None
     # A prefix, as env:// adds one: the store is shared with the launcher's own keys.

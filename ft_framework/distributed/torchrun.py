@@ -21,6 +21,14 @@ fresh store. Use it on every node (or set that variable on every node for plain 
 
     python -m ft_framework.distributed.torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint NODE0:29400 --rdzv-id job1 launch/train.py --config run.yaml
+
+Under SLURM, one launcher per node (srun's tasks are the launchers; torchrun starts the GPUs' processes):
+
+    srun --nodes 2 --ntasks-per-node 1 python -m ft_framework.distributed.torchrun --nnodes 2 \\
+        --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint $(scontrol show hostnames | head -n1):29400 \\
+        --rdzv-id $SLURM_JOB_ID launch/train.py --config run.yaml
+
+(or one process per GPU as srun's tasks, without torchrun: distributed/slurm_env.py, docs/multinode.md).
 """
 
 from __future__ import annotations
