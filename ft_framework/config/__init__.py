@@ -10,6 +10,7 @@ Every section rejects unknown keys; :func:`load_config` reports them (and bad va
 The package's modules:
     schema.py     the pydantic sections and RunConfig (add new fields here)
     overrides.py  YAML reading, `key=value` overrides, set_path, the task_overrides engine
+    yaml_loader.py  the YAML loader: duplicate keys refused, aliases bounded (ALIAS_NODE_LIMIT)
     loading.py    validate_config / load_config: the above put together, and path checks
     errors.py     ConfigError and the formatting of validation errors
 """

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
+from ft_framework.errors import quoted
 from ft_framework.models.hub import looks_like_path
 from ft_framework.run.fingerprint import check_allow_list
 
@@ -69,19 +70,19 @@ def _check_paths(cfg: RunConfig) -> None:
     """Checks that files the config points to exist (relative paths: from the current directory)."""
     source = cfg.data.source
     if source not in ("hub", FILES_SOURCE) and not source.startswith("builtin:") and not Path(source).is_dir():
-        raise ConfigError(f"data.source: directory {source!r} not found; use 'hub', "
+        raise ConfigError(f"data.source: directory {quoted(source)} not found; use 'hub', "
                           f"'builtin:quickstart', {FILES_SOURCE!r} (your own data) or a directory in the GLUE layout")
     for split, path in (cfg.data.files or {}).items():
         if not Path(path).expanduser().exists():
-            raise ConfigError(f"data.files.{split}: {path!r} not found (relative paths start at the current "
+            raise ConfigError(f"data.files.{quoted(split)}: {quoted(path)} not found (relative paths start at the current "
                               f"directory, {Path.cwd()})")
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
-        raise ConfigError(f"strategy.deepspeed.config_file: {ds.config_file!r} not found")
+        raise ConfigError(f"strategy.deepspeed.config_file: {quoted(ds.config_file)} not found")
     # A local path, not a hub id: it must exist.
     for key, name in (("model.name_or_path", cfg.model.name_or_path), ("model.tokenizer", cfg.model.tokenizer)):
         if name and looks_like_path(name) and not Path(name).expanduser().is_dir():
-            raise ConfigError(f"{key}: directory {name!r} not found (a local model directory must hold "
+            raise ConfigError(f"{key}: directory {quoted(name)} not found (a local model directory must hold "
                               "config.json and the weights; a hub id looks like org/name)")
 
 

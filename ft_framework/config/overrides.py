@@ -8,7 +8,6 @@ engine (merging the entry of the config's task). Nothing here knows the schema.
 
 from __future__ import annotations
 
-import re
 from copy import deepcopy
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -16,42 +15,42 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from ft_framework.data.tasks import GLUE_TASK_NAMES
-from ft_framework.errors import did_you_mean
+from ft_framework.errors import did_you_mean, quoted, shortened
 
 from ft_framework.config.errors import ConfigError
+from ft_framework.config.yaml_loader import ALIAS_NODE_LIMIT, AliasLimit, DuplicateKey, load_yaml, marks_text
 
 __all__ = ["read_yaml", "parse_override", "set_path", "apply_overrides", "nest_dotted", "deep_merge",
            "normalized_task_overrides", "resolve_task_overrides"]
 
 
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads `2e-5` as a float (YAML 1.1 would read it as a string)."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
+def yaml_error_text(err: yaml.YAMLError, of: str = "") -> str:
+    """What is wrong with a YAML text, on one line; `of` follows each position (" of the value")."""
+    if isinstance(err, DuplicateKey):
+        return (f"key {quoted(err.key)} is given twice ({marks_text(err.first, err.second)}{of}); "
+                "give each key once")
+    if isinstance(err, AliasLimit):
+        at = f"line {err.mark.line + 1}, column {err.mark.column + 1}{of}"
+        if err.recursive:
+            return f"alias *{shortened(err.anchor)} ({at}) refers to the node that holds it; write the values out"
+        return (f"YAML aliases expand to more than {ALIAS_NODE_LIMIT} nodes (alias *{shortened(err.anchor)}, {at}); "
+                "refused: write the repeated values out")
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    at = f" (line {mark.line + 1}, column {mark.column + 1}{of})" if mark is not None else ""
+    return f"not valid YAML{at}: {shortened(problem)}"
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Reads a YAML mapping (numbers like 2e-5 are floats)."""
+    """Reads a YAML mapping (numbers like 2e-5 are floats; see yaml_loader for what is refused)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
     with path.open() as f:
         try:
-            data = yaml.load(f, Loader=_YamlLoader)
+            data = load_yaml(f)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+            raise ConfigError(f"{path}: {yaml_error_text(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -64,11 +63,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(p.strip() for p in parts):
-        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. training.max_steps=10)")
+        raise ConfigError(f"override {quoted(text)} must look like section.key=value (e.g. training.max_steps=10)")
     try:
-        value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML: {e}") from e
+        raise ConfigError(f"override {quoted(text)}: {yaml_error_text(e, ' of the value')}") from None
     return [p.strip() for p in parts], value
 
 
@@ -86,18 +85,42 @@ def set_path(data: dict[str, Any], path: str | Sequence[str], value: Any, where:
             child = node[part] = {}
         elif not isinstance(child, dict):
             bad = ".".join([*([where] if where else []), *path[: i + 1]])
-            raise ConfigError(f"cannot set {'.'.join(path)!r}: {bad!r} is a value, not a section")
+            raise ConfigError(f"cannot set {quoted('.'.join(path))}: {quoted(bad)} is a value, not a section")
         node = child
     node[path[-1]] = deepcopy(value)
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """A copy of `data` with each `key.sub=value` override set (later overrides win)."""
+    """A copy of `data` with each `key.sub=value` override set.
+
+    Each key may be set once: an override that repeats another's key, or lies inside a section
+    another one sets whole (or holds one that another sets), is refused, since one of the two
+    would silently replace or change the other."""
     out = deepcopy(data)
-    for text in overrides:
+    given: list[list[str]] = []
+    for number, text in enumerate(overrides, start=1):
         path, value = parse_override(text)
+        for earlier_number, earlier in enumerate(given, start=1):
+            _check_overlap(earlier, earlier_number, path, number)
+        given.append(path)
         set_path(out, path, value)
     return out
+
+
+def _check_overlap(earlier: list[str], earlier_number: int, path: list[str], number: int) -> None:
+    shorter = min(len(earlier), len(path))
+    if earlier[:shorter] != path[:shorter]:
+        return
+    if len(earlier) == len(path):
+        relation = "repeats"
+    elif len(path) > len(earlier):
+        relation = "lies inside"
+    else:
+        relation = "holds"
+    raise ConfigError(f"override {quoted('.'.join(path))} (argument {number}) {relation} "
+                      f"{quoted('.'.join(earlier))} (argument {earlier_number}): one would silently replace or "
+                      "change the other; set each key once (several keys of one section: one override each, or "
+                      "one mapping value)")
 
 
 def nest_dotted(flat: dict[str, Any], where: str) -> dict[str, Any]:
@@ -105,13 +128,13 @@ def nest_dotted(flat: dict[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flat.items():
         if isinstance(value, dict):
-            value = nest_dotted(value, f"{where}.{key}")
+            value = nest_dotted(value, f"{where}.{shortened(str(key))}")
         path = str(key).split(".")
         existing = out
         for part in path[:-1]:
             existing = existing.setdefault(part, {})
             if not isinstance(existing, dict):
-                raise ConfigError(f"{where}: key {key!r} conflicts with a value set earlier")
+                raise ConfigError(f"{where}: key {quoted(key)} conflicts with a value set earlier")
         if isinstance(value, dict) and isinstance(existing.get(path[-1]), dict):
             existing[path[-1]] = deep_merge(existing[path[-1]], value)
         else:
@@ -138,12 +161,12 @@ def normalized_task_overrides(data: dict[str, Any]) -> dict[str, dict[str, Any]]
     for task, values in overrides.items():
         where = f"task_overrides.{task}"
         if task not in GLUE_TASK_NAMES:
-            raise ConfigError(f"unknown task {task!r} in task_overrides{did_you_mean(task, GLUE_TASK_NAMES)};"
+            raise ConfigError(f"unknown task {quoted(task)} in task_overrides{did_you_mean(task, GLUE_TASK_NAMES)};"
                               f" valid: {', '.join(GLUE_TASK_NAMES)}")
         if values is None:
             values = {}
         if not isinstance(values, dict):
-            raise ConfigError(f"{where} must be a mapping of values, got {values!r}")
+            raise ConfigError(f"{where} must be a mapping of values, got {quoted(values)}")
         nested = nest_dotted(values, where)
         if "task_overrides" in nested or "task" in (nested.get("data") or {}):
             raise ConfigError(f"{where} cannot set task_overrides or data.task")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ft_framework import optim, resources
 from ft_framework.data.tasks import GLUE_TASK_NAMES, OWN_DATA_SPLITS, TaskSpec, get_task, own_data_task
-from ft_framework.errors import did_you_mean
+from ft_framework.errors import did_you_mean, quoted
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
 
@@ -161,7 +161,7 @@ class DataConfig(_Section):
             name = value[len("builtin:"):]
             if name not in BUILTIN_DATA_SOURCES:
                 valid = ", ".join(f"builtin:{n}" for n in BUILTIN_DATA_SOURCES)
-                raise ValueError(f"unknown built-in data set {value!r}; valid: {valid}")
+                raise ValueError(f"unknown built-in data set {quoted(value)}; valid: {valid}")
         elif not value:
             raise ValueError(f"empty data source; use 'hub', 'builtin:quickstart', {FILES_SOURCE!r} (your own data) "
                              "or a GLUE-format directory")
@@ -175,12 +175,12 @@ class DataConfig(_Section):
             return None
         for label in value:
             if isinstance(label, bool) or not isinstance(label, (str, int)):
-                raise ValueError(f"label {label!r} is not text or an integer (YAML reads yes/no/true/false "
+                raise ValueError(f"label {quoted(label)} is not text or an integer (YAML reads yes/no/true/false "
                                  "as booleans: quote them)")
         labels = [str(label) for label in value]
         duplicates = sorted({label for label in labels if labels.count(label) > 1})
         if duplicates:
-            raise ValueError(f"label {duplicates[0]!r} is listed more than once")
+            raise ValueError(f"label {quoted(duplicates[0])} is listed more than once")
         return labels
 
     @model_validator(mode="after")
@@ -199,13 +199,13 @@ class DataConfig(_Section):
             raise ValueError(f"data.task names a GLUE task; with data.source: {FILES_SOURCE} leave it unset "
                              "(data.name names your data)")
         if self.name in GLUE_TASK_NAMES:
-            raise ValueError(f"data.name {self.name!r} is a GLUE task's name; choose another for your own data")
+            raise ValueError(f"data.name {quoted(self.name)} is a GLUE task's name; choose another for your own data")
         self._check_files()
         if not self.text_columns or len(self.text_columns) > 2 or len(set(self.text_columns)) != len(self.text_columns):
             raise ValueError(f"data.text_columns must name one text column or two different ones (a text pair); "
-                             f"got {self.text_columns}")
+                             f"got {quoted(self.text_columns)}")
         if self.label_column in self.text_columns:
-            raise ValueError(f"data.label_column {self.label_column!r} is also in data.text_columns")
+            raise ValueError(f"data.label_column {quoted(self.label_column)} is also in data.text_columns")
         if self.problem == "regression" and self.labels is not None:
             raise ValueError("data.labels lists classes; a regression problem has none: remove data.labels")
         if self.problem == "classification" and (self.labels is None or len(self.labels) < 2):
@@ -292,7 +292,7 @@ class OptimizerConfig(_Section):
     def _check_name(cls, value: str) -> str:
         available = optim.available_optimizers()
         if value not in available:
-            raise ValueError(f"unknown optimizer {value!r}; valid: {', '.join(sorted(available))}")
+            raise ValueError(f"unknown optimizer {quoted(value)}; valid: {', '.join(sorted(available))}")
         return value
 
     @field_validator("hparams")
@@ -475,7 +475,7 @@ class DeepSpeedConfig(_Section):
         if self.config is not None and self.config_file is not None:
             raise ValueError("set at most one of config (inline) and config_file (JSON path), not both")
         if self.config_file is not None and not self.config_file.endswith(".json"):
-            raise ValueError(f"config_file must be a .json file, got {self.config_file!r}")
+            raise ValueError(f"config_file must be a .json file, got {quoted(self.config_file)}")
         if self.offload_param and self.zero_stage != 3:
             raise ValueError(f"offload_param needs zero_stage: 3 (got {self.zero_stage}); DeepSpeed "
                              "can only offload parameters when they are partitioned")

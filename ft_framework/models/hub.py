@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from ft_framework.errors import UserError
+from ft_framework.errors import UserError, quoted, shortened
 
 __all__ = ["HUB_PROBE_TIMEOUT_S", "cached_config_file", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
            "probe_hub"]
@@ -92,7 +92,7 @@ def _in_cache(repo_id: str, key: str) -> bool:
         return False
     except (OSError, UnicodeDecodeError) as exc:
         why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise UserError(f"{key}: the Hugging Face cache {constants.HF_HUB_CACHE} cannot be read for {repo_id!r} "
+        raise UserError(f"{key}: the Hugging Face cache {constants.HF_HUB_CACHE} cannot be read for {quoted(repo_id)} "
                         f"({type(exc).__name__}: {why}); repair or remove its models--* directory, or set "
                         "HF_HUB_CACHE to another cache") from exc
     return isinstance(found, str)
@@ -118,20 +118,20 @@ def check_model_source(name: str, *, key: str = "model.name_or_path") -> bool:
     if Path(name).expanduser().is_dir():
         return False
     if looks_like_path(name):
-        raise UserError(f"{key}: directory {name!r} not found (a local model directory must hold config.json "
+        raise UserError(f"{key}: directory {quoted(name)} not found (a local model directory must hold config.json "
                         "and the weights; a hub id looks like org/name)")
     cached = _in_cache(name, key)
     if hub_is_offline():
         if cached:
             return True
-        raise UserError(f"{key}: {name!r} is neither a local directory nor in the Hugging Face cache, and "
+        raise UserError(f"{key}: {quoted(name)} is neither a local directory nor in the Hugging Face cache, and "
                         "HF_HUB_OFFLINE is set; download it where there is network "
-                        f"(huggingface-cli download {name}) or point {key} at a local directory")
+                        f"(huggingface-cli download {shortened(name)}) or point {key} at a local directory")
     why = probe_hub()
     if why is None:
         return False
     if cached:
         return True
-    raise UserError(f"{key}: {name!r} is neither a local directory nor in the Hugging Face cache, and "
+    raise UserError(f"{key}: {quoted(name)} is neither a local directory nor in the Hugging Face cache, and "
                     f"the hub ({hub_endpoint()}) cannot be reached ({why}); download it where there is "
-                    f"network (huggingface-cli download {name}) or point {key} at a local directory")
+                    f"network (huggingface-cli download {shortened(name)}) or point {key} at a local directory")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ft_framework.errors import did_you_mean
+from ft_framework.errors import did_you_mean, quoted
 
 from ft_framework.optim.anneal import ANNEAL_FUNCTIONS, validate_anneal
 from ft_framework.optim.registry import optimizer_factory, optimizer_hparams
@@ -34,9 +34,9 @@ def validate_hparams(name: str, hparams: Mapping[str, Any], *, not_here: Mapping
     out: dict[str, Any] = {}
     for key, value in hparams.items():
         if key in not_here:
-            raise ValueError(f"set {key!r} as {not_here[key]}, not in optimizer.hparams")
+            raise ValueError(f"set {quoted(key)} as {not_here[key]}, not in optimizer.hparams")
         if key not in defaults:
-            raise ValueError(f"unknown hyper-parameter {key!r} for optimizer {name!r}"
+            raise ValueError(f"unknown hyper-parameter {quoted(key)} for optimizer {quoted(name)}"
                              f"{did_you_mean(key, defaults)}; valid: {valid}")
         out[key] = _coerce_like(key, value, defaults[key])
     check_ranges({**defaults, **out})
@@ -62,7 +62,7 @@ def check_ranges(hparams: Mapping[str, Any]) -> None:
         raise ValueError(f"pretrain_cof must be >= 0, got {hparams['pretrain_cof']}")
     anneal_keys = ("anneal_fun", "anneal_k", "anneal_t0", "anneal_w")
     if given("anneal_fun") and hparams["anneal_fun"] not in ANNEAL_FUNCTIONS:
-        raise ValueError(f"unknown anneal_fun {hparams['anneal_fun']!r}; valid: {', '.join(ANNEAL_FUNCTIONS)}")
+        raise ValueError(f"unknown anneal_fun {quoted(hparams['anneal_fun'])}; valid: {', '.join(ANNEAL_FUNCTIONS)}")
     if all(given(k) for k in anneal_keys):
         validate_anneal(*(hparams[k] for k in anneal_keys))
 
@@ -100,17 +100,17 @@ def _coerce_like(key: str, value: Any, default: Any) -> Any:
         return value
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ValueError(f"hyper-parameter {key!r} must be true or false, got {value!r}")
+            raise ValueError(f"hyper-parameter {quoted(key)} must be true or false, got {quoted(value)}")
         return value
     if isinstance(default, (int, float)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"hyper-parameter {key!r} must be a number, got {value!r}")
+            raise ValueError(f"hyper-parameter {quoted(key)} must be a number, got {quoted(value)}")
         return float(value) if isinstance(default, float) else value
     if isinstance(default, (tuple, list)):
         if not isinstance(value, (tuple, list)) or len(value) != len(default):
-            raise ValueError(f"hyper-parameter {key!r} must be a list of {len(default)} values like "
-                             f"{list(default)}, got {value!r}")
+            raise ValueError(f"hyper-parameter {quoted(key)} must be a list of {len(default)} values like "
+                             f"{list(default)}, got {quoted(value)}")
         return tuple(_coerce_like(key, v, d) for v, d in zip(value, default))
     if isinstance(default, str) and not isinstance(value, str):
-        raise ValueError(f"hyper-parameter {key!r} must be a string, got {value!r}")
+        raise ValueError(f"hyper-parameter {quoted(key)} must be a string, got {quoted(value)}")
     return value

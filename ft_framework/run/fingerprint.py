@@ -21,7 +21,7 @@ import json
 from typing import Any, Callable, Iterable, Mapping
 
 from ft_framework.dotted import flatten_dotted
-from ft_framework.errors import UserError, did_you_mean
+from ft_framework.errors import UserError, did_you_mean, quoted, shortened
 
 __all__ = ["ALLOWED_ON_RESUME", "ResumeRefused", "check_allow_list", "check_resume", "config_record",
            "diff_configs", "fingerprint"]
@@ -146,13 +146,13 @@ def check_allow_list(keys: Iterable[str], config: Mapping[str, Any]) -> None:
     sections = {k.rsplit(".", i)[0] for k in flat for i in range(k.count(".") + 1)}
     for key in keys:
         if key not in sections and key not in _DERIVED:
-            raise UserError(f"checkpoint.allow_config_change: {key!r} is not a config key"
+            raise UserError(f"checkpoint.allow_config_change: {quoted(key)} is not a config key"
                             f"{did_you_mean(key, sorted(sections))}; give dotted keys such as "
                             "optimizer.hparams.lr or a whole section such as optimizer")
 
 
 def _show(value: Any) -> str:
-    return "unset" if value is None else json.dumps(value, default=str)
+    return "unset" if value is None else shortened(json.dumps(value, default=str))
 
 
 def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: int,

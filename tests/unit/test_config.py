@@ -117,7 +117,9 @@ def test_load_config_applies_typed_overrides(tmp_path):
 
 
 def test_floats_like_2e_5_in_yaml_files_are_floats(tmp_path):
-    text = yaml.safe_dump(minimal()) + "optimizer:\n  hparams:\n    lr: 2e-5\n    anneal_t0: 100\n"
+    data = minimal()
+    del data["optimizer"]  # given below, once: a key given twice is an error (test_config_untrusted.py)
+    text = yaml.safe_dump(data) + "optimizer:\n  hparams:\n    lr: 2e-5\n    anneal_t0: 100\n"
     cfg = load_config(write(tmp_path, text))
     assert cfg.optimizer.hparams["lr"] == pytest.approx(2e-5)
     assert cfg.optimizer.hparams["anneal_t0"] == 100.0  # coerced to the default's type

@@ -1,0 +1,156 @@
+"""The YAML reader for configs and override values, safe against what a hostile or careless file
+holds: a key given twice in one mapping is refused (naming it and both places), and aliases may
+add at most ALIAS_NODE_LIMIT nodes to a document, counted while the document is composed, before
+anything is constructed or expanded (a "billion laughs" bomb stops after a few of its aliases).
+It builds on PyYAML's SafeLoader: plain data only, never objects.
+
+    data = load_yaml(text)          # raises DuplicateKey / AliasLimit / yaml.YAMLError
+"""
+
+from __future__ import annotations
+
+import re
+from typing import IO, Any
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+__all__ = ["ALIAS_NODE_LIMIT", "AliasLimit", "DuplicateKey", "load_yaml", "marks_text"]
+
+# The most nodes that aliases may add to one document, each alias counting every node of what it
+# repeats. A config that reuses a block a few times stays far below; the 9x9 bomb passes it at its
+# third level, where one alias repeats 91 nodes.
+ALIAS_NODE_LIMIT = 1000
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class DuplicateKey(yaml.YAMLError):
+    """One mapping gives `key` twice; `first` and `second` are where (PyYAML marks)."""
+
+    def __init__(self, key: str, first: yaml.Mark, second: yaml.Mark):
+        super().__init__(f"key {key!r} is given twice")
+        self.key, self.first, self.second = key, first, second
+
+
+class AliasLimit(yaml.YAMLError):
+    """An alias would take the document past ALIAS_NODE_LIMIT nodes (or repeats its own parent)."""
+
+    def __init__(self, anchor: str, mark: yaml.Mark, recursive: bool):
+        super().__init__(f"alias {anchor!r}")
+        self.anchor, self.mark, self.recursive = anchor, mark, recursive
+
+
+def marks_text(first: yaml.Mark, second: yaml.Mark) -> str:
+    """``lines 4 and 7``, or ``line 4, columns 3 and 12`` when both are on one line (1-based)."""
+    if first.line != second.line:
+        return f"lines {first.line + 1} and {second.line + 1}"
+    return f"line {first.line + 1}, columns {first.column + 1} and {second.column + 1}"
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that reads `2e-5` as a float (YAML 1.1 would read it as a string), bounds what
+    aliases add, and refuses duplicate keys."""
+
+    def __init__(self, stream: str | IO[str]):
+        super().__init__(stream)
+        self._expanded_size: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
+        self._alias_nodes = 0
+        self._mapping_paths: dict[int, str] = {}
+
+    # --- composing: the alias bound -----------------------------------------------------------
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = super().compose_node(parent, index)  # the anchored node itself, shared
+            size = self._expanded_size.get(id(node))
+            if size is None:  # still being composed: the alias sits inside what it names
+                raise AliasLimit(event.anchor, event.start_mark, recursive=True)
+            self._alias_nodes += size
+            if self._alias_nodes > ALIAS_NODE_LIMIT:
+                raise AliasLimit(event.anchor, event.start_mark, recursive=False)
+            return node
+        node = super().compose_node(parent, index)
+        if isinstance(node, SequenceNode):
+            children = node.value
+        elif isinstance(node, MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        self._expanded_size[id(node)] = 1 + sum(self._expanded_size[id(child)] for child in children)
+        return node
+
+    # --- constructing: duplicate keys ---------------------------------------------------------
+    def construct_document(self, node: Node) -> Any:
+        self._mapping_paths = _mapping_paths(node)
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, MappingNode):
+            seen: dict[Any, Node] = {}
+            for key_node, _ in node.value:  # before merge keys (<<) are flattened in: those may repeat
+                if key_node.tag == _MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                if first is not key_node:
+                    prefix = self._mapping_paths.get(id(node), "")
+                    raise DuplicateKey(f"{prefix}{key}", first.start_mark, key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+    def construct_yaml_int(self, node: ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python reads at most sys.get_int_max_str_digits() digits (4300)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value)} characters is longer than Python reads",
+                node.start_mark) from None
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _mapping_paths(root: Node) -> dict[int, str]:
+    """id(mapping node) -> the dotted key path in front of its keys (``"optimizer.hparams."``), each
+    node visited once (a shared node keeps its first path; the alias bound held, so this is small)."""
+    paths: dict[int, str] = {}
+    stack: list[tuple[Node, str]] = [(root, "")]
+    visited: set[int] = set()
+    while stack:
+        node, prefix = stack.pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, MappingNode):
+            paths[id(node)] = prefix
+            for key_node, value_node in node.value:
+                name = key_node.value if isinstance(key_node, ScalarNode) else "?"
+                stack.append((value_node, f"{prefix}{name}."))
+        elif isinstance(node, SequenceNode):
+            stack.extend((child, prefix) for child in node.value)
+    return paths
+
+
+def load_yaml(source: str | IO[str]) -> Any:
+    """One YAML document as plain data. Raises DuplicateKey, AliasLimit, or another yaml.YAMLError."""
+    loader = _ConfigLoader(source)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
