@@ -1,4 +1,4 @@
-// AVX2 + FMA path, 8 floats per register. Compiled with -mavx2 -mfma; only called after the
+// AVX2 path, 8 floats per register. Compiled with -mavx2 (no -mfma: the program has no FMA); only called after the
 // runtime check in bindings.cpp (best_supported_level) says the CPU has both.
 #include <immintrin.h>
 #include "step_body.h"
@@ -20,17 +20,8 @@ struct Avx2Ops {
     static inline Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
     static inline Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
     static inline Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
-    // a / b as a * (1/b): a 12-bit reciprocal estimate refined by one Newton step (~22 bits,
-    // within 2 ulp of the division) costs far less than vdivps, which shows on two cores.
-    static inline Reg ratio(Reg a, Reg b) {
-        const Reg x = _mm256_rcp_ps(b);
-        const Reg refined = _mm256_mul_ps(x, _mm256_fnmadd_ps(b, x, _mm256_set1_ps(2.0f)));
-        return _mm256_mul_ps(a, refined);
-    }
     static inline Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
     static inline Reg sqrt(Reg a) { return _mm256_sqrt_ps(a); }
-    static inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-    static inline Reg fnmadd(Reg a, Reg b, Reg c) { return _mm256_fnmadd_ps(a, b, c); }
     // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
     using IReg = __m256i;
     static inline IReg iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }

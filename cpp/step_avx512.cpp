@@ -1,4 +1,4 @@
-// AVX-512F path, 16 floats per register. Compiled with -mavx512f -mfma; only called after the
+// AVX-512F path, 16 floats per register. Compiled with -mavx512f (no -mfma); only called after the
 // runtime check in bindings.cpp (best_supported_level) says the CPU (and the OS, via XCR0)
 // supports AVX-512F.
 #include <immintrin.h>
@@ -21,17 +21,8 @@ struct Avx512Ops {
     static inline Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
     static inline Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
     static inline Reg div(Reg a, Reg b) { return _mm512_div_ps(a, b); }
-    // a / b as a * (1/b): a 14-bit reciprocal estimate refined by one Newton step (error ~2^-28
-    // before rounding, within 1-2 ulp of the division) costs far less than vdivps on 512 bits.
-    static inline Reg ratio(Reg a, Reg b) {
-        const Reg x = _mm512_rcp14_ps(b);
-        const Reg refined = _mm512_mul_ps(x, _mm512_fnmadd_ps(b, x, _mm512_set1_ps(2.0f)));
-        return _mm512_mul_ps(a, refined);
-    }
     static inline Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
     static inline Reg sqrt(Reg a) { return _mm512_sqrt_ps(a); }
-    static inline Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-    static inline Reg fnmadd(Reg a, Reg b, Reg c) { return _mm512_fnmadd_ps(a, b, c); }
     // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
     using IReg = __m512i;
     static inline IReg iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }

@@ -60,20 +60,14 @@ struct StepProgram {
     using I = typename V::IReg;
     static constexpr int W = V::kWidth;
 
-    // The compact state stores its moments rounded to bf16, so an fp32 result one ulp apart on
-    // another SIMD level can round to another bf16 value, and the run would depend on the CPU. Its
-    // program therefore uses only correctly rounded IEEE operations, the same on every level: a
-    // product then a sum (never fused; the scalar path is built with -ffp-contract=off) and a true
-    // division, not the vector paths' refined reciprocal estimate. The fp32 state keeps the faster
-    // forms (its results differ from scalar by a few ulp and are stored as they are).
-    static inline R madd(R a, R b, R c) {
-        if constexpr (Compact) return V::add(V::mul(a, b), c);
-        else return V::fmadd(a, b, c);
-    }
-    static inline R quotient(R a, R b) {
-        if constexpr (Compact) return V::div(a, b);
-        else return V::ratio(a, b);
-    }
+    // One exact program for both states, the same bits on every level (and in the torch and Triton
+    // paths, optim/torch_step.py and optim/triton_step.py): only correctly rounded IEEE operations,
+    // a product then a sum (never fused: every translation unit is built with -ffp-contract=off and
+    // no FMA intrinsic is used here), a true division (not a reciprocal estimate) and the IEEE sqrt.
+    // The compact state needs it most (its moments are rounded to bf16, so one ulp could become a
+    // different bf16 value); the fp32 state stores the same bits as every other implementation too.
+    static inline R madd(R a, R b, R c) { return V::add(V::mul(a, b), c); }
+    static inline R quotient(R a, R b) { return V::div(a, b); }
 
     // Applies the program to W elements whose operands are already loaded.
     // e + w * (x - e): moves the accumulated change toward x by w (a lerp on the delta).
@@ -188,8 +182,8 @@ struct StepProgram {
 
     // Undoes apply() (see step_args.h): p first, from the stepped m and v, then m and v.
     static inline void apply_inverse(const ftk::StepCoeffs& c, float inv_keep, R& p, R g, R& m, R& v, R a) {
-        const R denom = V::fmadd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
-        R e = V::mul(V::set1(c.step_size), V::ratio(m, denom));   // the forward's Adam term, bit for bit
+        const R denom = madd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
+        R e = V::mul(V::set1(c.step_size), quotient(m, denom));   // the forward's Adam term, bit for bit
         // The rest of the forward's change at p = 0 (d = -a): the constant B of p' = (1 - A) p - B.
         const R d0 = HasAnchor ? V::sub(V::zero(), a) : V::zero();
         if (HasPre && HasAnchor) e = V::add(e, V::mul(V::set1(c.pre_pull), d0));

@@ -22,11 +22,8 @@ struct ScalarOps {
     static inline Reg sub(Reg a, Reg b) { return a - b; }
     static inline Reg mul(Reg a, Reg b) { return a * b; }
     static inline Reg div(Reg a, Reg b) { return a / b; }
-    static inline Reg ratio(Reg a, Reg b) { return a / b; }
     static inline Reg max(Reg a, Reg b) { return a > b ? a : b; }
     static inline Reg sqrt(Reg a) { return std::sqrt(a); }
-    static inline Reg fmadd(Reg a, Reg b, Reg c) { return a * b + c; }   // unfused on purpose
-    static inline Reg fnmadd(Reg a, Reg b, Reg c) { return c - a * b; }
     // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
     using IReg = uint32_t;
     static inline IReg iset1(uint32_t x) { return x; }

@@ -268,8 +268,10 @@ class OptimizerConfig(_Section):
 
     # A name from ft_framework.optim.available_optimizers(): recadam, adamw, bertadam, prior_wd, ...
     name: str = "recadam"
-    # "torch" (any device), "cpu" (the C++ kernel), "auto" (kernel for CPU tensors when built).
-    impl: Literal["auto", "torch", "cpu"] = "auto"
+    # The step program (ft_framework/optim/programs.py, whose impl_names() a test keeps equal to this):
+    # "cpu" (the C++ kernel), "triton" (one Triton launch, CUDA), "torch" (any device), "auto" (cpu
+    # for CPU fp32 tensors when built, triton on CUDA where it imports, else torch).
+    impl: Literal["auto", "cpu", "triton", "torch"] = "auto"
     # Hyper-parameters of that optimizer (lr, betas, eps, correct_bias, anneal_*, pretrain_cof);
     # unset ones take the optimizer's defaults.
     hparams: dict[str, Any] = Field(default_factory=dict)

@@ -1,5 +1,6 @@
 """Common machinery of every optimizer in the registry: anchors (theta*) in optimizer state,
-lazy state, the choice between the torch and the C++ implementation, telemetry and checkpoints.
+lazy state, the choice of a step program (optim/programs.py: C++ kernel, Triton, torch), telemetry
+and checkpoints.
 
 A concrete optimizer only says how its rule maps (group, step, has-anchor) to StepCoefficients.
 
@@ -22,17 +23,16 @@ from typing import Any, Iterable
 import torch
 
 from ft_framework.distributed import collectives
-from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.errors import UserError
-from ft_framework.optim.compact import STATE_DTYPES, element_offsets, rounding_key
-from ft_framework.optim.torch_step import compact_step, finite_flags, foreach_inverse_step, foreach_step
+from ft_framework.optim.compact import STATE_DTYPES, element_offsets
+from ft_framework.optim.programs import StepProgram, impl_names, resolve_impl, step_program
+from ft_framework.optim.torch_step import finite_flags
 from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
 
 __all__ = ["ANCHOR_DTYPES", "CHILD_MASK", "AnchoredOptimizer", "PullOvershootWarning", "anchored_parameter_names",
            "check_loaded_anchors", "local_tensor"]
 
-IMPLS = ("auto", "torch", "cpu")
 ANCHOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Keys a param group may carry besides the optimizer's hyper-parameters.
 GROUP_META_KEYS = frozenset({"params", "anchors", "anchored", "child_candidate", "param_names", "group_name",
@@ -89,7 +89,7 @@ _FORGETTING_CHUNK = 1 << 16
 
 
 class AnchoredOptimizer(torch.optim.Optimizer):
-    """Base class: Adam-family rule + optional anchors, torch or C++ implementation.
+    """Base class: Adam-family rule + optional anchors, stepped by one step program (``impl``).
 
     Param groups may carry ``"anchors"``: a list aligned with ``"params"`` whose entries are the
     pretrained tensors (or None). They are copied into ``state[p]["anchor"]`` and removed from the
@@ -100,8 +100,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], impl: str = "auto",
                  anchor_dtype: str = "float32", state_dtype: str = "float32", rounding_seed: int = 0):
-        if impl not in IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
+        if impl not in impl_names():
+            raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(impl_names())}")
         if anchor_dtype not in ANCHOR_DTYPES:
             raise ValueError(f"unknown anchor_dtype {anchor_dtype!r}; valid: {', '.join(ANCHOR_DTYPES)}")
         if state_dtype not in STATE_DTYPES:
@@ -124,8 +124,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         # itself where there is no anchor). Stochastic rounding has no inverse, so a speculative
         # compact step is undone from these: 8 bytes per parameter, kept (and reused) between steps.
         self._undo: dict[int, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        if impl == "cpu" and not cpu_kernel.kernel_available():
-            cpu_kernel._require_kernel()  # raises with the build instructions
+        if impl != "auto" and (why := step_program(impl).unavailable()) is not None:
+            raise RuntimeError(why)  # e.g. the kernel's build instructions
         self._requested_impl = impl
         self.anchor_dtype: torch.dtype = ANCHOR_DTYPES[anchor_dtype]
         self._warned_overshoot: set[int] = set()
@@ -262,24 +262,21 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         return self._index_bases[id(p)] + self._shard_offsets.get(id(p), 0)
 
     def _resolve_impl(self) -> str:
-        """'auto' becomes 'cpu' when every parameter is a CPU fp32 tensor and the kernel is built."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        if self._requested_impl == "torch":
-            return "torch"
-        problems = [msg for p in params if (msg := cpu_kernel.check_param(local_tensor(p)))]
-        if self._requested_impl == "cpu":
-            if problems:
-                raise TypeError(f"impl='cpu' cannot take these parameters: {problems[0]} "
-                                f"({len(problems)} parameter(s) affected); use impl='torch' or 'auto'")
-            return "cpu"
-        if not params:
-            return "auto"  # ZeRO-3 fills param_groups only inside step(): decide there
-        return "cpu" if cpu_kernel.kernel_available() and not problems else "torch"
+        """The requested program, or for 'auto' the first that takes every (local) parameter:
+        'cpu' for CPU fp32 tensors with the kernel built, 'triton' for CUDA tensors where triton
+        imports, else 'torch' (optim/programs.py)."""
+        return resolve_impl(self._requested_impl, [local_tensor(p) for g in self.param_groups for p in g["params"]])
 
     @property
     def impl(self) -> str:
-        """The implementation in use: 'cpu' (C++ kernel) or 'torch' ('auto' until params are seen)."""
+        """The step program in use: 'cpu', 'triton' or 'torch' ('auto' until params are seen)."""
         return self._resolved_impl
+
+    @property
+    def _program(self) -> StepProgram:
+        if self._resolved_impl == "auto":
+            self._resolved_impl = self._resolve_impl()
+        return step_program(self._resolved_impl)
 
     # ---- the rule ------------------------------------------------------------------------
     def coefficients(self, group: dict[str, Any], step: int, has_anchor: bool) -> StepCoefficients:
@@ -359,11 +356,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         deltas = [local_tensor(s["delta"]) if with_anchor and self.delta_masters else None for s in states]
         anchors = [local_tensor(s["anchor"]) if with_anchor else None for s in states]
         bases = [self.index_base(p) for p in ps]
-        if self._resolved_impl == "cpu":
-            cpu_kernel.fused_step_compact_many(list(zip(params, grads, ms, vs, deltas, anchors, bases)), c,
-                                               rounding_key(self.rounding_seed, t), num_threads=num_threads)
-        else:
-            compact_step(params, grads, ms, vs, deltas, anchors, c, self.rounding_seed, t, bases)
+        self._program.step_compact(list(zip(params, grads, ms, vs, deltas, anchors, bases)), c, self.rounding_seed,
+                                   t, num_threads=num_threads)
 
     def _apply(self, ps: list[torch.Tensor], c: StepCoefficients, with_anchor: bool) -> None:
         states = [self.state[p] for p in ps]
@@ -371,11 +365,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         grads = [local_tensor(p.grad) for p in ps]
         ms = [local_tensor(s["exp_avg"]) for s in states]
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
-        anchors = [local_tensor(s["anchor"]) for s in states] if with_anchor else None
-        if self._resolved_impl == "cpu":
-            cpu_kernel.fused_step_many(list(zip(params, grads, ms, vs, anchors or [None] * len(params))), c)
-        else:
-            foreach_step(params, grads, ms, vs, anchors, c)
+        anchors = [local_tensor(s["anchor"]) for s in states] if with_anchor else [None] * len(params)
+        self._program.step(list(zip(params, grads, ms, vs, anchors)), c)
 
     # ---- speculative steps, one tensor at a time (the overlapped offload) ------------------
     def _step_plan(self, p: torch.Tensor, group: dict[str, Any], t: int) -> tuple[StepCoefficients, bool]:
@@ -423,8 +414,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             return self._step_tensors_compact(ps, grads, num_threads, known_finite, keep_undo)
         used: list[StepCoefficients | None] = []
         plans: dict[tuple, tuple[StepCoefficients, bool]] = {}  # per (group, step, anchored) in this call
-        # Known-finite steps on the kernel go in one call per set of coefficients (after the loop),
-        # and their step counts move once those calls succeed.
+        # Known-finite steps go in one program call per set of coefficients (after the loop), and
+        # their step counts move once those calls succeed.
         batched: dict[tuple, list] = defaultdict(list)
         batched_states = []
         for p, g, group in zip(ps, grads, self._groups_of(ps)):
@@ -441,25 +432,17 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                                             stacklevel=4)
             c, with_anchor = plans[key]
             tensors = self._tensors(p, g, with_anchor)
-            if known_finite and self._resolved_impl == "cpu":
+            if known_finite:
                 batched[key].append(tensors)
                 batched_states.append(state)
                 used.append(c)
                 continue
-            if known_finite:
-                ok = True
-                foreach_step(*[[x] if x is not None else None for x in tensors], c)
-            elif self._resolved_impl == "cpu":
-                ok = cpu_kernel.guarded_step(*tensors, c, num_threads=num_threads)
-            else:
-                ok = finite_flags([tensors[1]])[0]
-                if ok:
-                    foreach_step(*[[x] if x is not None else None for x in tensors], c)
+            ok = self._program.guarded_step(tensors, c, num_threads=num_threads)
             if ok:
                 state["step"] += 1
             used.append(c if ok else None)
         for key, tensors in batched.items():
-            cpu_kernel.fused_step_many(tensors, plans[key][0], num_threads=num_threads)
+            self._program.step(tensors, plans[key][0], num_threads=num_threads)
         if batched_states:  # as in step(): the counts in one foreach op, not one add per tensor
             torch._foreach_add_([state["step"] for state in batched_states], 1)
         return used
@@ -534,11 +517,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         for p, g, c in zip(ps, grads, coefficients):
             state = self.state[p]
             with_anchor = state.get("anchor") is not None and c.uses_anchor
-            tensors = self._tensors(p, g, with_anchor)
-            if self._resolved_impl == "cpu":
-                cpu_kernel.fused_inverse(*tensors, c, num_threads=num_threads)
-            else:
-                foreach_inverse_step(*[[x] if x is not None else None for x in tensors], c)
+            self._program.inverse(self._tensors(p, g, with_anchor), c, num_threads=num_threads)
             state["step"] -= 1
 
     def coefficients_changed(self, ps: list[torch.Tensor], used: list[StepCoefficients]) -> bool:

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from ft_framework.optim.coefficients import StepCoefficients, kernel_values
+from ft_framework.optim.compact import rounding_key
 
 SIMD_ENV_VAR = "FT_FRAMEWORK_SIMD"
 
@@ -43,11 +44,7 @@ def kernel_available() -> bool:
 
 def _require_kernel():
     if _kernel is None:
-        raise RuntimeError(
-            "the C++ CPU optimizer kernel is not built (ft_framework._cpu_kernel failed to import: "
-            f"{_IMPORT_ERROR}); reinstall with `pip install -e .` on a machine with g++ and cmake, "
-            "or use impl='torch'"
-        )
+        raise RuntimeError(CpuKernelProgram().unavailable())
     return _kernel
 
 
@@ -280,3 +277,33 @@ def _kernel_coefficients(c: StepCoefficients):
     for name, value in kernel_values(c).items():
         setattr(k, name, value)
     return k
+
+
+class CpuKernelProgram:
+    """The C++ kernel as a step program (optim/programs.py): CPU fp32 parameters, every SIMD level
+    storing the same bits."""
+
+    name = "cpu"
+
+    def unavailable(self) -> str | None:
+        if _kernel is None:
+            return (f"the C++ CPU optimizer kernel is not built (ft_framework._cpu_kernel failed to import: "
+                    f"{_IMPORT_ERROR}); reinstall with `pip install -e .` on a machine with g++ and cmake, "
+                    "or use impl='torch'")
+        return None
+
+    def refusal(self, param: torch.Tensor, automatic: bool) -> str | None:
+        return check_param(param)
+
+    def step(self, tensors: Sequence[tuple], coeffs: StepCoefficients, num_threads: int | None = None) -> None:
+        fused_step_many(tensors, coeffs, num_threads=num_threads)
+
+    def guarded_step(self, tensors: tuple, coeffs: StepCoefficients, num_threads: int | None = None) -> bool:
+        return guarded_step(*tensors, coeffs, num_threads=num_threads)
+
+    def inverse(self, tensors: tuple, coeffs: StepCoefficients, num_threads: int | None = None) -> None:
+        fused_inverse(*tensors, coeffs, num_threads=num_threads)
+
+    def step_compact(self, tensors: Sequence[tuple], coeffs: StepCoefficients, seed: int, step: int,
+                     num_threads: int | None = None) -> None:
+        fused_step_compact_many(tensors, coeffs, rounding_key(seed, step), num_threads=num_threads)

@@ -2,7 +2,8 @@
 
 Like the C++ kernel it runs in delta form (see cpp/step_args.h): the step's total change is
 accumulated in a temporary and the parameter is rounded once, which keeps fp32 results within
-2e-6 (relative) of a float64 reference after 200 steps.
+2e-6 (relative) of a float64 reference after 200 steps. It is the exact program of
+cpp/step_body.h, operation for operation (exact_change), so it stores the kernel's bits.
 
 On CUDA the `torch._foreach_*` ops are multi-tensor kernels; on CPU they fall back to per-tensor
 loops (PyTorch excludes CPU from its foreach kernels), where the C++ kernel is the fast path.
@@ -11,6 +12,7 @@ loops (PyTorch excludes CPU from its foreach kernels), where the C++ kernel is t
 from __future__ import annotations
 
 import struct
+from typing import Sequence
 
 import torch
 
@@ -22,6 +24,61 @@ def _as_dtype(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Ten
     return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32, as the kernel's coefficient struct and torch's scalar operand hold it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _sqrt_rn(vs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The correctly rounded fp32 square root of each tensor. torch's fp32 sqrt on a CPU is not
+    correctly rounded (torch 2.13: 1 ulp off for ~16% of values); the float64 sqrt, within an ulp of
+    float64, rounded to fp32 is (a float's square root lies at least 2^-51, relative, from a
+    midpoint between two floats). CUDA's fp32 sqrt is IEEE's (torch is not built with fast math)."""
+    if all(v.device.type == "cuda" or v.dtype != torch.float32 for v in vs):
+        return torch._foreach_sqrt(vs)
+    return [torch.sqrt(v.double()).float() if v.dtype == torch.float32 else torch.sqrt(v) for v in vs]
+
+
+def _lerp_(es: list[torch.Tensor], xs: list[torch.Tensor], w: float) -> None:
+    """e <- (x - e) * w + e, in place: a product then a sum, each rounded (never torch's lerp)."""
+    moved = torch._foreach_sub(xs, es)
+    torch._foreach_mul_(moved, w)
+    torch._foreach_add_(es, moved)
+
+
+def exact_change(ps: list[torch.Tensor], ds: list[torch.Tensor] | None, gs: list[torch.Tensor],
+                 ms: list[torch.Tensor], vs: list[torch.Tensor], c: StepCoefficients) -> list[torch.Tensor]:
+    """The exact element program (cpp/step_body.h) on fp32 tensor lists: updates the moments ms and
+    vs in place and returns each tensor's total change e (p <- p - e), given ds = p - θ* (None: no
+    anchor terms). Operation for operation as the C++ kernel and the Triton program compute it: each
+    product and sum a separate, correctly rounded fp32 op (no lerp, addcmul or fused multiply-add,
+    whose rounding differs), a true division and a correctly rounded sqrt, so every implementation
+    stores the same bits. The scalar operands are the coefficients rounded to fp32 (the kernel
+    holds 1 − β as computed in double, then rounded)."""
+    scaled = torch._foreach_mul(gs, 1.0 - c.beta1)
+    torch._foreach_mul_(ms, c.beta1)
+    torch._foreach_add_(ms, scaled)                             # g (1 − β1) + m β1
+    scaled = torch._foreach_mul(gs, 1.0 - c.beta2)
+    torch._foreach_mul_(scaled, gs)
+    torch._foreach_mul_(vs, c.beta2)
+    torch._foreach_add_(vs, scaled)                             # (g (1 − β2)) g + v β2
+    denom = _sqrt_rn(vs)
+    torch._foreach_mul_(denom, c.denom_scale)
+    torch._foreach_add_(denom, c.eps)
+    es = torch._foreach_div(ms, denom)
+    torch._foreach_mul_(es, c.step_size)
+    if _f32(c.pre_decay) != 0.0 or (ds is not None and _f32(c.pre_pull) != 0.0):
+        pre = torch._foreach_mul(ps, c.pre_decay)
+        if ds is not None:
+            _lerp_(pre, ds, c.pre_pull)
+        torch._foreach_add_(es, pre)
+    if ds is not None:
+        _lerp_(es, ds, c.post_pull)
+    if _f32(c.post_decay) != 0.0:
+        _lerp_(es, ps, c.post_decay)
+    return es
+
+
 def foreach_step(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -30,99 +87,51 @@ def foreach_step(
     anchors: list[torch.Tensor] | None,
     c: StepCoefficients,
 ) -> None:
-    """Applies one step with the same coefficients to tensors of one device and dtype, in place."""
+    """Applies one step with the same coefficients to fp32 tensors of one device, in place: the
+    exact program (exact_change), bit for bit the C++ kernel's and the Triton program's."""
     if not params:
         return
     dtype = params[0].dtype
     use_anchor = anchors is not None and c.uses_anchor
     diffs = torch._foreach_sub(params, _as_dtype(anchors, dtype)) if use_anchor else None  # p - a
-    torch._foreach_sub_(params, _foreach_change(params, _as_dtype(grads, dtype), exp_avgs, exp_avg_sqs, diffs, c))
-
-
-def _foreach_change(params, grads, exp_avgs, exp_avg_sqs, diffs, c: StepCoefficients) -> list[torch.Tensor]:
-    """Updates the moments in place and returns each tensor's total change e (p <- p - e), given
-    diffs = p - a (None: no anchor terms)."""
-    use_anchor = diffs is not None
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - c.beta1)     # b1*m + (1-b1)*g
-    torch._foreach_mul_(exp_avg_sqs, c.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - c.beta2)
-    change = torch._foreach_sqrt(exp_avg_sqs)
-    if c.denom_scale != 1.0:
-        torch._foreach_mul_(change, c.denom_scale)
-    torch._foreach_add_(change, c.eps)
-    torch._foreach_div_(change, exp_avgs)                    # denom / m ...
-    torch._foreach_reciprocal_(change)                       # ... -> m / denom, in place
-    torch._foreach_mul_(change, c.step_size)
-    if c.pre_decay != 0.0 or (use_anchor and c.pre_pull != 0.0):
-        pre = torch._foreach_mul(params, c.pre_decay)
-        if use_anchor and c.pre_pull != 0.0:
-            torch._foreach_lerp_(pre, diffs, c.pre_pull)
-        torch._foreach_add_(change, pre)
-    if use_anchor and c.post_pull != 0.0:
-        torch._foreach_lerp_(change, diffs, c.post_pull)     # e + w * ((p - a) - e)
-    if c.post_decay != 0.0:
-        torch._foreach_lerp_(change, params, c.post_decay)   # e + w * (p - e)
-    return change
-
-
-def _f32(x: float) -> float:
-    """x rounded to float32, as the kernel's coefficient struct and torch's scalar operand hold it."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _compact_change(p: torch.Tensor, d: torch.Tensor | None, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                    c: StepCoefficients) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e, m', v') of the compact program, operation for operation as cpp/step_body.h's compact
-    path computes them: each product and sum a separate, correctly rounded fp32 op (no lerp,
-    addcmul or fused multiply-add, whose rounding differs), a true division. The stored moments are
-    rounded to bf16 afterwards, so any other order could round one of them to another bf16 value;
-    this one gives the kernel's bits at every SIMD level. d = p − θ* (None: no anchor terms)."""
-    m = g * (1.0 - c.beta1) + m * c.beta1  # the kernel holds 1 − β as computed in double, then rounded
-    v = (g * (1.0 - c.beta2)) * g + v * c.beta2
-    # torch's fp32 sqrt on a CPU is not correctly rounded (torch 2.13: 1 ulp off for ~16% of
-    # values) and the kernel's is. The float64 sqrt, within an ulp of float64, rounded to fp32 is:
-    # a float's square root lies at least 2^-51 (relative) from a midpoint between two floats.
-    denom = torch.sqrt(v.double()).float() * c.denom_scale + c.eps
-    e = (m / denom) * c.step_size
-
-    def lerp(e: torch.Tensor, x: torch.Tensor, w: float) -> torch.Tensor:  # e + w (x − e), unfused
-        return (x - e) * w + e
-
-    if _f32(c.pre_decay) != 0.0 or (d is not None and _f32(c.pre_pull) != 0.0):
-        pre = p * c.pre_decay
-        if d is not None:
-            pre = lerp(pre, d, c.pre_pull)
-        e = e + pre
-    if d is not None:
-        e = lerp(e, d, c.post_pull)
-    if _f32(c.post_decay) != 0.0:
-        e = lerp(e, p, c.post_decay)
-    return e, m, v
+    torch._foreach_sub_(params, exact_change(params, diffs, _as_dtype(grads, dtype), exp_avgs, exp_avg_sqs, c))
 
 
 def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                  exp_avg_sqs: list[torch.Tensor], deltas: list[torch.Tensor | None],
                  anchors: list[torch.Tensor | None], c: StepCoefficients, seed: int, step: int,
                  index_bases: list[int]) -> None:
-    """One step of the compact state (optim/compact.py), tensor by tensor, in place: the moments are
-    bf16 (m rounded to nearest even, v stochastically with the bits of (seed, step, index_bases[i] +
-    element)). Where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull
-    reads it exactly, and params[i] is written as anchors[i] + deltas[i]; where only anchors[i] is
-    given, params[i] is the master (DeepSpeed's partitions) and the pull reads params[i] - anchors[i].
-    Bit for bit the C++ kernel's result on a CPU (_compact_change)."""
-    for p, g, m16, v16, delta, anchor, base in zip(params, grads, exp_avgs, exp_avg_sqs, deltas, anchors,
-                                                   index_bases):
-        if delta is not None:
-            a = anchor.float()
-            e, m, v = _compact_change(a + delta, delta, g.float(), m16.float(), v16.float(), c)
-            delta.sub_(e)
-            p.copy_(a + delta)
+    """One step of the compact state (optim/compact.py), in place: the moments are bf16 (m rounded
+    to nearest even, v stochastically with the bits of (seed, step, index_bases[i] + element)).
+    Where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull reads it
+    exactly, and params[i] is written as anchors[i] + deltas[i]; where only anchors[i] is given,
+    params[i] is the master (DeepSpeed's partitions) and the pull reads params[i] - anchors[i].
+    Bit for bit the C++ kernel's result (exact_change). The tensors of each kind (delta master,
+    anchored parameter master, no anchor) step together as foreach ops."""
+    kinds: dict[str, list[int]] = {"delta": [], "param": [], "none": []}
+    for i, (delta, anchor) in enumerate(zip(deltas, anchors)):
+        kinds["delta" if delta is not None else "param" if anchor is not None else "none"].append(i)
+    for kind, idx in kinds.items():
+        if not idx:
+            continue
+        gs = [grads[i].float() for i in idx]
+        ms = [exp_avgs[i].float() for i in idx]
+        vs = [exp_avg_sqs[i].float() for i in idx]
+        if kind == "delta":
+            anchors32 = [anchors[i].float() for i in idx]
+            ds = [deltas[i] for i in idx]
+            es = exact_change(torch._foreach_add(anchors32, ds), ds, gs, ms, vs, c)
+            torch._foreach_sub_(ds, es)
+            for i, a, d in zip(idx, anchors32, ds):
+                params[i].copy_(a + d)
         else:
-            d = None if anchor is None else p - anchor.float()
-            e, m, v = _compact_change(p, d, g.float(), m16.float(), v16.float(), c)
-            p.sub_(e)
-        m16.copy_(m)  # torch's cast rounds to nearest even, as the kernel's store_rne
-        v16.copy_(stochastic_round_bf16(v, rounding_bits(seed, step, base, v16.numel(), v16.device)))
+            ps = [params[i] for i in idx]
+            ds = torch._foreach_sub(ps, [anchors[i].float() for i in idx]) if kind == "param" else None
+            torch._foreach_sub_(ps, exact_change(ps, ds, gs, ms, vs, c))
+        for i, m, v in zip(idx, ms, vs):
+            exp_avgs[i].copy_(m)  # torch's cast rounds to nearest even, as the kernel's store_rne
+            exp_avg_sqs[i].copy_(stochastic_round_bf16(
+                v, rounding_bits(seed, step, index_bases[i], v.numel(), v.device)))
 
 
 def inverse_keep(c: StepCoefficients, use_anchor: bool) -> float:
@@ -159,12 +168,10 @@ def foreach_inverse_step(
     use_anchor = anchors is not None and c.uses_anchor
     keep = inverse_keep(c, use_anchor)
     # The forward's Adam term, recomputed with the forward's ops from the stepped moments.
-    change = torch._foreach_sqrt(exp_avg_sqs)
-    if c.denom_scale != 1.0:
-        torch._foreach_mul_(change, c.denom_scale)
-    torch._foreach_add_(change, c.eps)
-    torch._foreach_div_(change, exp_avgs)
-    torch._foreach_reciprocal_(change)
+    denom = _sqrt_rn(exp_avg_sqs)
+    torch._foreach_mul_(denom, c.denom_scale)
+    torch._foreach_add_(denom, c.eps)
+    change = torch._foreach_div(exp_avgs, denom)
     torch._foreach_mul_(change, c.step_size)
     # The rest of the forward's change at p = 0, where p - a = -a: B of p' = (1 - A) p - B.
     if use_anchor:
@@ -195,3 +202,38 @@ def foreach_inverse_step(
 def finite_flags(grads: list[torch.Tensor]) -> list[bool]:
     """Per tensor: whether every element is finite."""
     return [bool(torch.isfinite(g).all()) for g in grads]
+
+
+class TorchProgram:
+    """The torch ops as a step program (optim/programs.py): any device and floating dtype."""
+
+    name = "torch"
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def refusal(self, param: torch.Tensor, automatic: bool) -> str | None:
+        return None
+
+    def step(self, tensors: Sequence[tuple], c: StepCoefficients, num_threads: int | None = None) -> None:
+        kinds: dict[tuple, list[tuple]] = {}  # foreach_step takes one device and dtype, all with theta* or none
+        for t in tensors:
+            kinds.setdefault((t[0].device, t[0].dtype, t[4] is not None), []).append(t)
+        for (_device, _dtype, anchored), rows in kinds.items():
+            params, grads, ms, vs, anchors = (list(column) for column in zip(*rows))
+            foreach_step(params, grads, ms, vs, anchors if anchored else None, c)
+
+    def guarded_step(self, tensors: tuple, c: StepCoefficients, num_threads: int | None = None) -> bool:
+        if not finite_flags([tensors[1]])[0]:
+            return False
+        self.step([tensors], c)
+        return True
+
+    def inverse(self, tensors: tuple, c: StepCoefficients, num_threads: int | None = None) -> None:
+        foreach_inverse_step(*[[x] if x is not None else None for x in tensors], c)
+
+    def step_compact(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
+                     num_threads: int | None = None) -> None:
+        if tensors:
+            params, grads, ms, vs, deltas, anchors, bases = (list(column) for column in zip(*tensors))
+            compact_step(params, grads, ms, vs, deltas, anchors, c, seed, step, bases)

@@ -1,14 +1,17 @@
 """The registry contract and every error path of building an optimizer."""
 
 import warnings
+from typing import get_args
 
 import pytest
 import torch
 
 from ft_framework.optim import (AnchoredOptimizer, PullOvershootWarning, available_optimizers,
                                 build_optimizer, optimizer_hparams, register_optimizer)
+from ft_framework.config.schema import OptimizerConfig
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.programs import impl_names
 from ft_framework.optim.registry import _REGISTRY
 
 
@@ -33,7 +36,7 @@ def test_hyperparameter_names_follow_the_authors_code():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(impl="cuda"), "unknown impl 'cuda'; valid: auto, torch, cpu"),
+    (dict(impl="cuda"), "unknown impl 'cuda'; valid: auto, cpu, triton, torch"),
     (dict(anchor_dtype="float16"), "unknown anchor_dtype 'float16'; valid: float32, bfloat16"),
     (dict(lr=-1.0), "lr must be >= 0"),
     (dict(betas=(0.9, 1.0)), r"betas must be in \[0, 1\)"),
@@ -116,6 +119,10 @@ def test_overshooting_pull_warns_at_build_and_at_step():
     p.grad = torch.ones(2)
     with pytest.warns(PullOvershootWarning):
         opt.step()
+
+
+def test_the_config_accepts_exactly_the_registered_step_programs():
+    assert get_args(OptimizerConfig.model_fields["impl"].annotation) == impl_names()
 
 
 def test_impl_selection():

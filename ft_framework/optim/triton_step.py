@@ -1,0 +1,336 @@
+"""The Triton multi-tensor step (impl="triton"): the exact element program of cpp/step_body.h in one
+launch per bucket of tensors, for the fp32 state and the compact one (optim/compact.py).
+
+One launch covers many tensors the way torch's fused AdamW does (multi_tensor_apply): a table of
+each tensor's addresses (int64, cast to pointers in the kernel) and a table of (tensor, chunk start)
+pairs, one program per chunk of CHUNK elements. The tables are cached by the tensors' addresses,
+sizes and index bases, and rebuilt when any changes. Hyper-parameters are runtime arguments (fp32
+scalars; the rounding key an unspecialised int32), so a new lr or step never recompiles; only the
+stages a rule uses, the dtypes and the state are compile-time.
+
+The program is the exact one, operation for operation (the same bits as every CPU level and the
+torch path): a product then a sum, never fused (`enable_fp_fusion=False`: Triton would otherwise
+contract a*b + c into an FMA on the GPU), `div_rn` and `sqrt_rn` (Triton's `/` and `sqrt` are
+approximate on the GPU). bf16 values are read and written as their bit patterns through integer
+ops: widening is exact, and rounding to nearest even ((bits + 0x7FFF + lsb) >> 16, as the C++
+store_rne, with no NaN guard) is the same in the compiled kernel and the interpreter, whose
+`.to(bfloat16)` truncates. v's stochastic rounding adds the top 16 of counter_rng's 32 bits of
+(key, global element index), the lowbias32 chain computed in uint32 lanes as the C++ kernel does.
+
+TRITON_INTERPRET=1 runs the same kernel on CPU tensors (numpy ops, one rounding each: the tests'
+mode); the kernel is compiled for the mode set when it is first launched.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+
+from ft_framework.counter_rng import LOWBIAS32_MUL1, LOWBIAS32_MUL2
+from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.compact import rounding_key
+from ft_framework.optim.torch_step import finite_flags, foreach_inverse_step
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # an optional dependency: impl="triton" says it needs it
+    triton = None
+    tl = None
+    _IMPORT_ERROR: ImportError | None = exc
+else:
+    _IMPORT_ERROR = None
+
+INTERPRET_ENV_VAR = "TRITON_INTERPRET"
+# Elements per (tensor, chunk) entry: multi_tensor_apply's chunk.
+CHUNK = 65536
+# Elements per loop iteration of a program on the GPU; the interpreter takes a whole chunk at once
+# (numpy ops on 64 Ki elements cost about what they cost on 1 Ki, and the interpreter runs every
+# program and iteration one after the other).
+GPU_BLOCK = 1024
+NUM_WARPS = 4
+# Columns of the address table.
+_PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _ANCHOR, _DELTA = range(6)
+_TABLE_CACHE_SIZE = 64
+
+
+def interpreting() -> bool:
+    return os.environ.get(INTERPRET_ENV_VAR, "0") == "1"
+
+
+def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
+                 beta1, beta2, one_minus_beta1, one_minus_beta2, eps, denom_scale, step_size,
+                 pre_decay, pre_pull, post_pull, post_decay, sr_key,
+                 GRAD_BF16: tl.constexpr, ANCHOR_BF16: tl.constexpr, HAS_ANCHOR: tl.constexpr,
+                 HAS_PRE: tl.constexpr, HAS_POST_DECAY: tl.constexpr, COMPACT: tl.constexpr,
+                 DELTA_MASTER: tl.constexpr, FUSED_MUTANT: tl.constexpr, CHUNK_ELEMS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_tensor + pid).to(tl.int64)
+    start = tl.load(chunk_start + pid)
+    end = tl.minimum(start + CHUNK_ELEMS, tl.load(numels + t))
+    row = addresses + t * 6
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
+    if GRAD_BF16:
+        grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint16))
+    else:
+        grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    if COMPACT:
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint16))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint16))
+    else:
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if ANCHOR_BF16:
+        anchor_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint16))
+    else:
+        anchor_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    delta_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    base = tl.load(bases + t)
+    key = sr_key.to(tl.uint32, bitcast=True)
+    for offset in range(start, end, BLOCK):
+        idx = offset + tl.arange(0, BLOCK)
+        mask = idx < end
+        if GRAD_BF16:
+            g = (tl.load(grad_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            g = tl.load(grad_ptr + idx, mask=mask)
+        if COMPACT:
+            m = (tl.load(m_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            v = (tl.load(v_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            m = tl.load(m_ptr + idx, mask=mask)
+            v = tl.load(v_ptr + idx, mask=mask)
+        if HAS_ANCHOR:
+            if ANCHOR_BF16:
+                a = (tl.load(anchor_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                a = tl.load(anchor_ptr + idx, mask=mask)
+        # p and d = p - a, as the C++ kernel forms them for each master.
+        if COMPACT and HAS_ANCHOR and DELTA_MASTER:
+            d = tl.load(delta_ptr + idx, mask=mask)
+            p = a + d
+        else:
+            p = tl.load(param_ptr + idx, mask=mask)
+            if HAS_ANCHOR:
+                d = p - a
+        # ---- the exact program (cpp/step_body.h change()): one rounding per operation ----
+        if FUSED_MUTANT:  # the tests' deliberately wrong variant: one fused multiply-add
+            m = tl.fma(g, one_minus_beta1, beta1 * m)
+        else:
+            m = one_minus_beta1 * g + beta1 * m
+        v = (one_minus_beta2 * g) * g + beta2 * v
+        denom = tl.sqrt_rn(v) * denom_scale + eps
+        e = step_size * tl.div_rn(m, denom)
+        if HAS_PRE:
+            pre = pre_decay * p
+            if HAS_ANCHOR:
+                pre = pre_pull * (d - pre) + pre
+            e = e + pre
+        if HAS_ANCHOR:
+            e = post_pull * (d - e) + e
+        if HAS_POST_DECAY:
+            e = post_decay * (p - e) + e
+        # ---- stores ----
+        if COMPACT and HAS_ANCHOR and DELTA_MASTER:
+            d = d - e
+            tl.store(delta_ptr + idx, d, mask=mask)
+            tl.store(param_ptr + idx, a + d, mask=mask)
+        else:
+            tl.store(param_ptr + idx, p - e, mask=mask)
+        if COMPACT:
+            m_bits = m.to(tl.uint32, bitcast=True)
+            m_bits = (m_bits + (0x7FFF + ((m_bits >> 16) & 1))) >> 16
+            tl.store(m_ptr + idx, m_bits.to(tl.uint16), mask=mask)
+            # counter_rng's bits of (key, base + idx): lowbias32(lowbias32(lo ^ key) ^ hi).
+            gidx = base + idx
+            h = gidx.to(tl.uint32) ^ key
+            h = h ^ (h >> 16)
+            h = h * MUL1
+            h = h ^ (h >> 15)
+            h = h * MUL2
+            h = h ^ (h >> 16)
+            h = h ^ (gidx >> 32).to(tl.uint32)
+            h = h ^ (h >> 16)
+            h = h * MUL1
+            h = h ^ (h >> 15)
+            h = h * MUL2
+            h = h ^ (h >> 16)
+            v_bits = (v.to(tl.uint32, bitcast=True) + (h >> 16)) >> 16
+            tl.store(v_ptr + idx, v_bits.to(tl.uint16), mask=mask)
+        else:
+            tl.store(m_ptr + idx, m, mask=mask)
+            tl.store(v_ptr + idx, v, mask=mask)
+
+
+if tl is not None:
+    # counter_rng's constants (the owner), as uint32 compile-time values of the kernel.
+    MUL1 = tl.constexpr(LOWBIAS32_MUL1)
+    MUL2 = tl.constexpr(LOWBIAS32_MUL2)
+
+
+@functools.lru_cache(maxsize=2)
+def _jitted(interpret: bool):
+    """The kernel compiled for one mode (triton.jit reads TRITON_INTERPRET when it wraps a function)."""
+    del interpret  # the cache key: the environment triton.jit reads now
+    return triton.jit(_step_kernel, do_not_specialize=["sr_key"])
+
+
+def _f32(x: float) -> float:
+    """x rounded to fp32 (to nearest, as a float argument of a compiled kernel is)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _i32(key: int) -> int:
+    """A uint32 as the int32 with its bits: one argument type for every key (no recompile)."""
+    return key - (1 << 32) if key >= 1 << 31 else key
+
+
+class _Tables:
+    """The launch's device tables for one list of tensors, cached by addresses, sizes and bases."""
+
+    def __init__(self, size: int = _TABLE_CACHE_SIZE):
+        self._cache: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._size = size
+
+    def get(self, rows: Sequence[tuple], bases: Sequence[int], device: torch.device,
+            chunk: int) -> tuple[torch.Tensor, ...]:
+        addresses = [tuple(0 if x is None else x.data_ptr() for x in row) for row in rows]
+        numels = [row[0].numel() for row in rows]
+        key = (device, chunk, tuple(addresses), tuple(numels), tuple(bases))
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        pairs = [(t, s) for t, n in enumerate(numels) for s in range(0, n, chunk)]
+        tables = (torch.tensor(addresses, dtype=torch.int64).reshape(-1, 6).to(device),
+                  torch.tensor(numels, dtype=torch.int64).to(device),
+                  torch.tensor(list(bases), dtype=torch.int64).to(device),
+                  torch.tensor([t for t, _ in pairs], dtype=torch.int32).to(device),
+                  torch.tensor([s for _, s in pairs], dtype=torch.int64).to(device))
+        self._cache[key] = tables
+        if len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        return tables
+
+
+def _problem(t: torch.Tensor, role: str, dtypes: tuple[torch.dtype, ...], interpret: bool) -> str | None:
+    if t.device.type != "cuda" and not (interpret and t.is_cpu):
+        return f"{role} is on {t.device}, the Triton step needs CUDA tensors"
+    if t.dtype not in dtypes:
+        return f"{role} has dtype {t.dtype}, the Triton step takes {' or '.join(map(str, dtypes))}"
+    if not t.is_contiguous():
+        return f"{role} is not contiguous (the Triton step updates memory in place)"
+    return None
+
+
+_F32 = (torch.float32,)
+_INPUTS = (torch.float32, torch.bfloat16)
+
+
+class TritonProgram:
+    """The Triton kernel as a step program (optim/programs.py). `chunk` and `block` are the
+    elements per (tensor, chunk) entry and per loop iteration (default: CHUNK, and GPU_BLOCK on the
+    GPU or the whole chunk in the interpreter); `fused_mutant` is the tests' wrong variant."""
+
+    name = "triton"
+
+    def __init__(self, chunk: int = CHUNK, block: int | None = None, fused_mutant: bool = False):
+        self.chunk = chunk
+        self.block = block
+        self.fused_mutant = fused_mutant
+        self._tables = _Tables()
+
+    def unavailable(self) -> str | None:
+        if triton is None:
+            return f"impl='triton' needs the triton package ({_IMPORT_ERROR}); pip install triton, or use impl='torch'"
+        return None
+
+    def refusal(self, param: torch.Tensor, automatic: bool) -> str | None:
+        if automatic and param.device.type != "cuda":
+            return "auto runs the Triton step on CUDA tensors only"
+        return _problem(param, "parameter", _F32, interpreting())
+
+    def step(self, tensors: Sequence[tuple], c: StepCoefficients, num_threads: int | None = None) -> None:
+        rows = [(p, g, m, v, a, None) for p, g, m, v, a in tensors if p.numel()]
+        for p, g, m, v, a, _ in rows:
+            self._check(p, g, (m, v), _F32, a, None)
+        self._launch(rows, [0] * len(rows), c, 0, compact=False)
+
+    def guarded_step(self, tensors: tuple, c: StepCoefficients, num_threads: int | None = None) -> bool:
+        if not finite_flags([tensors[1]])[0]:
+            return False
+        self.step([tensors], c)
+        return True
+
+    def inverse(self, tensors: tuple, c: StepCoefficients, num_threads: int | None = None) -> None:
+        # The undo is exact to a few ulp whichever implementation runs it (cpp/step_args.h); the
+        # overlapped offload, its one user, steps CPU tensors. The torch ops serve it here.
+        foreach_inverse_step(*[[x] if x is not None else None for x in tensors], c)
+
+    def step_compact(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
+                     num_threads: int | None = None) -> None:
+        rows, bases = [], []
+        for p, g, m, v, delta, a, base in tensors:
+            if delta is not None and a is None:
+                raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
+            self._check(p, g, (m, v), (torch.bfloat16,), a, delta)
+            if p.numel():
+                rows.append((p, g, m, v, a, delta))
+                bases.append(int(base))
+        self._launch(rows, bases, c, rounding_key(seed, step), compact=True)
+
+    def _check(self, p, g, moments, moment_dtypes, a, delta) -> None:
+        interpret = interpreting()
+        problems = [_problem(p, "parameter", _F32, interpret), _problem(g, "gradient", _INPUTS, interpret)]
+        problems += [_problem(x, role, moment_dtypes, interpret) for x, role in zip(moments, ("exp_avg", "exp_avg_sq"))]
+        if a is not None:
+            problems.append(_problem(a, "anchor", _INPUTS, interpret))
+        if delta is not None:
+            problems.append(_problem(delta, "delta", _F32, interpret))
+        problems = [x for x in problems if x]
+        if problems:
+            raise TypeError("cannot run the Triton step: " + "; ".join(problems))
+        sizes = [x.numel() for x in (g, *moments, a, delta) if x is not None]
+        if any(n != p.numel() for n in sizes):
+            raise ValueError(f"size mismatch with the parameter's {p.numel()} elements: {sizes}")
+
+    def _launch(self, rows: list[tuple], bases: list[int], c: StepCoefficients, key: int, compact: bool) -> None:
+        """One launch per kind of tensor (gradient and anchor dtypes, anchor and delta present)."""
+        if not rows:
+            return
+        if (why := self.unavailable()) is not None:
+            raise RuntimeError(why)
+        kinds: dict[tuple, list[int]] = {}
+        for i, (p, g, m, v, a, delta) in enumerate(rows):
+            kinds.setdefault((g.dtype, None if a is None else a.dtype, delta is not None), []).append(i)
+        interpret = interpreting()
+        kernel = _jitted(interpret)
+        block = self.block or (self.chunk if interpret else GPU_BLOCK)
+        for (grad_dtype, anchor_dtype, has_delta), idx in kinds.items():
+            has_anchor = anchor_dtype is not None
+            tables = self._tables.get([rows[i] for i in idx], [bases[i] for i in idx], rows[idx[0]][0].device,
+                                      self.chunk)
+            flags = dict(GRAD_BF16=grad_dtype == torch.bfloat16, ANCHOR_BF16=anchor_dtype == torch.bfloat16,
+                         HAS_ANCHOR=has_anchor,
+                         HAS_PRE=_f32(c.pre_decay) != 0.0 or (has_anchor and _f32(c.pre_pull) != 0.0),
+                         HAS_POST_DECAY=_f32(c.post_decay) != 0.0, COMPACT=compact, DELTA_MASTER=has_delta,
+                         FUSED_MUTANT=self.fused_mutant, CHUNK_ELEMS=self.chunk, BLOCK=block)
+            kernel[(tables[3].numel(),)](*tables, *_scalars(c), _i32(key), **flags, **_launch_options(interpret))
+
+
+def _scalars(c: StepCoefficients) -> list[float]:
+    """The program's coefficients in the kernel's argument order, rounded to fp32 here (as the C++
+    kernel's struct holds them; 1 - beta computed in double first)."""
+    return [_f32(x) for x in (c.beta1, c.beta2, 1.0 - c.beta1, 1.0 - c.beta2, c.eps, c.denom_scale, c.step_size,
+                              c.pre_decay, c.pre_pull, c.post_pull, c.post_decay)]
+
+
+def _launch_options(interpret: bool) -> dict[str, Any]:
+    # The interpreter runs numpy ops (one rounding each, no fusion) and ignores compile options.
+    return {} if interpret else {"enable_fp_fusion": False, "num_warps": NUM_WARPS}

@@ -1,0 +1,212 @@
+"""The Triton step (impl="triton", optim/triton_step.py) under TRITON_INTERPRET=1 on CPU tensors, bit
+for bit against the C++ kernel's scalar level and the torch path: every rule (a user's too), the
+fp32 and the compact state, awkward sizes, chunk boundaries, many tensors, mixed dtypes. A variant
+with one fused multiply-add must differ (the comparison has teeth). The interpreter computes one
+numpy op per Triton op, so the compiled kernel's two GPU hazards (approximate sqrt and division,
+FMA contraction) are what sqrt_rn, div_rn and enable_fp_fusion=False rule out; the GPU suite
+(benchmarks/gpu_suite.py part a) checks the compiled kernel on a device."""
+
+import pytest
+import torch
+
+from ft_framework.optim import AnchoredOptimizer, build_optimizer
+from ft_framework.optim import cpu as cpu_kernel
+from ft_framework.optim import triton_step
+from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.compact import rounding_key
+from ft_framework.optim.programs import resolve_impl
+from ft_framework.optim.triton_step import TritonProgram
+
+pytestmark = [
+    pytest.mark.skipif(triton_step.triton is None, reason="triton is not installed (pip install triton)"),
+    pytest.mark.skipif(not cpu_kernel.kernel_available(), reason="C++ kernel not built"),
+    pytest.mark.usefixtures("restore_level", "interpret"),
+]
+
+HPARAMS = {
+    "recadam": dict(lr=1e-3, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.1, anneal_t0=10,
+                    pretrain_cof=50.0),
+    "adamw": dict(lr=1e-3, weight_decay=0.01),
+    "bertadam": dict(lr=1e-3, weight_decay=0.01, correct_bias=False),
+    "prior_wd": dict(lr=1e-3, weight_decay=0.1),
+}
+# 65537: one tensor past the 64 Ki chunk, so a program starts at an offset inside a tensor.
+ANCHORED_SIZES = (1, 7, 65537)
+HEAD_SIZES = (3, 33)
+STEPS = 2
+# Every stage of the program at once (pre-decay, pre- and post-pull, post-decay, debiasing).
+ALL_STAGES = StepCoefficients(beta1=0.9, beta2=0.999, eps=1e-8, step_size=1e-3, denom_scale=1.3, pre_decay=1e-4,
+                              pre_pull=0.01, post_pull=0.02, post_decay=1e-3)
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv(triton_step.INTERPRET_ENV_VAR, "1")
+
+
+class HalfPullRule(AnchoredOptimizer):
+    """A user's rule: only coefficients, so every program, Triton's included, runs it."""
+
+    def __init__(self, params, lr: float = 1e-3, impl: str = "auto", **state):
+        super().__init__(params, dict(lr=lr), impl=impl, **state)
+
+    def coefficients(self, group, step, has_anchor):
+        return StepCoefficients(beta1=0.8, beta2=0.99, eps=1e-6, step_size=group["lr"],
+                                post_pull=0.05 if has_anchor else 0.0, post_decay=1e-3)
+
+
+def _optimizer(rule: str, groups, impl: str, compact: bool):
+    state = dict(state_dtype="bfloat16", anchor_dtype="bfloat16", rounding_seed=99) if compact else {}
+    if rule == "user":
+        return HalfPullRule(groups, impl=impl, **state)
+    return build_optimizer(rule, groups, impl=impl, **HPARAMS[rule], **state)
+
+
+def _run(rule: str, impl: str, compact: bool) -> list[torch.Tensor]:
+    if impl == "cpu":
+        cpu_kernel.set_simd_level("scalar")
+    gen = torch.Generator().manual_seed(5)
+    thetas = [torch.randn(n, generator=gen) * 0.05 for n in ANCHORED_SIZES]
+    anchored = [torch.nn.Parameter(t + torch.randn(t.shape, generator=gen) * 1e-3) for t in thetas]
+    head = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.05) for n in HEAD_SIZES]
+    opt = _optimizer(rule, [{"params": anchored, "anchors": thetas}, {"params": head}], impl, compact)
+    assert opt.impl == impl
+    params = anchored + head
+    for _ in range(STEPS):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    keys = ("exp_avg", "exp_avg_sq", "delta")
+    return [x.detach().clone() for p in params
+            for x in (p, *(opt.state[p][k] for k in keys if k in opt.state[p]))]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _same_bits(got, want) -> bool:
+    return len(got) == len(want) and all(g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
+                                         for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
+@pytest.mark.parametrize("rule", sorted(HPARAMS) + ["user"])
+def test_every_rule_equals_the_scalar_kernel_and_the_torch_path(rule, compact):
+    want = _run(rule, "cpu", compact)
+    assert _same_bits(_run(rule, "triton", compact), want)
+    assert _same_bits(_run(rule, "torch", compact), want)
+
+
+def _rows(sizes, gen, compact: bool, masters: str = "delta"):
+    """(param, grad, m, v, anchor, delta) per size, with mixed dtypes: gradients and anchors
+    alternate between fp32 and bf16; every third tensor has no anchor."""
+    rows = []
+    for i, n in enumerate(sizes):
+        grad = torch.randn(n, generator=gen)
+        grad = grad.bfloat16() if i % 2 else grad
+        anchor = None if i % 3 == 2 else torch.randn(n, generator=gen) * 0.05
+        if anchor is not None and (compact or i % 4 == 1):
+            anchor = anchor.bfloat16()
+        param = torch.randn(n, generator=gen) * 0.05 if anchor is None else \
+            anchor.float() + torch.randn(n, generator=gen) * 1e-3
+        m = torch.randn(n, generator=gen) * 1e-3
+        v = torch.rand(n, generator=gen) * 1e-5
+        delta = None
+        if compact:
+            m, v = m.bfloat16(), v.bfloat16()
+            if anchor is not None and masters == "delta":
+                delta = param - anchor.float()
+                param = anchor.float() + delta
+        rows.append((param, grad, m, v, anchor, delta))
+    return rows
+
+
+def _clone(rows):
+    return [tuple(None if x is None else x.clone() for x in row) for row in rows]
+
+
+def _step_rows(program, rows, compact: bool, c=ALL_STAGES) -> None:
+    if compact:
+        bases = [1000 + 70000 * i for i in range(len(rows))]
+        program.step_compact([(p, g, m, v, d, a, b) for (p, g, m, v, a, d), b in zip(rows, bases)], c, 7, 3)
+    else:
+        program.step([(p, g, m, v, a) for p, g, m, v, a, _ in rows], c)
+
+
+def _kernel_rows(rows, compact: bool, c=ALL_STAGES) -> None:
+    cpu_kernel.set_simd_level("scalar")
+    if compact:
+        bases = [1000 + 70000 * i for i in range(len(rows))]
+        cpu_kernel.fused_step_compact_many([(p, g, m, v, d, a, b) for (p, g, m, v, a, d), b in zip(rows, bases)],
+                                           c, rounding_key(7, 3))
+    else:
+        cpu_kernel.fused_step_many([(p, g, m, v, a) for p, g, m, v, a, _ in rows], c)
+
+
+def _flat(rows):
+    return [x for row in rows for x in row if x is not None]
+
+
+@pytest.mark.parametrize("state", ["fp32", "compact-delta", "compact-param"])
+def test_many_tensors_of_mixed_dtypes_across_chunk_boundaries_in_one_launch(state):
+    """40 tensors whose sizes end just before, on and just after chunk boundaries of a 64-element
+    chunk (so each boundary case is a tensor of its own), gradients and anchors of both dtypes."""
+    compact = state != "fp32"
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1, 63, 64, 65, 127, 128, 129, 7, 1000, 3] * 4
+    rows = _rows(sizes, gen, compact, masters=state.split("-")[-1])
+    want = _clone(rows)
+    _kernel_rows(want, compact)
+    _step_rows(TritonProgram(chunk=64, block=16), rows, compact)
+    assert _same_bits(_flat(rows), _flat(want))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
+def test_a_fused_multiply_add_is_caught(compact):
+    """The mutation the exact program forbids, m = fma(1 - beta1, g, beta1 m), stores other bits."""
+    gen = torch.Generator().manual_seed(4)
+    rows = _rows([4096, 7], gen, compact)
+    want = _clone(rows)
+    _kernel_rows(want, compact)
+    exact, fused = _clone(rows), _clone(rows)
+    _step_rows(TritonProgram(), exact, compact)
+    _step_rows(TritonProgram(fused_mutant=True), fused, compact)
+    assert _same_bits(_flat(exact), _flat(want))
+    assert not _same_bits(_flat(fused), _flat(want))
+
+
+def test_tables_are_cached_by_addresses_and_sizes_and_a_new_lr_reuses_them():
+    gen = torch.Generator().manual_seed(6)
+    rows = _rows([5, 70, 130], gen, compact=False)
+    program = TritonProgram(chunk=64)
+    _step_rows(program, rows, False)
+    cached = dict(program._tables._cache)
+    _step_rows(program, rows, False, c=StepCoefficients(beta1=0.9, beta2=0.999, eps=1e-8, step_size=5e-4))
+    assert program._tables._cache.keys() == cached.keys()  # hyper-parameters are arguments, not table keys
+    assert all(program._tables._cache[k][0] is cached[k][0] for k in cached)
+    moved = [(p.clone(), g, m, v, a, d) for p, g, m, v, a, d in rows]  # the parameters at new addresses
+    _step_rows(program, moved, False)
+    assert len(program._tables._cache) == 2 * len(cached)  # one launch (and table) per kind of tensor
+
+
+def test_auto_never_picks_the_interpreter_and_an_explicit_request_checks_the_tensors():
+    cpu_p = torch.zeros(4)
+    assert resolve_impl("auto", [cpu_p]) == "cpu"
+    assert resolve_impl("triton", [cpu_p]) == "triton"  # CPU tensors: the interpreter takes them
+    with pytest.raises(TypeError, match="impl='triton' cannot take these parameters: parameter has dtype "
+                                        "torch.float64"):
+        resolve_impl("triton", [torch.zeros(4, dtype=torch.float64)])
+
+
+def test_without_triton_the_request_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(triton_step, "triton", None)
+    with pytest.raises(RuntimeError, match="impl='triton' needs the triton package"):
+        build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))], impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_picks_triton_on_cuda(monkeypatch):
+    monkeypatch.setenv(triton_step.INTERPRET_ENV_VAR, "0")
+    assert build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2, device="cuda"))]).impl == "triton"
