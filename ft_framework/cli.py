@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from ft_framework.errors import UserError
+from ft_framework.run.allocator import set_host_allocator_policy
 from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, report_failure
 from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, RunPaths
 from ft_framework.run.results import format_results_table
@@ -44,6 +45,8 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="print the traceback of a config or data error too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # First, before anything large is allocated: the host memory then follows the live tensors (run/allocator.py).
+    logging.getLogger("ft_framework.run.allocator").info("%s", set_host_allocator_policy())
     from ft_framework.config import load_config  # after --help (module docstring)
 
     try:
@@ -277,6 +280,21 @@ def export_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def planned_device(device: str) -> str:
+    """What ft-plan planned for, said in its header: a GPU unless training.device is cpu. With auto
+    on a machine without a GPU, ft-train here would run (and check its budget) on the CPU."""
+    if device == "cpu":
+        return "CPU (training.device: cpu)"
+    if device == "cuda":
+        return "GPU (training.device: cuda)"
+    import torch
+
+    if torch.cuda.is_available():
+        return "GPU (training.device: auto; this machine has one)"
+    return ("GPU (training.device: auto; this machine has none: ft-train here would run on the CPU and check "
+            "its budget against the CPU plan, which training.device=cpu shows)")
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     """ft-plan --config FILE [key.sub=value ...] [--gpu-memory SIZE] [--fit] [--json]: each rank's
     planned memory peak, from the model's config.json alone (no weights)."""
@@ -320,15 +338,17 @@ def plan_main(argv: list[str] | None = None) -> int:
         return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)
     fits = budget is None or plan.device_peak <= budget
     if args.json:
-        answer = {"ranks": args.ranks, "model_source": arch.source, "budget_bytes": budget, "fits": fits,
+        answer = {"ranks": args.ranks, "planned_for": "gpu" if on_gpu else "cpu", "model_source": arch.source,
+                  "budget_bytes": budget, "fits": fits,
                   "per_rank": [peak_plan_json(plan)] * args.ranks}
         if args.fit:
             answer["fit"] = None if fits else ({"overrides": fit.overrides, "plan": peak_plan_json(fit.plan)}
                                                if fit else None)
         print(json.dumps(answer, indent=2))
         return 0
-    where = "GPU" if on_gpu else "CPU (training.device: cpu)"
+    where = planned_device(cfg.training.device)
     print(f"model: {arch.source}")
+    print(f"planned for: {where}")
     print(format_peak_plan(plan, title=f"memory plan per rank ({cfg.strategy.name}, {args.ranks} rank(s), "
                                        f"batch {cfg.training.per_device_batch_size} x {cfg.data.max_seq_length} "
                                        f"tokens, {cfg.training.precision}, {where}; every rank the same)"))

@@ -39,6 +39,7 @@ from ft_framework.strategies.memory_plan import format_memory_plan, plan_memory
 from ft_framework.metrics import compute_metrics, is_failed, majority_baseline
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
 from ft_framework.models.forgetting import build_probe
+from ft_framework.models.fused_activations import describe_fused, fuse_activations
 from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
 from ft_framework.models.r3f import R3FSettings, attach_r3f, tag_batch
@@ -131,6 +132,10 @@ class Trainer:
                                           is_regression=self.task.is_regression, seed=cfg.training.seed)
         self.loaded = loaded
         check_max_seq_length(cfg.data.max_seq_length, loaded.model, cfg.model.name_or_path)
+        # Before checkpointing and the strategy wrap the model (the memory plan traces the same transform).
+        self.fused_activations = fuse_activations(loaded.model) if cfg.model.fused_activations else None
+        logger.info("model.fused_activations: %s", "off (the model's own activation modules)"
+                    if self.fused_activations is None else describe_fused(self.fused_activations))
         self.data = load_task_data(self.task, tokenizer=loaded.tokenizer, **cfg.data.loader_arguments())
         check_data_not_empty(self.data, task=self.task.name, source=cfg.data.source)
         self.collate = make_collator(loaded.tokenizer)
@@ -502,6 +507,8 @@ class Trainer:
             **({"diverged": diverged} if diverged is not None else {}),
             # The size this run trained on (ft-report groups tasks by it, not by the nominal GLUE size).
             "train_examples": len(self.data.train),
+            # What model.fused_activations replaced ({activation name: modules}); null: the switch was off.
+            "fused_activations": self.fused_activations,
             **({"forgetting_probe": self.forgetting.describe()} if self.forgetting is not None else {}),
             **({"child_tuning": st.child_tuning} if st.child_tuning is not None else {}),
             "config_changes": st.config_changes,

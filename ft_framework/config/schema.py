@@ -111,6 +111,10 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Overrides the checkpoint's hidden and attention dropout; None keeps the checkpoint's value.
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    # Replace an activation written as separate ops (gelu_new, gelu_fast) by the fused op computing
+    # the same function (F.gelu tanh): same outputs within the dtype's rounding, far fewer saved
+    # activations (models/fused_activations.py). false: keep the model's own modules.
+    fused_activations: bool = True
     # LoRA instead of full fine-tuning (needs peft: pip install 'ft_framework[lora]'); None: off.
     lora: LoraConfig | None = None
 

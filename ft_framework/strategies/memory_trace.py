@@ -1,22 +1,21 @@
 """Live tensor bytes, counted while torch runs, and the trace of one training micro-batch on fake
 tensors: the activations a model keeps for backward, without allocating them.
 
-This module is the one adapter to torch's private tracing names (``FakeTensorMode`` from
-``torch._subclasses``, ``TorchDispatchMode`` from ``torch.utils._python_dispatch``); the range of
-torch versions they were checked on is :data:`CHECKED_TORCH`.
+The trace builds the model from its config on the meta device (with the run's model transforms:
+models/fused_activations.py), gives it fake parameters of the run's dtype, and runs forward and
+backward (the sequence-classification loss the trainer uses) under ``FakeTensorMode`` with
+:class:`LiveBytes` counting. Fake tensors carry shapes, dtypes and storages but no data, so
+ALBERT-xxlarge traces in seconds on a laptop. Torch's private names it needs, and CUDA's autocast
+rules on CPU tensors, come from the one adapter, strategies/torch_tracing.py.
 
-The trace builds the model from its config on the meta device, gives it fake parameters of the
-run's dtype, and runs forward and backward (the sequence-classification loss the trainer uses)
-under ``FakeTensorMode`` with :class:`LiveBytes` counting. Fake tensors carry shapes, dtypes and
-storages but no data, so ALBERT-xxlarge traces in seconds on a laptop.
-
-The trace runs torch's CPU kernels. Where a GPU kernel keeps other tensors, the plan names the
+Dtypes follow the GPU's rules: a GPU run under autocast is traced under CUDA's autocast op lists
+(``autocast_rules="cuda"``: pow, layer_norm, softmax and sum in fp32, matmuls in the 16-bit type,
+weights cast once per forward and kept); a run without autocast traces its model in the dtype the
+run gives it. The kernels are the CPU's. Where a GPU kernel keeps other tensors, the plan names the
 GPU kernel it assumes: scaled-dot-product attention by CUDA's flash or memory-efficient kernel
 (:data:`ASSUMED_ATTENTION_BACKEND`), which keeps the log-sum-exp and not the attention matrix, as
 the CPU's flash kernel does when attention dropout is 0 (with dropout the CPU runs the math path,
-which keeps the matrix and its mask; the GPU plan traces without attention dropout). Fake CUDA tensors would name the
-GPU's kernels, but indexing one fails on a CPU build of torch (``PyTorch is not linked with
-support for cuda devices``), and every model indexes its position ids.
+which keeps the matrix and its mask; the GPU plan traces without attention dropout).
 """
 
 from __future__ import annotations
@@ -30,35 +29,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ft_framework.errors import UserError
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
+from ft_framework.models.fused_activations import fuse_activations
+from ft_framework.strategies.torch_tracing import cuda_autocast_rules, dispatch_mode_base, fake_tensor_mode
 
-CHECKED_TORCH = ((2, 6), (2, 13))  # FakeTensorMode and TorchDispatchMode as used here
 ASSUMED_ATTENTION_BACKEND = ("scaled-dot-product attention by a flash or memory-efficient kernel (keeps the "
                              "log-sum-exp, not the attention matrix nor a dropout mask)")
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def _private_torch():
-    """FakeTensorMode and TorchDispatchMode, after checking torch's version against CHECKED_TORCH."""
-    low, high = CHECKED_TORCH
-    if not low <= _torch_version() <= high:
-        raise UserError(f"the memory plan traces with torch's private FakeTensorMode, checked on torch "
-                        f"{low[0]}.{low[1]} to {high[0]}.{high[1]}; this is torch {torch.__version__}: "
-                        "install a torch in that range or extend CHECKED_TORCH after checking")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    return FakeTensorMode, TorchDispatchMode
-
-
 def _live_bytes_mode_class():
-    _, TorchDispatchMode = _private_torch()
-
-    class LiveBytesMode(TorchDispatchMode):
+    class LiveBytesMode(dispatch_mode_base()):
         """Counts the bytes of every storage that an operator returns, once per storage (views
         share theirs), until its last reference dies. Thread-local, like every dispatch mode:
         tensors made by other threads are not counted."""
@@ -127,13 +107,17 @@ def _fake_parameters(model: nn.Module, dtype: torch.dtype, device: str) -> None:
                 module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
 
 
-def build_model_on_meta(arch: Any, *, num_labels: int) -> nn.Module:
-    """The sequence-classification model of config `arch`, on the meta device (no memory)."""
+def build_model_on_meta(arch: Any, *, num_labels: int, fused_activations: bool = False) -> nn.Module:
+    """The sequence-classification model of config `arch`, on the meta device (no memory), with the
+    run's activation transform when `fused_activations` (model.fused_activations)."""
     from transformers import AutoModelForSequenceClassification  # slow: imported where used
 
     arch.num_labels = num_labels
     with torch.device("meta"):
-        return AutoModelForSequenceClassification.from_config(arch)
+        model = AutoModelForSequenceClassification.from_config(arch)
+    if fused_activations:
+        fuse_activations(model)
+    return model
 
 
 _TRACES: dict[tuple, MicroBatchTrace] = {}  # a trace depends on its arguments only: plans and fits share them
@@ -141,29 +125,35 @@ _TRACES: dict[tuple, MicroBatchTrace] = {}  # a trace depends on its arguments o
 
 def trace_micro_batch(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype,
                       autocast_dtype: torch.dtype | None, checkpointing: bool, keep_grads: bool,
-                      num_labels: int = 2, device: str = "cpu") -> MicroBatchTrace:
+                      num_labels: int = 2, device: str = "cpu", autocast_rules: str = "cpu",
+                      fused_activations: bool = False) -> MicroBatchTrace:
     """Traces forward and backward of `arch`'s classifier at (batch_size, seq_len) on fake tensors.
-    `autocast_dtype`: the forward runs under autocast to it (mixed precision with fp32 weights).
+    `autocast_dtype`: the forward runs under autocast to it (mixed precision with fp32 weights), by
+    the op lists of `autocast_rules` ("cuda" for a GPU run, "cpu" for a CPU run).
+    `fused_activations`: the model gets models/fused_activations.py's transform, as the run's does.
     `keep_grads` False drops each gradient as soon as it is accumulated, as a strategy does that
     moves gradients into its own buckets or partitions during backward (ZeRO, FSDP2, the
     overlapped offload): the trace then holds activations only."""
+    if autocast_rules not in ("cpu", "cuda"):
+        raise ValueError(f"autocast_rules: {autocast_rules!r}; valid: 'cpu', 'cuda'")
     key = (arch.to_json_string(), batch_size, seq_len, param_dtype, autocast_dtype, checkpointing, keep_grads,
-           num_labels, device)
+           num_labels, device, autocast_rules if autocast_dtype is not None else None, fused_activations)
     if key not in _TRACES:
         _TRACES[key] = _trace(arch, batch_size=batch_size, seq_len=seq_len, param_dtype=param_dtype,
                               autocast_dtype=autocast_dtype, checkpointing=checkpointing, keep_grads=keep_grads,
-                              num_labels=num_labels, device=device)
+                              num_labels=num_labels, device=device, autocast_rules=autocast_rules,
+                              fused_activations=fused_activations)
     return _TRACES[key]
 
 
 def _trace(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-           checkpointing: bool, keep_grads: bool, num_labels: int, device: str) -> MicroBatchTrace:
-    FakeTensorMode, _ = _private_torch()
-    model = build_model_on_meta(arch, num_labels=num_labels)
+           checkpointing: bool, keep_grads: bool, num_labels: int, device: str, autocast_rules: str,
+           fused_activations: bool) -> MicroBatchTrace:
+    model = build_model_on_meta(arch, num_labels=num_labels, fused_activations=fused_activations)
     model.train()
     if checkpointing:
         apply_activation_checkpointing(model)
-    with FakeTensorMode(), live_bytes() as counter:
+    with fake_tensor_mode(), live_bytes() as counter:
         _fake_parameters(model, param_dtype, device)
         params = [p for p in model.parameters() if p.requires_grad]
         param_bytes = counter.current
@@ -174,9 +164,7 @@ def _trace(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype
         batch = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len), device=device),
                  "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long, device=device),
                  "labels": torch.randint(0, num_labels, (batch_size,), device=device)}
-        cast = (torch.autocast(device_type=device, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
-        with cast:
+        with _autocast(device, autocast_dtype, autocast_rules):
             loss = model(**batch).loss
         loss.backward()
         del loss, batch
@@ -184,9 +172,23 @@ def _trace(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype
         return MicroBatchTrace(param_bytes=param_bytes, grad_bytes=grad_bytes, peak_bytes=counter.peak)
 
 
+@contextlib.contextmanager
+def _autocast(device: str, dtype: torch.dtype | None, rules: str):
+    """The forward's autocast region: none, the device's own lists, or CUDA's on the CPU (the weight
+    casts it keeps end with the region, as CUDA's cache does)."""
+    if dtype is None:
+        yield
+    elif rules == "cuda" and device == "cpu":
+        with cuda_autocast_rules(dtype), torch.autocast(device_type="cpu", dtype=dtype):
+            yield
+    else:
+        with torch.autocast(device_type=device, dtype=dtype):
+            yield
+
+
 def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-__all__ = ["ASSUMED_ATTENTION_BACKEND", "CHECKED_TORCH", "MicroBatchTrace", "build_model_on_meta",
+__all__ = ["ASSUMED_ATTENTION_BACKEND", "MicroBatchTrace", "build_model_on_meta",
            "live_bytes", "trace_micro_batch"]
