@@ -509,6 +509,9 @@ class OffloadOptimizerConfig(_Section):
     worker_threads: int | None = Field(None, gt=0)
     # overlap only: MiB of gradients handed to the CPU worker at a time (one step call per bucket).
     bucket_mb: float = Field(4.0, gt=0)
+    # training.precision bf16 only: where micro-batches' gradients are summed, in fp32 in host
+    # memory (the device keeps no gradient between micro-batches) or in bf16 on the device.
+    accumulate: Literal["host", "device"] = "host"
 
 
 class StrategyConfig(_Section):

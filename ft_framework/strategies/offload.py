@@ -26,13 +26,21 @@ Overlapped (``overlap: true``), see docs/offload.md:
    step after a step that did not clip speculates again.
 
 The serial path computes the same norm over the same host gradients, clips, then steps: the two
-end within 1e-6 (relative) of each other (tests/unit/test_offload.py). A parameter's weights are
+end within 1e-6 (relative) of each other (tests/unit/test_offload.py).
+
+Device-lean (``training.precision: bf16``, serial and overlapped): the device holds the model in
+bf16 only (no fp32 device weights, no autocast, so no weight-cast cache); every gradient leaves
+the device as it becomes final (offload_transport.py: the hook copies it into a host landing
+buffer and frees it; micro-batches accumulate in fp32 on the host by default), the step reads the
+bf16 gradients there, and writes the new weights back rounded to bf16. With fp32 precision the
+model's parameters are fp32 (on a CPU, the masters themselves). A parameter's weights are
 written by the worker only after autograd has accumulated its gradient, when backward no longer
 reads them (a weight read in backward under ``torch.no_grad``/``detach`` would break that).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any, Mapping
@@ -45,6 +53,7 @@ from ft_framework.errors import UserError
 from ft_framework.optim.base import AnchoredOptimizer
 from ft_framework.strategies.base import anchors_for, mixout_reads_anchors
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
+from ft_framework.strategies.offload_transport import ACCUMULATE_ON, Arrival, GradientTransport
 from ft_framework.strategies.single import SingleDeviceStrategy
 
 __all__ = ["OffloadedSingleDeviceStrategy"]
@@ -71,8 +80,13 @@ class _Speculation:
 
 def _bucket_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each gradient's 2-norm, in one call (on CPU the same bits as torch.linalg.vector_norm per
-    tensor, which torch.nn.utils.get_total_norm takes on a CPU)."""
-    return list(torch._foreach_norm(grads)) if grads else []
+    tensor, which torch.nn.utils.get_total_norm takes on a CPU). 16-bit gradients' norms are taken
+    and kept in fp32 (a bf16 norm would be off by up to 0.4%, and clipping decides on it)."""
+    if not grads:
+        return []
+    if all(g.dtype == torch.float32 for g in grads):
+        return list(torch._foreach_norm(grads))
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
 def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
@@ -89,11 +103,24 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
 
     `worker_threads`: OpenMP threads of each kernel call (None: torch.get_num_threads()).
     `bucket_mb`: overlapped only, the gradient megabytes (MiB) handed to the worker at a time.
+    `accumulate`: bf16 only, where micro-batches' gradients are summed: "host" (fp32, in host
+    memory) or "device" (autograd's bf16 sum in the device gradient).
     """
 
     def __init__(self, precision: str = "fp32", device: str = "auto", overlap: bool = False,
-                 worker_threads: int | None = None, bucket_mb: float = DEFAULT_BUCKET_MB):
+                 worker_threads: int | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 accumulate: str = "host"):
         super().__init__(precision, device)
+        if accumulate not in ACCUMULATE_ON:
+            raise UserError(f"strategy.offload_optimizer.accumulate must be one of {', '.join(ACCUMULATE_ON)}, "
+                            f"got {accumulate!r}")
+        self.accumulate = accumulate
+        # The device-lean offload: a 16-bit model on the device, gradients moved off as they arrive.
+        self.lean = precision == "bf16"
+        self.device_dtype = torch.bfloat16 if self.lean else torch.float32
+        self._transport: GradientTransport | None = None
+        self._last_micro_batch = True
+        self._stage: dict[int, torch.Tensor] = {}  # bf16 pinned host copies of the new weights (CUDA)
         if self.scaler is not None:
             raise UserError("strategy.offload_optimizer does not take training.precision fp16 (its loss "
                             "scaler skips steps the offloaded step cannot see); use bf16 or fp32")
@@ -139,30 +166,56 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             raise UserError(f"strategy.offload_optimizer keeps fp32 masters in host memory; parameter "
                             f"{bad[0]!r} is not an fp32 CPU tensor (load the model in fp32)")
         self._names = {id(p): n for n, p in model.named_parameters()}
-        if self.device.type == "cpu":
+        cuda = self.device.type == "cuda"
+        if self.device.type == "cpu" and not self.lean:
             self._pairs = [(m, m) for m in masters]
         else:
+            # The model gets device copies of the masters, in the device dtype (bf16 when lean; on a
+            # CPU too, so that the CPU runs the GPU's code path with host copies).
             copies = {}
             for m in masters:
-                m.data = m.data.pin_memory()
-                copies[id(m)] = nn.Parameter(m.detach().to(self.device), requires_grad=m.requires_grad)
+                if cuda:
+                    m.data = m.data.pin_memory()
+                copies[id(m)] = nn.Parameter(m.detach().to(self.device, self.device_dtype),
+                                             requires_grad=m.requires_grad)
             for module in model.modules():
                 for key, p in list(module.named_parameters(recurse=False)):
                     if id(p) in master_ids:
                         setattr(module, key, copies[id(p)])
             self._pairs = [(copies[id(m)], m) for m in masters]
-            self._host_grad = {id(m): torch.empty_like(m, pin_memory=True) for m in masters}
+            if cuda and not self.lean:
+                self._host_grad = {id(m): torch.empty_like(m, pin_memory=True) for m in masters}
+            if cuda and self.lean:
+                self._stage = {id(m): torch.empty(m.shape, dtype=self.device_dtype, pin_memory=True) for m in masters}
         self._master_of = {id(dev): m for dev, m in self._pairs}
-        self.model = model.to(self.device)
+        # Lean: frozen parameters and floating buffers go to bf16 as well (no fp32 left on the device).
+        self.model = model.to(self.device, self.device_dtype) if self.lean else model.to(self.device)
         self._model_params = list(self.model.parameters())
         self.optimizer = optimizer
         if anchors:
             self.place_anchors(anchors)
+        if self.lean:
+            self._transport = GradientTransport(self._pairs, self.device, self.accumulate)
         if self.overlap:
             self._start_worker()
+        if self.overlap or self.lean:
             self._hooks = [dev.register_post_accumulate_grad_hook(self._on_grad_ready)
                            for dev, _ in self._pairs if dev.requires_grad]
         return self.model, self.optimizer
+
+    def autocast(self):
+        # Lean: the model is bf16 itself; autocast would only add its fp32->bf16 weight casts.
+        return contextlib.nullcontext() if self.lean else super().autocast()
+
+    def device_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(role, name, tensor) of every tensor this strategy keeps on the model's device: the
+        model's parameters and buffers, and gradients still held there. The masters, their state,
+        θ*, landing buffers and sums are host memory and are not listed (on a CPU device too)."""
+        model = self.unwrapped_model()
+        out = [("weight", n, p.detach()) for n, p in model.named_parameters()]
+        out += [("buffer", n, b) for n, b in model.named_buffers()]
+        out += [("gradient", n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        return out
 
     @property
     def worker_thread(self) -> threading.Thread | None:
@@ -189,13 +242,19 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self._worker.start()
 
     def _on_grad_ready(self, dev: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: adds the parameter to the bucket, and hands the bucket to the
-        worker once it is full (last micro-batch only)."""
-        if not self._armed:
-            return
+        """Post-accumulate-grad hook: lean, moves the gradient to host memory (every micro-batch);
+        overlapped, adds the parameter to the bucket, and hands the bucket to the worker once it is
+        full (last micro-batch only)."""
         master = self._master_of[id(dev)]
-        if self._d2h is None:
-            self._bucket.append((master, dev.grad, None, dev))
+        if self.lean:
+            arrival = self._transport.take(dev, master, self._last_micro_batch)
+            if arrival is None or not self._armed:
+                return
+            self._bucket.append(arrival)
+        elif not self._armed:
+            return
+        elif self._d2h is None:
+            self._bucket.append(Arrival(master, dev, dev.grad))
         else:
             host = self._host_grad[id(master)]
             compute = torch.cuda.current_stream(self.device)
@@ -205,7 +264,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
                 ready = torch.cuda.Event()
                 ready.record(self._d2h)
             dev.grad.record_stream(self._d2h)
-            self._bucket.append((master, host, ready, dev))
+            self._bucket.append(Arrival(master, dev, host, ready))
         self._bucket_fill += master.numel() * master.element_size()
         if self._bucket_fill >= self.bucket_bytes:
             self._hand_over()
@@ -240,11 +299,9 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             finally:
                 self._queue.task_done()
 
-    def _process(self, bucket: list[tuple]) -> None:
+    def _process(self, arrivals: list[Arrival]) -> None:
         """Steps a bucket's tensors whose gradients are finite, with one optimizer call."""
-        for _, _, ready, _ in bucket:
-            if ready is not None:
-                ready.synchronize()
+        bucket = [(a.master, a.resolve(), a.ready, a.dev) for a in arrivals]
         # Here, not after backward: the norms overlap too. One call and one finiteness check per
         # bucket, not per tensor (each torch call also hands the GIL to the training thread and back).
         norms = _bucket_norms([grad for _, grad, _, _ in bucket])
@@ -268,13 +325,25 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
                 self._copy_to_device(dev, master)
 
     def _copy_to_device(self, dev: torch.Tensor, master: torch.Tensor) -> None:
+        if dev is master:
+            return  # fp32 on a CPU: the master is the model's parameter
         if self._h2d is None:
-            return  # on a CPU the master is the model's parameter
+            with torch.no_grad():
+                dev.copy_(master)  # rounded to the device dtype (to nearest even, as DeepSpeed's copy)
+            return
+        if self.lean:
+            # Rounded to bf16 on the host: the copy moves 2 B/param and no fp32 lands on the device.
+            stage = self._stage[id(master)]
+            stage.copy_(master)
+            master = stage
         with torch.no_grad(), torch.cuda.stream(self._h2d):
             dev.copy_(master, non_blocking=True)
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
         self._armed = self.overlap and last_micro_batch
+        self._last_micro_batch = last_micro_batch
+        if self._transport is not None:
+            self._transport.add_pending()  # the earlier micro-batch's sums, before its buffers are reused
         try:
             loss.backward()
             if self._armed:
@@ -286,6 +355,8 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     # ---- after backward ----------------------------------------------------------------------------
     def _host_grads(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(model parameter, master, host gradient) of every parameter with a gradient."""
+        if self._transport is not None:
+            return [(a.dev, a.master, a.grad) for a in self._transport.arrivals()]
         out = []
         for dev, m in self._pairs:
             if dev.grad is None:
@@ -299,16 +370,21 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         return out
 
     @staticmethod
-    def _clip(grads: list[torch.Tensor], max_grad_norm: float | None, norm: torch.Tensor) -> bool:
-        """Clips `grads` in place as torch.nn.utils.clip_grad_norm_ does; returns whether it fired."""
+    def _clip(grads: list[torch.Tensor], max_grad_norm: float | None, norm: torch.Tensor) -> list[torch.Tensor]:
+        """`grads` clipped as torch.nn.utils.clip_grad_norm_ clips them: fp32 ones in place, 16-bit
+        ones into fp32 copies (scaled in bf16 they would round again)."""
         if not max_grad_norm or not grads:
-            return False
+            return grads
         coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-        fires = bool(coef < 1.0)
-        if fires:
-            for g in grads:
-                g.mul_(coef.to(g.device))
-        return fires
+        if not bool(coef < 1.0):
+            return grads
+        out = []
+        for g in grads:
+            if g.dtype == torch.float32:
+                out.append(g.mul_(coef.to(g.device)))
+            else:
+                out.append(g.float().mul_(coef))
+        return out
 
     def clip_and_step(self, max_grad_norm: float | None) -> float:
         norm = self._overlapped_step(max_grad_norm) if self.overlap else self._serial_step(max_grad_norm)
@@ -318,6 +394,9 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         # masters have none): model.zero_grad, with the module walk done once at set-up.
         for p in self._model_params:
             p.grad = None
+        if self._transport is not None:
+            self._transport.end_step()
+        self._last_micro_batch = True
         return float(norm)
 
     def _serial_step(self, max_grad_norm: float | None) -> torch.Tensor:
@@ -327,7 +406,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         if not torch.isfinite(norm):
             self.skipped_steps += 1
             return norm
-        self._clip(grads, max_grad_norm, norm)
+        grads = self._clip(grads, max_grad_norm, norm)
         masters = [m for _, m, _ in entries]
         # A finite global norm means every element is finite: the kernel need not check again
         # (as after the decision below), and the tensors go to it in one call.
@@ -375,7 +454,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             self.skipped_steps += 1
             self._copy_all_to_device([s.master for s in stepped])
             return norm
-        self._clip(grads, max_grad_norm, norm)
+        grads = self._clip(grads, max_grad_norm, norm)
         masters = [s.master for s in spec]
         self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads, known_finite=True)
         self._copy_all_to_device(masters)

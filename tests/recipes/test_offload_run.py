@@ -4,6 +4,7 @@
 import json
 
 import pytest
+import torch
 
 from tiny_run import write_run_config
 from ft_framework.config import load_config
@@ -77,3 +78,32 @@ def test_overlapped_offload_resumes_from_its_checkpoint(tiny_bert_dir, tmp_path)
     for (name, p), q in zip(runs["cut"].model.named_parameters(), runs["full"].model.parameters()):
         if q.detach().abs().max() > 1e-8:  # see above: the attention key bias is rounding noise
             _close(p.detach(), q.detach(), name)
+
+
+@pytest.mark.slow
+def test_trainer_runs_the_device_lean_offload_in_bf16(tiny_bert_dir, tmp_path):
+    """training.precision bf16: the trainer's model is bf16 (no autocast), evaluation and the
+    checkpoint run on it, and serial and overlapped end with the fp32 masters within 1e-6
+    (relative), the bf16 weights within one bf16 ulp, after clipping fired and was rolled back."""
+    runs = {}
+    for overlap in (False, True):
+        out = tmp_path / f"bf16{overlap}"
+        cfg = write_run_config(tmp_path / f"bf16{overlap}.yaml", tiny_bert_dir, out,
+                               training={"max_steps": 4, "max_grad_norm": 0.255, "precision": "bf16"},
+                               evaluation={"num_evals": 1, "batch_size": 16}, checkpoint={"every_steps": 4},
+                               strategy={"name": "single", "offload_optimizer": {"overlap": overlap}})
+        trainer = Trainer(load_config(cfg))
+        trainer.fit()
+        trainer.strategy.close()
+        log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[overlap] = (trainer, [r for r in log if r["type"] == "train"])
+    (serial, serial_log), (overlap, overlap_log) = runs[False], runs[True]
+    assert {p.dtype for p in overlap.model.parameters()} == {torch.bfloat16}
+    assert serial.strategy.autocast().__class__.__name__ == "nullcontext"
+    assert overlap_log[-1]["offload_rollbacks"] > 0
+    for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
+        # Masters a few ulp (fp32) apart after a rollback may round to neighbouring bf16 values.
+        assert bool(((p.float() - q.float()).abs() <= q.float().abs() * 2**-7).all()), name
+    for (name, m), (_, r) in zip(overlap.strategy._named_masters(), serial.strategy._named_masters()):
+        if r.abs().max() > 1e-8:  # see above: the attention key bias is rounding noise
+            _close(m.detach(), r.detach(), name)

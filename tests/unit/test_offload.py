@@ -46,10 +46,11 @@ def _model():
     return nn.Sequential(nn.Linear(6, 33), nn.Tanh(), nn.Linear(33, 17), nn.Tanh(), nn.Linear(17, 2))
 
 
-def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=NAN_STEP, max_norm=MAX_NORM):
+def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=NAN_STEP, max_norm=MAX_NORM,
+           **optimizer_kw):
     model = _model()
     pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
-    hparams = dict(HPARAMS.get(rule, dict(lr=1e-2)))
+    hparams = {**HPARAMS.get(rule, dict(lr=1e-2)), **optimizer_kw}
     group_hparams = dict(lr=hparams.pop("lr"), weight_decay=hparams.pop("weight_decay", 0.0))
     strategy.setup(model, lambda m: build_optimizer(
         rule, build_param_groups(m, pretrained, **group_hparams, no_decay_bias_and_norm=False, attach_anchors=False),
@@ -72,7 +73,8 @@ def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=
 
 
 def _forward_kw(self, batch):
-    return self.model(batch["input"])
+    # The model's dtype: bf16 under the device-lean offload (which runs without autocast).
+    return self.model(batch["input"].to(next(self.model.parameters()).dtype))
 
 
 @pytest.fixture(autouse=True)
@@ -205,3 +207,22 @@ def test_an_lr_set_after_backward_redoes_the_speculative_step():
     assert overlap.rollbacks == 1 and overlap.skipped_steps == 0
     for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
         _close(p.detach(), q.detach(), name)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_lean_overlapped_equals_serial_with_clipping_and_a_nan_step(state_dtype):
+    """bf16: the device-lean offload (a bf16 model, gradients moved to host memory as they arrive)
+    rolls back and redoes as the fp32 path does, and ends where its serial path ends: the bf16
+    weights bit for bit, the fp32 masters within 1e-6."""
+    extra = dict(state_dtype="bfloat16", anchor_dtype="bfloat16") if state_dtype == "bfloat16" else {}
+    serial, serial_norms = _train("recadam", OffloadedSingleDeviceStrategy("bf16", "cpu"), **extra)
+    overlap, norms = _train("recadam", OffloadedSingleDeviceStrategy("bf16", "cpu", overlap=True, worker_threads=1,
+                                                                     bucket_mb=0.0005), **extra)
+    assert overlap.lean and serial.lean
+    assert overlap.rollbacks == 3 and overlap.skipped_steps == serial.skipped_steps == 1
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms), rtol=1e-6, atol=0, equal_nan=True)
+    for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q), name
+    for (name, m), (_, r) in zip(overlap._named_masters(), serial._named_masters()):
+        assert m.dtype == torch.float32
+        _close(m.detach(), r.detach(), name)

@@ -1,0 +1,160 @@
+"""The device-lean offload's gradient transport (docs/offload.md, "The device-lean offload").
+
+With a 16-bit model on the device, each gradient leaves the device as soon as it is final: the
+post-accumulate-grad hook copies it into a host landing buffer of its own dtype (pinned, on a side
+stream, on CUDA) and frees the device gradient. The device then holds the 16-bit weights and at
+most ``MAX_GRADS_IN_FLIGHT`` gradients whose copies are still running.
+
+Gradient accumulation (more than one micro-batch per step) happens in fp32 in host memory by
+default (``accumulate="host"``): after each micro-batch's copy, its gradient is added into an fp32
+host sum, so the device never holds more than the gradients in flight, and the sum rounds once per
+micro-batch in fp32 instead of in the model's 16-bit dtype. ``accumulate="device"`` keeps
+autograd's accumulation in the device gradient (one 16-bit gradient per parameter held on the
+device until the last micro-batch) and copies only the final one.
+
+On a CPU device the same code runs, the copies being host copies (so the tests run it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+__all__ = ["ACCUMULATE_ON", "MAX_GRADS_IN_FLIGHT", "Arrival", "GradientTransport"]
+
+# Device gradients whose copies to the host may still be running: a third copy waits for the
+# oldest, so a slow copy stream cannot keep a growing number of freed gradients alive on the device
+# (record_stream holds each one until its copy has run).
+MAX_GRADS_IN_FLIGHT = 2
+ACCUMULATE_ON = ("host", "device")
+
+
+class Arrival:
+    """One parameter's gradient in host memory for this step: `grad` is what the step reads (the
+    landing buffer, or the fp32 host sum when micro-batches were accumulated), `ready` the event of
+    its copy (None on a CPU device), `add_from` a landing buffer still to be added into `grad`
+    once the copy is done (the last micro-batch of a host accumulation)."""
+
+    __slots__ = ("master", "dev", "grad", "ready", "add_from", "_resolved")
+
+    def __init__(self, master: torch.Tensor, dev: torch.Tensor, grad: torch.Tensor, ready=None,
+                 add_from: torch.Tensor | None = None):
+        self.master, self.dev, self.grad, self.ready, self.add_from = master, dev, grad, ready, add_from
+        self._resolved = False
+
+    def resolve(self) -> torch.Tensor:
+        """Waits for the copy and finishes the host sum; returns the gradient the step reads.
+        Idempotent (the worker and the training thread may both reach it, never at once)."""
+        if not self._resolved:
+            if self.ready is not None:
+                self.ready.synchronize()
+            if self.add_from is not None:
+                self.grad.add_(self.add_from)
+            self._resolved = True
+        return self.grad
+
+
+class GradientTransport:
+    """Moves each gradient of `pairs` ((device parameter, fp32 host master)) to host memory as it
+    becomes final, and frees it on the device."""
+
+    def __init__(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]], device: torch.device,
+                 accumulate: str = "host"):
+        if accumulate not in ACCUMULATE_ON:
+            raise ValueError(f"accumulate must be one of {', '.join(ACCUMULATE_ON)}, got {accumulate!r}")
+        self.device = device
+        self.accumulate_on_host = accumulate == "host"
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        # One landing buffer per parameter in the device dtype (2 B/param for bf16), pinned on CUDA
+        # so the copy is asynchronous DMA. They stay valid until the step has read them (the
+        # overlapped step's rollback reads the same gradient again).
+        self.landing = {id(m): torch.empty(dev.shape, dtype=dev.dtype, pin_memory=cuda) for dev, m in pairs}
+        self._sums: dict[int, torch.Tensor] = {}  # fp32 host sums, made at the first accumulation
+        self._summed: set[int] = set()            # masters whose sum holds this step's earlier micro-batches
+        self._pending: list[Arrival] = []         # earlier micro-batches' copies, added at the next backward
+        self._in_flight: deque = deque()
+        self.arrived: dict[int, Arrival] = {}     # this step's final gradients, by master id
+        self._pairs = pairs
+
+    # ---- the hook's side ---------------------------------------------------------------------
+    def take(self, dev: torch.nn.Parameter, master: torch.Tensor, last_micro_batch: bool) -> Arrival | None:
+        """Copies `dev`'s gradient to host memory and frees it on the device. Returns the arrival
+        when the gradient is final for this step (the last micro-batch), else None."""
+        if not last_micro_batch and not self.accumulate_on_host:
+            return None  # autograd keeps accumulating into the device gradient
+        key = id(master)
+        landing = self.landing[key]
+        ready = self._copy(dev.grad, landing)
+        dev.grad = None
+        if not last_micro_batch:
+            self._pending.append(Arrival(master, dev, landing, ready))
+            return None
+        if key in self._summed:
+            arrival = Arrival(master, dev, self._sums[key], ready, add_from=landing)
+        else:
+            arrival = Arrival(master, dev, landing, ready)
+        self.arrived[key] = arrival
+        return arrival
+
+    def _copy(self, grad: torch.Tensor, landing: torch.Tensor):
+        if self._stream is None:
+            landing.copy_(grad)
+            return None
+        while len(self._in_flight) >= MAX_GRADS_IN_FLIGHT:
+            self._in_flight.popleft().synchronize()
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # the gradient's kernel, and every kernel before it, first
+        with torch.cuda.stream(self._stream):
+            landing.copy_(grad, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        # The caching allocator may hand the freed gradient's block to the compute stream only
+        # once this copy has read it.
+        grad.record_stream(self._stream)
+        self._in_flight.append(ready)
+        return ready
+
+    # ---- the training thread's side ------------------------------------------------------------
+    def add_pending(self) -> None:
+        """Adds the earlier micro-batches' copies into the fp32 host sums. Called before the next
+        backward, which overwrites the landing buffers (on a GPU this host work overlaps the
+        forward that was just queued)."""
+        for arrival in self._pending:
+            key = id(arrival.master)
+            if arrival.ready is not None:
+                arrival.ready.synchronize()
+            total = self._sums.get(key)
+            if total is None:
+                total = self._sums[key] = torch.empty(arrival.master.shape, dtype=torch.float32)
+            if key in self._summed:
+                total.add_(arrival.grad)
+            else:
+                total.copy_(arrival.grad)  # exact: a 16-bit value is an fp32 value
+                self._summed.add(key)
+        self._pending = []
+
+    def arrivals(self) -> list[Arrival]:
+        """This step's gradients in the order of `pairs`, every copy finished and every sum complete
+        (a parameter whose gradient came only in earlier micro-batches reads its sum)."""
+        self.add_pending()
+        for dev, m in self._pairs:
+            key = id(m)
+            if key not in self.arrived and key in self._summed:
+                self.arrived[key] = Arrival(m, dev, self._sums[key])
+        out = [self.arrived[id(m)] for _, m in self._pairs if id(m) in self.arrived]
+        for arrival in out:
+            arrival.resolve()
+        return out
+
+    def end_step(self) -> None:
+        """Forgets this step's gradients (the buffers stay for the next one)."""
+        self.arrived = {}
+        self._summed = set()
+        self._pending = []
+        self._in_flight.clear()
+
+    def host_bytes(self) -> int:
+        """Host memory the transport holds: landing buffers and fp32 sums."""
+        return sum(t.numel() * t.element_size() for t in (*self.landing.values(), *self._sums.values()))
