@@ -254,6 +254,9 @@ def export_main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, nargs="?", help="where to write the model (optional with --verify)")
     parser.add_argument("--verify", action="store_true", help="check every file of the checkpoint against the size "
                         "and checksum its manifest records (before exporting, or alone without OUT)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing export at OUT (without it, an "
+                        "OUT that holds files is refused); either way OUT is never half-written: the export is written "
+                        "beside it and renamed into place")
     parser.add_argument("--config-dir", type=Path, help="model config.json directory, for a checkpoint without model "
                         "files (converted from an old format)")
     parser.add_argument("--model-class", help="module:Class of the model for such a checkpoint "
@@ -272,7 +275,8 @@ def export_main(argv: list[str] | None = None) -> int:
             print(f"{checkpoint}: {checked} files match the sizes and checksums of its manifest"
                   + ("" if checked else " (it records none: saved before checksums, or converted)"))
         if args.out is not None:
-            export_pretrained(checkpoint, args.out, config_dir=args.config_dir, model_class=args.model_class)
+            export_pretrained(checkpoint, args.out, config_dir=args.config_dir, model_class=args.model_class,
+                              replace="always" if args.overwrite else "never")
             print(f"exported {checkpoint} to {args.out}")
     except UserError as exc:
         print(f"ft-export: error: {exc}", file=sys.stderr)

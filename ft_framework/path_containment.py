@@ -11,9 +11,10 @@ it found in an error. So every such name is resolved here before anything opens 
 
 The walk touches only the directory's own entries (lstat and readlink), never anything outside
 it, so a refused name's target is never opened, sized or hashed. A refusal is one line naming the
-entry. `links_leading_out` applies the same walk to every symlink found in a directory tree (a
-checkpoint's files that the readers open by their fixed names: the manifest, trainer_state.pt, the
-model's config and tokenizer files).
+entry, quoting at most about 100 characters of the name (`errors.quoted`). `links_leading_out`
+applies the same walk to every symlink found in a directory tree (a checkpoint's files that the
+readers open by their fixed names: the manifest, trainer_state.pt, the model's config and
+tokenizer files).
 """
 
 from __future__ import annotations
@@ -22,22 +23,15 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from ft_framework.errors import UserError
+from ft_framework.errors import UserError, quoted
 
-__all__ = ["MAX_LINKS", "NameOutsideError", "links_leading_out", "quote_name", "resolve_inside"]
+__all__ = ["MAX_LINKS", "NameOutsideError", "links_leading_out", "resolve_inside"]
 
 MAX_LINKS = 40  # symlinks followed for one name (as the kernel's own bound): a loop is refused
-_QUOTED_CHARS = 100  # at most this much of a name is quoted, so the refusal stays one short line
 
 
 class NameOutsideError(UserError):
     """A name read from a file leads outside that file's directory (or is not a plain relative path)."""
-
-
-def quote_name(name: object) -> str:
-    """`name` as a repr, cut to about 100 characters (a name read from a file can be any length)."""
-    text = repr(name)
-    return text if len(text) <= _QUOTED_CHARS else text[:_QUOTED_CHARS] + "...(" + str(len(text)) + " chars)"
 
 
 def _is_inside(path: PurePosixPath, root: PurePosixPath) -> bool:
@@ -52,7 +46,7 @@ def resolve_inside(directory: str | Path, name: object, *, entry: str) -> Path:
     root = PurePosixPath(os.path.realpath(directory))  # the directory itself is the user's own choice
 
     def refuse(why: str) -> NameOutsideError:
-        return NameOutsideError(f"{entry} {quote_name(name)} in {directory} {why}: refused without opening what it "
+        return NameOutsideError(f"{entry} {quoted(name)} in {directory} {why}: refused without opening what it "
                                 f"names (every name read there must stay inside {directory}; it was not written by "
                                 "ft_framework, or it was tampered with)")
 

@@ -5,15 +5,30 @@ The checkpoint carries what export needs: the model's class and config (MODEL_SU
 the tokenizer files, and (a LoRA model) the adapter config. The model is built on the meta device,
 materialized once on the CPU, and its parameters are read from the checkpoint's fp32 masters one
 saved chunk at a time (no optimizer state is read). Memory: the model's fp32 weights plus one
-parameter. The trainer's `checkpoint.export_dir` goes through the same function.
+parameter. The trainer's `checkpoint.export_dir` (and so every export a sweep makes) goes through
+the same function.
+
+An export is never half-written at its path: it is written into a temporary sibling
+(`.<name>.export-partial`) and renamed into place, so a kill at any moment leaves either the
+complete export or nothing at OUT_DIR (an export it replaces is first renamed aside to
+`.<name>.export-replaced`, removed once the new one is in place). A rerun removes what a killed
+export left beside OUT_DIR. An existing export is never silently overwritten: each export records
+where it came from (EXPORT_RECORD: the checkpoint and the run's output directory), and a directory
+that is there already is replaced only by the same run's export (a resumed or re-run run exporting
+its final weights again: `replace="same run"`, the trainer's), or when asked (`replace="always"`,
+`ft-export --overwrite`); otherwise the export is refused in one line before anything is read.
+An empty directory is no export and is replaced.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
@@ -23,10 +38,24 @@ from ft_framework.checkpointing.dcp_io import _planners, _quiet_dcp
 from ft_framework.checkpointing.dcp_read import checkpoint_reader
 from ft_framework.checkpointing.fragments import MASTER, buffer_key, fragment_key, param_key
 from ft_framework.checkpointing.manifest import MODEL_SUBDIR, CheckpointFormatError, check_files, read_manifest
+from ft_framework.run.files import CHECKPOINTS_DIR, EXPORT_SCRATCH_DIR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_model", "export_pretrained", "load_model_weights", "verify_checkpoint"]
+__all__ = ["EXPORT_RECORD", "ExportExistsError", "Replace", "build_model", "export_pretrained", "load_model_weights",
+           "verify_checkpoint", "write_atomically"]
+
+EXPORT_RECORD = "ft_export.json"  # in every export: the checkpoint and the run it was exported from
+EXPORT_FORMAT = "ft_framework.export/1"
+PARTIAL_SUFFIX = ".export-partial"    # .<name> + this: the export being written, renamed into place when done
+REPLACED_SUFFIX = ".export-replaced"  # .<name> + this: the export it replaces, removed once the new one is there
+# When a directory exists at the export's path: "never" replace it, replace it when it is an export of
+# the "same run" (its EXPORT_RECORD names the same run directory), or "always".
+Replace = Literal["never", "same run", "always"]
+
+
+class ExportExistsError(CheckpointFormatError):
+    """The export's path holds something the export may not replace; the message says what to do."""
 
 
 # A checkpoint names its model's class as data; only these packages' classes are imported from it
@@ -114,13 +143,75 @@ def load_model_weights(model: nn.Module, checkpoint_dir: Path) -> nn.Module:
     return model
 
 
+def _run_dir_of(checkpoint_dir: Path) -> Path:
+    """The output directory of the run a checkpoint belongs to (checkpoints/step_N, checkpoints/best,
+    the trainer's export scratch), else the checkpoint directory itself."""
+    checkpoint_dir = Path(os.path.realpath(checkpoint_dir))
+    if checkpoint_dir.parent.name == CHECKPOINTS_DIR:
+        return checkpoint_dir.parent.parent
+    if checkpoint_dir.name == EXPORT_SCRATCH_DIR:
+        return checkpoint_dir.parent
+    return checkpoint_dir
+
+
+def _check_replaceable(out_dir: Path, run_dir: Path, replace: Replace) -> None:
+    """Refuses (one line) when `out_dir` holds something the export may not replace."""
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise ExportExistsError(f"export directory {out_dir} exists and is not a directory; choose another one")
+    if replace == "always" or not any(out_dir.iterdir()):
+        return
+    try:
+        record = json.loads((out_dir / EXPORT_RECORD).read_text())
+        previous_run = record.get("run") if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        previous_run = None
+    if replace == "same run" and previous_run == str(run_dir):
+        return
+    what = (f"holds an export of {previous_run}" if previous_run else
+            f"holds files that are not an ft_framework export ({EXPORT_RECORD} missing or unreadable)")
+    remedy = ("pass --overwrite to replace it, or choose another output directory" if replace == "never" else
+              "choose another checkpoint.export_dir or remove it; the final weights stay in the run's checkpoint "
+              "(ft-export writes them from it)")
+    raise ExportExistsError(f"export directory {out_dir} {what}: it is not overwritten; {remedy}")
+
+
+def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Calls `write(directory)` on a temporary sibling of `out_dir` and renames it into place: a kill
+    at any moment leaves at `out_dir` the previous directory, the new one, or (between the two
+    renames of a replacement) nothing; never a partial one. What a killed call left beside
+    `out_dir` is removed first. One writer per `out_dir` at a time."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_dir.with_name(f".{out_dir.name}{PARTIAL_SUFFIX}")
+    replaced = out_dir.with_name(f".{out_dir.name}{REPLACED_SUFFIX}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(replaced, ignore_errors=True)
+    partial.mkdir()
+    try:
+        write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out_dir.exists() or out_dir.is_symlink():
+        os.rename(out_dir, replaced)
+    os.rename(partial, out_dir)
+    shutil.rmtree(replaced, ignore_errors=True)
+    return out_dir
+
+
 def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = None,
-                      config_dir: Path | None = None, model_class: str | None = None) -> Path:
+                      config_dir: Path | None = None, model_class: str | None = None,
+                      replace: Replace = "same run") -> Path:
     """Writes the checkpoint's model to `out_dir` with save_pretrained, and its tokenizer (the one
-    stored in the checkpoint unless `tokenizer` is given). A LoRA model is written merged, its
-    adapter under adapter/ (ft_framework.models.lora.save_model). A run's best model is the
-    checkpoint checkpoints/best."""
+    stored in the checkpoint unless `tokenizer` is given), through a temporary sibling renamed into
+    place; `replace` says when a directory already at `out_dir` may be replaced (module docstring).
+    A LoRA model is written merged, its adapter under adapter/ (ft_framework.models.lora.save_model).
+    A run's best model is the checkpoint checkpoints/best."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    run_dir = _run_dir_of(checkpoint_dir)
+    _check_replaceable(out_dir, run_dir, replace)  # before anything is read
     manifest = read_manifest(checkpoint_dir)
     damaged = check_files(checkpoint_dir)  # the sizes the manifest records (--verify: the checksums too)
     if damaged:
@@ -131,7 +222,13 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir / MODEL_SUBDIR)
-    save_model(model, out_dir, tokenizer)
+    record = {"format": EXPORT_FORMAT, "checkpoint": os.path.realpath(checkpoint_dir), "run": str(run_dir)}
+
+    def write(directory: Path) -> None:
+        save_model(model, directory, tokenizer)
+        (directory / EXPORT_RECORD).write_text(json.dumps(record, indent=1))
+
+    write_atomically(out_dir, write)
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
     return out_dir
 

@@ -20,8 +20,8 @@ import torch
 from ft_framework.checkpointing.dcp_read import DCP_METADATA, read_metadata
 from ft_framework.checkpointing.manifest import (MANIFEST_FILE, CheckpointFormatError, check_files, file_records,
                                                  record_files)
-from ft_framework.errors import UserError
-from ft_framework.path_containment import NameOutsideError, links_leading_out, quote_name, resolve_inside
+from ft_framework.errors import UserError, quoted
+from ft_framework.path_containment import NameOutsideError, links_leading_out, resolve_inside
 from ft_framework.run.files import (BEST_CHECKPOINT, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
                                     LATEST_FILE, TRAINER_STATE_FILE, checkpoint_name)
 
@@ -73,7 +73,7 @@ def resolve_latest(path: str | Path) -> Path:
         raise CheckpointError(f"{exc}; pass a checkpoint directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) "
                               "instead") from exc
     if not directory.is_dir():
-        raise CheckpointError(f"{pointer} names {quote_name(name)}, which is not a directory beside it; pass a checkpoint "
+        raise CheckpointError(f"{pointer} names {quoted(name)}, which is not a directory beside it; pass a checkpoint "
                               f"directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) instead")
     return directory
 
