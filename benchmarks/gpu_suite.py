@@ -59,6 +59,7 @@ ALBERT_XXLARGE = dict(vocab_size=30000, embedding_size=128, hidden_size=4096, nu
                       max_position_embeddings=512, type_vocab_size=2,
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0)
 ALBERT_TINY = dict(ALBERT_XXLARGE, vocab_size=1000, embedding_size=16, hidden_size=64, num_hidden_layers=2,
+TRITON_TARGET_FP32, TRITON_TARGET_COMPACT = 1.2, 1.0  # impl="triton" vs fused AdamW (issue 36)
                    num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)
 RECADAM_LR = 1e-5  # in the param groups
 RECADAM_HPARAMS = dict(anneal_k=0.1, anneal_t0=1000, pretrain_cof=5000.0)
@@ -251,17 +252,31 @@ def format_a(r: dict[str, Any]) -> str:
                      fmt(ratio, 2) + ("x" if ratio else ""), c.get("note", "")])
     out.append(markdown_table(["candidate", "median ms", "min ms", "vs fused AdamW", "note"], rows))
     ours = next((c["median_ms"] for c in r["candidates"] if c["name"].startswith("RecAdam (ours") and c.get("median_ms")), None)
-    if ours and fused:
+    if ours and fused and not targeted:
         ratio = ours / fused
         verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
         out += ["", f"RecAdam / fused AdamW = {ratio:.2f}x: {verdict} the {TARGET_RATIO}x target."]
     return "\n".join(out)
 
+    targeted = [c for c in r["candidates"] if c.get("target")]
+    for c in targeted:
+        if c.get("median_ms") and fused:
+            ratio = c["median_ms"] / fused
+            verdict = "meets" if ratio <= c["target"] else "MISSES"
+            out += ["", f"{c['name']} / fused AdamW = {ratio:.2f}x: {verdict} the {c['target']}x target."]
 
 def format_b(r: dict[str, Any], capped: dict[str, Any] | None) -> str:
     out = ["## b. ALBERT-xxlarge, ZeRO-2 + optimizer CPU offload, bf16", ""]
     if r.get("error"):
         out.append(f"failed: {r['error']}")
+    checks = r.get("bit_equality") or []
+    if checks:
+        out += ["", "Bit equality after 3 steps against the C++ kernel (scalar level, CPU): theta, m, v (and delta).", ""]
+        out.append(markdown_table(["rule", "state", "impl", "bit-equal"],
+                                  [[x["rule"], x["state"], x["impl"], x.get("error") or ("yes" if x["equal"] else "NO")]
+                                   for x in checks]))
+        equal = sum(1 for x in checks if x.get("equal"))
+        out += ["", f"{equal} of {len(checks)} bit-equal."]
     else:
         out += [f"{r['model']} ({r['numel'] / 1e6:.1f} M parameters, random weights), seq {r['seq']}, "
                 f"batch {r['batch']}, world size {r['world_size']} ({r['backend']}), median of {r['steps']} steps "
@@ -407,6 +422,8 @@ def part_a(args) -> dict[str, Any]:
     grads = [torch.randn(n, device=device, generator=gen).mul_(1e-3) for n in sizes]
     result: dict[str, Any] = {"numel": sum(sizes), "tensors": len(sizes), "device": str(torch.cuda.get_device_name() if cuda else "cpu"),
                               "steps": steps, "warmup": warmup, "timer": "CUDA events" if cuda else "perf_counter",
+    if not cuda:  # the dry run: impl="triton" on CPU tensors through the Triton interpreter
+        os.environ["TRITON_INTERPRET"] = "1"
                               "candidates": []}
 
     def fresh_params():
@@ -416,13 +433,14 @@ def part_a(args) -> dict[str, Any]:
             p.grad = gr  # shared, read-only for every candidate
         return ps
 
-    def recadam(ps):
+    def recadam(ps, impl: str = "torch", compact: bool = False):
         anchors = [p.detach() + 1e-3 for p in ps]
         groups = [{"params": ps, "anchors": anchors, "lr": RECADAM_LR, "weight_decay": 0.01}]
-        return build_optimizer("recadam", groups, impl="torch", **RECADAM_HPARAMS)
+        state = dict(state_dtype="bfloat16", anchor_dtype="bfloat16") if compact else {}
+        return build_optimizer("recadam", groups, impl=impl, **RECADAM_HPARAMS, **state)
 
-    def measure(name: str, make: Callable[[], Callable[[], Any]], note: str = "") -> None:
-        entry: dict[str, Any] = {"name": name, "note": note}
+    def measure(name: str, make: Callable[[], Callable[[], Any]], note: str = "", target: float | None = None) -> None:
+        entry: dict[str, Any] = {"name": name, "note": note, "target": target}
         try:
             step = make()
             t0 = time.perf_counter()
@@ -451,7 +469,13 @@ def part_a(args) -> dict[str, Any]:
             return opt.step
         return make
 
-    measure("RecAdam (ours, impl=torch)", plain(recadam), "multi-tensor torch._foreach_* ops")
+    # Targets (issue 36): the Triton step <= 1.2x fused AdamW's time in fp32, <= 1.0x in the compact state.
+    for compact, target in ((False, TRITON_TARGET_FP32), (True, TRITON_TARGET_COMPACT)):
+        state = "compact" if compact else "fp32"
+        measure(f"RecAdam (ours, impl=triton), {state}", plain(lambda ps, c=compact: recadam(ps, "triton", c)),
+                "one launch per step, the exact program", target)
+        measure(f"RecAdam (ours, impl=torch), {state}", plain(lambda ps, c=compact: recadam(ps, "torch", c)),
+                "torch._foreach_* ops, the exact program")
     measure("torch AdamW fused", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, fused=True)))
     measure("torch AdamW foreach", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, foreach=True)))
     if not args.no_compile:
@@ -482,8 +506,109 @@ def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> d
     """torch.compile of a function calling our opt.step(), the library untouched. Our step hands
     each step's coefficients (bias correction, lambda(t)) to the foreach ops as Python floats, so
     Dynamo may compile a new graph every step; timing that would measure compilation. Three calls
+        measure("RecAdam math, torch.compile, coefficients as a tensor", lambda: compiled_tensor_coefficients(recadam(fresh_params())),
+                "each step's coefficients copied into a device tensor (lr changes never recompile); inductor's own "
+                "rounding (FMA contraction): not the exact program")
+    result["bit_equality"] = check_bits_against_cpu(device, interpret=not cuda)
     tell: when the graph count still grows at the third, report it instead of a time."""
     import torch
+
+def compiled_tensor_coefficients(opt) -> Callable[[], Any]:
+    """A torch.compile'd RecAdam step whose coefficients live in a device tensor, refreshed every
+    step from the rule (so a changing lr or lambda(t) is data, not a recompile): the best a compiled
+    foreach path can do without a kernel of its own."""
+    import torch
+
+    group = opt.param_groups[0]
+    ps = group["params"]
+    device = ps[0].device
+    for p in ps:
+        opt.init_state(p)
+    ms = [opt.state[p]["exp_avg"] for p in ps]
+    vs = [opt.state[p]["exp_avg_sq"] for p in ps]
+    anchors = [opt.state[p]["anchor"] for p in ps]
+    gs = [p.grad for p in ps]
+    k = torch.zeros(8, device=device)
+
+    def program(k):
+        b1, b2, eps, step_size, denom_scale, pre_decay, post_pull = (k[i] for i in range(7))
+        for p, g, m, v, a in zip(ps, gs, ms, vs, anchors):
+            d = p - a
+            m.mul_(b1).add_(g * (1 - b1))
+            v.mul_(b2).add_(g * g * (1 - b2))
+            e = step_size * m / (v.sqrt() * denom_scale + eps) + pre_decay * p
+            e = e + post_pull * (d - e)
+            p.sub_(e)
+
+    compiled = torch.compile(program)
+    t = [0]
+
+    def step():
+        t[0] += 1
+        c = opt.coefficients(group, t[0], True)
+        values = torch.tensor([c.beta1, c.beta2, c.eps, c.step_size, c.denom_scale, c.pre_decay, c.post_pull, 0.0])
+        k.copy_(values, non_blocking=True)
+        with torch.no_grad():
+            compiled(k)
+    return step
+
+
+BIT_CHECK_RULES = {
+    "recadam": dict(lr=1e-3, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.1, anneal_t0=10, pretrain_cof=50.0),
+    "adamw": dict(lr=1e-3, weight_decay=0.01),
+    "bertadam": dict(lr=1e-3, weight_decay=0.01, correct_bias=False),
+    "prior_wd": dict(lr=1e-3, weight_decay=0.1),
+}
+
+
+def check_bits_against_cpu(device, interpret: bool) -> list[dict[str, Any]]:
+    """3 steps of every rule, fp32 and compact state, on `device` with impl triton and torch, against
+    the C++ kernel's scalar level on the CPU: whether every stored bit (theta, m, v, delta) is equal.
+    Tensors of 1, 7, 65537 and 3 elements (a chunk boundary inside one). On the dry run the Triton
+    program runs in the interpreter."""
+    import torch
+
+    from ft_framework.optim import build_optimizer
+    from ft_framework.optim import cpu as cpu_kernel
+
+    def run(rule: str, impl: str, compact: bool, dev) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(5)
+        thetas = [torch.randn(n, generator=gen) * 0.05 for n in (1, 7, 65537)]
+        anchored = [torch.nn.Parameter((t + torch.randn(t.shape, generator=gen) * 1e-3).to(dev)) for t in thetas]
+        head = [torch.nn.Parameter((torch.randn(3, generator=gen) * 0.05).to(dev))]
+        state = dict(state_dtype="bfloat16", anchor_dtype="bfloat16", rounding_seed=99) if compact else {}
+        opt = build_optimizer(rule, [{"params": anchored, "anchors": [t.to(dev) for t in thetas]}, {"params": head}],
+                              impl=impl, **BIT_CHECK_RULES[rule], **state)
+        for _ in range(3):
+            for p in anchored + head:
+                p.grad = torch.randn(p.shape, generator=gen).to(dev)
+            opt.step()
+        return [x.detach().cpu() for p in anchored + head
+                for x in (p, *(opt.state[p][k] for k in ("exp_avg", "exp_avg_sq", "delta") if k in opt.state[p]))]
+
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    rows = []
+    level = cpu_kernel.simd_level()
+    cpu_kernel.set_simd_level("scalar")
+    try:
+        for rule in BIT_CHECK_RULES:
+            for compact in (False, True):
+                want = run(rule, "cpu", compact, torch.device("cpu"))
+                for impl in ("triton", "torch"):
+                    row = {"rule": rule, "state": "compact" if compact else "fp32", "impl": impl}
+                    try:
+                        got = run(rule, impl, compact, device)
+                        row["equal"] = all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want))
+                    except Exception as exc:  # noqa: BLE001 - reported in the table
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+                    rows.append(row)
+                    log(f"a: bits {row}")
+    finally:
+        cpu_kernel.set_simd_level(level)
+    return rows
+
 
     entry: dict[str, Any] = {"name": "RecAdam, torch.compile(lambda: opt.step())"}
     try:

@@ -1,5 +1,5 @@
 // AVX2 path, 8 floats per register. Compiled with -mavx2 (no -mfma: the program has no FMA); only called after the
-// runtime check in bindings.cpp (best_supported_level) says the CPU has both.
+// runtime check in bindings.cpp (best_supported_level) says the CPU has AVX2 (and FMA).
 #include <immintrin.h>
 #include "step_body.h"
 

@@ -6,6 +6,8 @@ numpy op per Triton op, so the compiled kernel's two GPU hazards (approximate sq
 FMA contraction) are what sqrt_rn, div_rn and enable_fp_fusion=False rule out; the GPU suite
 (benchmarks/gpu_suite.py part a) checks the compiled kernel on a device."""
 
+import re
+
 import pytest
 import torch
 
@@ -203,6 +205,43 @@ def test_without_triton_the_request_says_what_to_install(monkeypatch):
     monkeypatch.setattr(triton_step, "triton", None)
     with pytest.raises(RuntimeError, match="impl='triton' needs the triton package"):
         build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))], impl="triton")
+
+
+def _ptx(compact: bool, fused_mutant: bool = False) -> str:
+    """The kernel compiled for an H100 (sm_90) with the options a GPU launch uses, on this CPU
+    (Triton's compiler and its bundled ptxas need no device)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "*i64" for name in ("addresses", "numels", "bases", "chunk_start")}
+    signature["chunk_tensor"] = "*i32"
+    signature.update({name: "fp32" for name in ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps",
+                                                "denom_scale", "step_size", "pre_decay", "pre_pull", "post_pull",
+                                                "post_decay")})
+    signature["sr_key"] = "i32"
+    constants = dict(GRAD_BF16=True, ANCHOR_BF16=compact, HAS_ANCHOR=True, HAS_PRE=True, HAS_POST_DECAY=True,
+                     COMPACT=compact, DELTA_MASTER=compact, FUSED_MUTANT=fused_mutant,
+                     CHUNK_ELEMS=triton_step.CHUNK, BLOCK=triton_step.GPU_BLOCK)
+    signature.update({name: "constexpr" for name in constants})
+    options = triton_step._launch_options(interpret=False)
+    kernel = triton_step.triton.compile(ASTSource(triton_step._jitted(False), signature, constants),
+                                        target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
+def test_the_compiled_kernel_rounds_every_operation_once(compact, monkeypatch):
+    """What the interpreter cannot show: on the GPU, Triton contracts a*b + c into an FMA unless
+    launched with enable_fp_fusion=False (64 fma in this kernel without it), and its plain / and
+    sqrt are approximate. The PTX of every stage holds only correctly rounded ops; the fused
+    variant shows up."""
+    monkeypatch.setenv(triton_step.INTERPRET_ENV_VAR, "0")
+    ptx = _ptx(compact)
+    assert not re.findall(r"\bfma\.", ptx)
+    assert not re.findall(r"\b(mul|add|sub)\.f32", ptx)  # no .rn: ptxas may contract them
+    assert re.findall(r"\bdiv\.rn\.f32", ptx) and not re.findall(r"\bdiv\.(full|approx)", ptx)
+    assert re.findall(r"\bsqrt\.rn\.f32", ptx) and not re.findall(r"\bsqrt\.approx", ptx)
+    assert re.findall(r"\bfma\.", _ptx(compact, fused_mutant=True))
 
 
 @pytest.mark.gpu
