@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from ft_framework.checkpointing.dcp_read import DCP_METADATA, checkpoint_reader
 from ft_framework.checkpointing.manager import CheckpointManager
-from ft_framework.checkpointing.manifest import MANIFEST_FILE
+from ft_framework.checkpointing.manifest import MANIFEST_FILE, CheckpointFormatError
 from ft_framework.cli import export_main, interpolate_main
 from ft_framework.config import load_config
 from ft_framework.errors import UserError
@@ -188,3 +189,22 @@ def test_the_untampered_run_passes_every_check(finished_run, tmp_path, capsys):
     assert export_main([str(run), "--verify"]) == 0
     assert "files match the sizes and checksums" in capsys.readouterr().out
     assert CheckpointManager(run / CHECKPOINTS_DIR).latest_complete() == run / CHECKPOINTS_DIR / STEP_DIR
+
+
+def test_dcp_refuses_its_index_or_a_data_file_leading_out(finished_run, tmp_path):
+    """DCP's own reader, as every checkpoint read opens it, resolves `.metadata` and each data file
+    it names before opening them (the check that stands when no manifest is read first)."""
+    run, outside = tmp_path / "run", tmp_path / "elsewhere"
+    shutil.copytree(finished_run, run, symlinks=True)
+    outside.mkdir()
+    step = run / CHECKPOINTS_DIR / STEP_DIR
+    symlink_to_a_pipe(run, outside)
+    [data_file] = step.glob("*.distcp")
+    with nothing_outside_opened(), pytest.raises(CheckpointFormatError) as refused:
+        checkpoint_reader(step).read_metadata()
+    assert f"{DCP_METADATA}'s data file '{data_file.name}'" in str(refused.value)
+    shutil.move(step / DCP_METADATA, outside / DCP_METADATA)
+    (step / DCP_METADATA).symlink_to(outside / DCP_METADATA)
+    with nothing_outside_opened(), pytest.raises(CheckpointFormatError, match="DCP's index '.metadata' in .* leads "
+                                                                                "outside it through a symlink"):
+        checkpoint_reader(step).read_metadata()
