@@ -110,7 +110,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         epilog="Example: ft-sweep --config configs/sweeps/quickstart_grid.yaml --max-parallel 2")
     parser.add_argument("--config", required=True, help="YAML sweep file (see configs/sweeps/)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
-    parser.add_argument("--runner", choices=("local", "ray"), help="overrides runner.name of the sweep file")
+    parser.add_argument("--runner", choices=("local", "ray", "slurm"), help="overrides runner.name of the sweep file")
     parser.add_argument("--max-parallel", type=int, help="local runner: runs at a time")
     parser.add_argument("--address", help="ray runner: cluster address (default: the file's, else a local instance)")
     parser.add_argument("--num-cpus-per-run", type=float, help="CPUs (threads) each run gets")
@@ -148,7 +148,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
     try:
         result = run_sweep(spec, args.overrides, output_dir=store.root, runner=make_runner(spec.runner),
                            progress=not args.no_progress, planned=planned)
-    except SweepLockedError as exc:
+    except (SweepLockedError, UserError) as exc:  # UserError: the slurm runner's (sbatch missing, failing)
         print(f"ft-sweep: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:

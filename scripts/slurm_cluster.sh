@@ -9,7 +9,8 @@
 # from FT_SLURM_PORT (default: picked free at `up`). Use the cluster with
 #   export SLURM_CONF=$FT_SLURM_DIR/slurm.conf
 # Both nodes are this host: Debian's build has MULTIPLE_SLURMD, so two slurmd (-N n1, -N n2) share it
-# on their own ports. Requeued jobs start again within seconds (cred_expire=5, bf_interval=1,
+# on their own ports, each offering 4 CPUs whatever the host has (SlurmdParameters=config_overrides:
+# the tests run tiny jobs side by side). Requeued jobs start again within seconds (cred_expire=5, bf_interval=1,
 # sched_interval=2; SLURM's defaults hold them for about two minutes). Accounting is off: sacct does
 # not work, squeue shows a job until MinJobAge (300 s) after it ended.
 set -euo pipefail
@@ -135,13 +136,13 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
-KillWait=5
+KillWait=30
 MinJobAge=300
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=$host Port=$((port + 1)) CPUs=2 RealMemory=2000 State=UNKNOWN
-NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=$host Port=$((port + 2)) CPUs=2 RealMemory=2000 State=UNKNOWN
+NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=$host Port=$((port + 1)) CPUs=4 RealMemory=2000 State=UNKNOWN
+NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=$host Port=$((port + 2)) CPUs=4 RealMemory=2000 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 EOF
   : > "$DIR/plugstack.conf"

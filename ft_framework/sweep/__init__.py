@@ -17,6 +17,7 @@ from ft_framework.sweep.grid import PlannedRun, expand, run_identity
 from ft_framework.sweep.report import Report, build_report
 from ft_framework.sweep.ray_runner import RayRunner
 from ft_framework.sweep.runners import LocalRunner, SweepInterrupted
+from ft_framework.sweep.slurm_runner import SlurmRunner
 from ft_framework.sweep.spec import RunnerSpec, SweepSpec, load_sweep, validate_sweep
 from ft_framework.sweep.store import SweepLockedError, SweepStore
 
@@ -24,7 +25,7 @@ __all__ = [
     "SweepSpec", "RunnerSpec", "load_sweep", "validate_sweep",
     "PlannedRun", "expand", "run_identity",
     "SweepStore", "SweepLockedError",
-    "LocalRunner", "RayRunner", "SweepInterrupted", "make_runner",
+    "LocalRunner", "RayRunner", "SlurmRunner", "SweepInterrupted", "make_runner",
     "SweepResult", "plan_sweep", "run_sweep", "format_plan",
     "Report", "build_report",
 ]

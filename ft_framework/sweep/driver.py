@@ -19,6 +19,7 @@ from ft_framework.sweep.grid import PlannedRun, expand
 from ft_framework.sweep.ray_runner import RayRunner
 from ft_framework.sweep.postprocess import run_interpolations
 from ft_framework.sweep.runners import LocalRunner
+from ft_framework.sweep.slurm_runner import SlurmRunner
 from ft_framework.sweep.spec import RunnerSpec, SweepSpec
 from ft_framework.sweep.store import DONE_STATES, STATES, SweepStore
 
@@ -80,15 +81,17 @@ def _fmt(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def make_runner(spec: RunnerSpec, **kwargs: Any) -> LocalRunner | RayRunner:
+def make_runner(spec: RunnerSpec, **kwargs: Any) -> LocalRunner | RayRunner | SlurmRunner:
     """The runner a sweep's `runner:` section names."""
     if spec.name == "ray":
         return RayRunner(spec, **kwargs)
+    if spec.name == "slurm":
+        return SlurmRunner(spec, **kwargs)
     return LocalRunner(spec, **kwargs)
 
 
 def run_sweep(spec: SweepSpec, overrides: Sequence[str] = (), *, output_dir: str | Path | None = None,
-              runner: LocalRunner | RayRunner | None = None, progress: bool = True,
+              runner: LocalRunner | RayRunner | SlurmRunner | None = None, progress: bool = True,
               planned: tuple[SweepStore, list[PlannedRun]] | None = None) -> SweepResult:
     """Runs every run of the grid that is not finished; returns the counts per state.
 

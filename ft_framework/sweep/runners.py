@@ -99,6 +99,11 @@ class _LiveProcesses:
         with self._lock:
             self._procs.discard(proc)
 
+    def snapshot(self) -> list[subprocess.Popen]:
+        """The processes running now, for a signal handler to pass its signal on to them. Without the
+        lock: the handler runs in the thread that adds and removes, possibly while it holds the lock."""
+        return list(self._procs)
+
     def terminate_all(self, grace_s: float = 10.0) -> None:
         with self._lock:
             procs = list(self._procs)
@@ -128,10 +133,10 @@ def _log_tail(path: Path, start: int, lines: int = 1) -> str:
 def execute_run(store: SweepStore, run: PlannedRun, spec: RunnerSpec, *, env: dict[str, str] | None = None,
                 cwd: str | None = None, stop: threading.Event | None = None, live: _LiveProcesses | None = None,
                 command_fn: CommandFn = build_command, on_change: Callable[[], None] | None = None,
-                node: str | None = None) -> str:
+                node: str | None = None, node_kind: str = "ray node") -> str:
     """Runs one attempt of `run` as a subprocess and records it in the store; returns the final
     state: finished, diverged, failed or interrupted. `on_change` is called once the run is marked running.
-    `node`: the Ray node it runs on (recorded in status.json)."""
+    `node`: the Ray node (or, with node_kind "slurm node", SLURM's node) it runs on (recorded in status.json)."""
     run_id = run.run_id
     directory = store.run_dir(run_id)
     resume = store.prepare_attempt(run_id)
@@ -147,7 +152,7 @@ def execute_run(store: SweepStore, run: PlannedRun, spec: RunnerSpec, *, env: di
     started = time.monotonic()
     with open(log_path, "ab") as log:
         log_start = log.tell()
-        where = host + (f" (ray node {node})" if node else "")
+        where = host + (f" ({node_kind} {node})" if node else "")
         header = (f"==== attempt {attempts} of run {run_id} ({run.label()}) on {where} at {now_iso()}"
                   f"{' (resuming from its latest checkpoint)' if resume else ''}\n$ {' '.join(cmd)}\n")
         log.write(header.encode())

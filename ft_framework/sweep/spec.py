@@ -85,9 +85,11 @@ def _check_set(values: dict[str, Any]) -> dict[str, Any]:
 class RunnerSpec(_Strict):
     """Where and how the runs execute."""
 
-    # local: subprocesses on this machine; ray: tasks on a Ray cluster (or a local Ray instance).
-    name: Literal["local", "ray"] = "local"
-    # local runner: runs at a time (each gets num_gpus_per_run GPUs of its own when GPUs are asked for).
+    # local: subprocesses on this machine; ray: tasks on a Ray cluster (or a local Ray instance);
+    # slurm: one batch job per run (sweep/slurm_runner.py).
+    name: Literal["local", "ray", "slurm"] = "local"
+    # local runner: runs at a time (each gets num_gpus_per_run GPUs of its own when GPUs are asked for);
+    # slurm runner: jobs in the queue at once.
     max_parallel: int = Field(1, gt=0)
     # ray runner: cluster address ("auto", "ray://host:10001", ...); None or "local" starts a local instance.
     address: str | None = None
@@ -99,8 +101,34 @@ class RunnerSpec(_Strict):
     # How a run's process is started. auto: plain python for strategy single, torchrun for
     # ddp / fsdp / deepspeed (torchrun keeps the CUDA_VISIBLE_DEVICES a runner assigned).
     launcher: Literal["auto", "python", "torchrun", "deepspeed"] = "auto"
-    # Processes of a multi-process run; None: num_gpus_per_run (at least 1).
+    # Processes of a multi-process run; None: num_gpus_per_run (at least 1). slurm runner: per node.
     procs_per_run: int | None = Field(None, gt=0)
+    # slurm runner only (docs/multinode.md): the job's partition and time limit (sbatch --time, e.g.
+    # "04:00:00"; None: the partition's), nodes per run (more than one: the run's processes are srun's
+    # tasks), extra "#SBATCH ..." lines, how many seconds before the time limit the run is sent
+    # SIGUSR1 to save a checkpoint, whether a run stopped by SIGUSR1 requeues its own job (else it ends
+    # interrupted and the sweep submits it again), and how often the queue is read.
+    partition: str | None = None
+    time: str | None = None
+    nodes_per_run: int = Field(1, gt=0)
+    sbatch_lines: list[str] = Field(default_factory=list)
+    signal_before_end_s: int | None = Field(90, gt=0)
+    requeue: bool = False
+    poll_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _slurm_keys_need_slurm(self) -> "RunnerSpec":
+        if self.name != "slurm":
+            for key in ("partition", "time", "sbatch_lines"):
+                if getattr(self, key):
+                    raise ValueError(f"runner.{key} applies to the slurm runner only (runner.name: slurm)")
+            if self.nodes_per_run != 1 or self.requeue:
+                raise ValueError("runner.nodes_per_run and runner.requeue apply to the slurm runner only "
+                                 "(runner.name: slurm)")
+        for line in self.sbatch_lines:
+            if not line.startswith("#SBATCH ") or "\n" in line:
+                raise ValueError(f"runner.sbatch_lines: {line!r} must be one line starting with '#SBATCH '")
+        return self
 
 
 class _SetAndAxesChecks(_Strict):

@@ -99,7 +99,7 @@ def test_set_and_method_base(tmp_path):
     ({"axes": {"training.seed": []}}, "non-empty list"),
     ({"axes": {"training.seed": [1, 1]}}, "twice"),
     ({"axez": {}}, "valid keys here: name, base, set, axes"),
-    ({"runner": {"name": "slurm"}}, "runner.name"),
+    ({"runner": {"name": "kubernetes"}}, "runner.name"),
     ({"runner": {"max_paralel": 2}}, "max_parallel"),
     ({"set": {"training.seed": 3}}, "also an axis"),
     ({"methods": {}}, "at least one method"),
