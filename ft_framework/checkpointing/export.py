@@ -163,6 +163,8 @@ def _check_replaceable(out_dir: Path, run_dir: Path, replace: Replace) -> None:
     if replace == "always" or not any(out_dir.iterdir()):
         return
     try:
+        if not (out_dir / EXPORT_RECORD).is_file():
+            raise FileNotFoundError(out_dir / EXPORT_RECORD)
         record = json.loads((out_dir / EXPORT_RECORD).read_text())
         previous_run = record.get("run") if isinstance(record, dict) else None
     except (OSError, ValueError):
