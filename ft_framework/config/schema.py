@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ft_framework import optim, resources
 from ft_framework.data.tasks import GLUE_TASK_NAMES, OWN_DATA_SPLITS, TaskSpec, get_task, own_data_task
-from ft_framework.errors import did_you_mean, quoted
+from ft_framework.errors import did_you_mean, quoted, shortened
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
 
@@ -223,7 +223,7 @@ class DataConfig(_Section):
                              "{train: data/train.csv, validation: data/dev.csv}")
         for split in self.files:
             if split not in OWN_DATA_SPLITS:
-                raise ValueError(f"unknown split data.files.{split}{did_you_mean(split, OWN_DATA_SPLITS)}; valid: "
+                raise ValueError(f"unknown split data.files.{shortened(str(split))}{did_you_mean(split, OWN_DATA_SPLITS)}; valid: "
                                  f"{', '.join(OWN_DATA_SPLITS)}")
         for split in ("train", "validation"):
             if split not in self.files:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ft_framework.errors import UserError
+from ft_framework.errors import UserError, quoted
 
 from ft_framework.data.tasks import TaskSpec
 
@@ -46,14 +46,14 @@ def encode_label(spec: TaskSpec, value: Any, where: str, column: str | int) -> i
     if spec.is_regression:
         score = None if isinstance(value, bool) else _finite_float(value)
         if score is None:
-            raise UserError(f"{where}: label column {column!r} has value {value!r}, expected a float score")
+            raise UserError(f"{where}: label column {column!r} has value {quoted(value)}, expected a float score")
         return score
     key = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
     try:
         return spec.label_list.index(key)
     except ValueError:
         raise UserError(
-            f"{where}: unknown label {value!r} in column {column!r}; expected one of {list(spec.label_list)}"
+            f"{where}: unknown label {quoted(value)} in column {column!r}; expected one of {list(spec.label_list)}"
         ) from None
 
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ft_framework.errors import MissingPath, UserError
+from ft_framework.errors import MissingPath, UserError, quoted
 
 from ft_framework.data.examples import RawSplit, encode_label
 from ft_framework.data.readers import read_table
@@ -30,18 +30,18 @@ def own_data_splits(spec: TaskSpec, files: Mapping[str, str | Path]) -> dict[str
 def _read_split(spec: TaskSpec, path: Path, split: str) -> RawSplit:
     if not path.exists():
         raise MissingPath(f"data.files.{split}: {path} not found (relative paths start at the current directory)")
-    table = read_table(path, split)
     needed = spec.text_keys + (spec.label_key,)
+    table = read_table(path, split, columns=needed)
     if table.columns is not None:
         for column in needed:
             if column not in table.columns:
-                raise UserError(f"{table.header}: missing column {column!r}; the columns are {table.columns}")
+                raise UserError(f"{table.header}: missing column {column!r}; the columns are {quoted(table.columns)}")
     texts: list[list[str]] = [[] for _ in spec.text_keys]
     labels: list[int | float] = []
     for where, values in table.records:
         for column in needed:
             if column not in values:  # a JSON line: each object has its own keys
-                raise UserError(f"{where}: missing column {column!r}; the object has {sorted(values)}")
+                raise UserError(f"{where}: missing column {column!r}; the object has {quoted(sorted(values))}")
         for texts_of_column, column in zip(texts, spec.text_keys):
             texts_of_column.append(_text(values[column], where, column))
         labels.append(encode_label(spec, values[spec.label_key], where, spec.label_key))
@@ -57,5 +57,5 @@ def _text(value: Any, where: str, column: str) -> str:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise UserError(f"{where}: column {column!r} is empty; every example needs its text")
     if not isinstance(value, str):
-        raise UserError(f"{where}: column {column!r} holds {type(value).__name__} {value!r}, expected text")
+        raise UserError(f"{where}: column {column!r} holds {type(value).__name__} {quoted(value)}, expected text")
     return value

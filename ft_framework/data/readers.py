@@ -2,9 +2,15 @@
 text editor shows (``reviews.csv:14``) or the index of a ``datasets`` row (``reviews[train][13]``).
 
 Formats, by suffix: ``.tsv`` (tab-separated), ``.csv`` (comma-separated, quoted fields may hold
-commas, quotes and line breaks), ``.jsonl`` (one JSON object a line), or a directory saved with
-``datasets``' ``save_to_disk``. Text files are UTF-8; a byte-order mark and Windows line ends, as
-spreadsheets write them, read the same as a plain file.
+commas, quotes and line breaks), ``.jsonl`` (one JSON object a line), ``.parquet``; or a directory:
+of Parquet files as the Hugging Face Hub lays a data set out (a split's files named for it, such as
+``data/train-00000-of-00002.parquet``, or in a directory named for it, such as ``train/0000.parquet``;
+datasets' own rules pick them), or saved with ``datasets``' ``save_to_disk``. Text files are UTF-8;
+a byte-order mark and Windows line ends, as spreadsheets write them, read the same as a plain file.
+
+Parquet is read one row group at a time (never a whole file at once), only the columns asked for;
+a row is named by file, row group and row (``train.parquet (row group 2, row 17)``, the row
+counted from 0 over the file, as pandas shows it).
 
 A TSV file is read as GLUE's files are written: no quoting, so a quote in a sentence is a character
 of it. A spreadsheet saving a TSV wraps each cell holding a quote (or a tab, or a line break) in
@@ -22,15 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ft_framework.errors import UserError
+from ft_framework.errors import UserError, quoted, shortened
 
-__all__ = ["Table", "TEXT_SUFFIXES", "read_table", "read_tsv_rows"]
+__all__ = ["PARQUET_SUFFIX", "Table", "TEXT_SUFFIXES", "read_table", "read_tsv_rows"]
 
 # Some GLUE fields (e.g. QQP questions) exceed csv's default 128 KiB field limit.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 # The text formats, by file suffix; a directory is read as a datasets save_to_disk directory.
 TEXT_SUFFIXES: tuple[str, ...] = (".csv", ".tsv", ".jsonl")
+PARQUET_SUFFIX = ".parquet"
 
 # A whole cell as a spreadsheet quotes it: wrapped in quotes, the quotes inside doubled.
 _QUOTED_CELL = re.compile(r'"(?:[^"]|"")*"')
@@ -47,10 +54,13 @@ class Table:
     records: Iterable[tuple[str, dict[str, Any]]]
 
 
-def read_table(path: Path, split: str) -> Table:
+def read_table(path: Path, split: str, columns: Iterable[str] | None = None) -> Table:
     """The rows of ``path`` by its format (see the module doc); ``split`` picks the split of a
-    ``DatasetDict`` directory."""
+    directory holding several. ``columns``: the ones needed, where a format can read only those
+    (Parquet); every record holds at least those the file has."""
     if path.is_dir():
+        if next(path.rglob(f"*{PARQUET_SUFFIX}"), None) is not None:
+            return _parquet_table(_parquet_split_files(path, split), columns)
         return _dataset_table(path, split)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
@@ -58,8 +68,11 @@ def read_table(path: Path, split: str) -> Table:
     if suffix in (".csv", ".tsv"):
         rows = _delimited_rows(path, ",", csv.QUOTE_MINIMAL) if suffix == ".csv" else read_tsv_rows(path)
         return _header_table(path, rows)
-    raise UserError(f"{path}: unknown file type {path.suffix or '(no suffix)'!r}; valid: "
-                    f"{', '.join(TEXT_SUFFIXES)}, or a directory saved with datasets' save_to_disk")
+    if suffix == PARQUET_SUFFIX:
+        return _parquet_table([path], columns)
+    raise UserError(f"{path}: unknown file type {quoted(path.suffix or '(no suffix)')}; valid: "
+                    f"{', '.join(TEXT_SUFFIXES + (PARQUET_SUFFIX,))}, or a directory of Parquet files as the Hub "
+                    "lays a split out, or one saved with datasets' save_to_disk")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -120,13 +133,14 @@ def _header_table(path: Path, rows: Iterator[tuple[int, list[str]]]) -> Table:
     header_line, header = first
     duplicates = sorted({c for c in header if header.count(c) > 1})
     if duplicates:
-        raise UserError(f"{path}:{header_line}: the header names column {duplicates[0]!r} more than once: {header}")
+        raise UserError(f"{path}:{header_line}: the header names column {quoted(duplicates[0])} more than once: "
+                        f"{quoted(header)}")
 
     def records() -> Iterator[tuple[str, dict[str, Any]]]:
         for line, row in rows:
             if len(row) != len(header):
                 raise UserError(f"{path}:{line}: row has {len(row)} fields, the header has {len(header)} "
-                                f"({header}); quote a field that holds the separator")
+                                f"({quoted(header)}); quote a field that holds the separator")
             yield f"{path}:{line}", dict(zip(header, row))
 
     return Table(header, f"{path}:{header_line}", records())
@@ -175,7 +189,7 @@ def _dataset_table(path: Path, split: str) -> Table:
     where = str(path)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise UserError(f"{path}: the saved DatasetDict has no split {split!r}; it has {list(loaded)}")
+            raise UserError(f"{path}: the saved DatasetDict has no split {split!r}; it has {quoted(list(loaded))}")
         loaded, where = loaded[split], f"{path}[{split}]"
 
     def records() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -183,6 +197,81 @@ def _dataset_table(path: Path, split: str) -> Table:
             yield f"{where}[{i}]", row
 
     return Table(list(loaded.column_names), where, records())
+
+
+# --------------------------------------------------------------------------------------------------
+# Parquet: files, and directories as the Hub lays splits out
+# --------------------------------------------------------------------------------------------------
+
+
+def _parquet_split_files(directory: Path, split: str) -> list[Path]:
+    """The Parquet files of `split` in `directory`, in name order (a split's shards are numbered).
+    Which files belong to which split is datasets' rule, the one the Hub applies: a split's name in
+    the file name (``data/train-00000-of-00001.parquet``, ``dev.parquet``) or a directory name
+    (``train/0000.parquet``), or one of datasets' other names for it (``dev`` for validation) when
+    the directory has no split of our name. A directory whose names name no split at all holds one
+    split's files: the one it is given as (``data.files.validation: mydata/validation``)."""
+    # lazy: a slow import, needed by Parquet directories only
+    from datasets.data_files import DEFAULT_PATTERNS_ALL, SPLIT_KEYWORDS, DataFilesDict, get_data_patterns
+
+    patterns = {str(name): value for name, value in get_data_patterns(str(directory)).items()}
+    if patterns == {str(name): value for name, value in DEFAULT_PATTERNS_ALL.items()}:
+        patterns = {split: patterns[next(iter(patterns))]}
+    names = next((list(words) for name, words in SPLIT_KEYWORDS.items() if str(name) == split), [split])
+    present = [split] if split in patterns else [name for name in names if name in patterns]
+    if len(present) != 1:
+        found = "none of them" if not present else f"{' and '.join(present)}: more than one"
+        raise UserError(f"{directory}: no Parquet files of the {split} split: the names of its files and "
+                        f"directories give the splits {', '.join(sorted(patterns))}; the {split} split is named "
+                        f"{' or '.join(dict.fromkeys([split, *names]))} ({found}; as the Hub reads names: e.g. "
+                        f"data/{split}-00000-of-00001.parquet or {split}/0000.parquet)")
+    resolved = DataFilesDict.from_patterns({split: patterns[present[0]]}, base_path=str(directory))[split]
+    root = directory.resolve()
+    files = sorted(directory / Path(name).resolve().relative_to(root) for name in resolved)
+    others = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES]
+    if others:
+        raise UserError(f"{others[0]}: a {others[0].suffix} file among the Parquet files of the {split} split in "
+                        f"{directory}; keep one format per split")
+    parquet = [f for f in files if f.suffix.lower() == PARQUET_SUFFIX]
+    if not parquet:
+        raise UserError(f"{directory}: no Parquet files of the {split} split (its files: "
+                        f"{quoted([str(f.relative_to(directory)) for f in files])})")
+    return parquet
+
+
+def _parquet_table(files: list[Path], columns: Iterable[str] | None) -> Table:
+    """The rows of Parquet `files` (one split's shards, in order), read a row group at a time. Every
+    file must have the first one's columns; only `columns` (those of them the files have) are read."""
+    import pyarrow as pa  # lazy, as datasets (whose dependency it is)
+    import pyarrow.parquet as pq
+
+    opened: list[tuple[Path, Any]] = []
+    for path in files:
+        try:
+            opened.append((path, pq.ParquetFile(path)))
+        except (pa.ArrowException, OSError) as exc:
+            raise UserError(f"{path}: not a Parquet file that can be read ({shortened(str(exc))})") from None
+    names = list(opened[0][1].schema_arrow.names)
+    for path, parquet in opened[1:]:
+        if list(parquet.schema_arrow.names) != names:
+            raise UserError(f"{path}: its columns {quoted(list(parquet.schema_arrow.names))} differ from "
+                            f"{opened[0][0]}'s {quoted(names)}; a split's files must have the same columns")
+    wanted = None if columns is None else [c for c in names if c in set(columns)]
+
+    def records() -> Iterator[tuple[str, dict[str, Any]]]:
+        for path, parquet in opened:
+            row = 0
+            for group in range(parquet.num_row_groups):
+                try:
+                    rows = parquet.read_row_group(group, columns=wanted).to_pylist()
+                except (pa.ArrowException, OSError) as exc:
+                    raise UserError(f"{path} (row group {group}): cannot be read "
+                                    f"({shortened(str(exc))})") from None
+                for values in rows:
+                    yield f"{path} (row group {group}, row {row})", values
+                    row += 1
+
+    return Table(names, str(files[0]), records())
 
 
 # --------------------------------------------------------------------------------------------------

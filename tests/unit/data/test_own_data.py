@@ -1,6 +1,7 @@
 """A user's own data (data.source: files): the formats (CSV with its quoting, TSV as spreadsheets
-write it, JSON lines, datasets' save_to_disk directories), and every mistake in a file reported
-with its file, line and column."""
+write it, JSON lines, datasets' save_to_disk directories, Parquet files and directories as the Hub lays
+them out), and every mistake in a file reported with its file, line and column (Parquet: row group
+and row)."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ ERRORS = {
     "empty JSONL": ("train.jsonl", "\n\n", SENTIMENT, r"train\.jsonl: no examples in the train file"),
     "header only": ("train.tsv", "text\tlabel\n", SENTIMENT, r"train\.tsv: no examples in the train file"),
     "unknown suffix": ("train.txt", "text,label\n", SENTIMENT,
-                       r"train\.txt: unknown file type '\.txt'; valid: \.csv, \.tsv, \.jsonl, or a directory"),
+                       r"train\.txt: unknown file type '\.txt'; valid: \.csv, \.tsv, \.jsonl, \.parquet, or a directory"),
 }
 
 
@@ -283,3 +284,161 @@ def test_the_example_files_hold_the_same_reviews(tmp_path):
         assert len(a) == {"train": 600, "validation": 200}[split]
     with (root / "train.csv").open(newline="") as f:
         assert any("," in row[1] for row in csv.reader(f))  # quoted commas in the shipped file
+
+
+# ---------------------------------------------------------------------------------------------- Parquet
+
+pa = pytest.importorskip("pyarrow")  # datasets' dependency, so installed with ft_framework
+pq = pytest.importorskip("pyarrow.parquet")
+
+REVIEW_ROWS = [("good food", "positive"), ("cold soup", "negative"), ("kind staff", "positive"),
+               ("slow, rude, loud", "negative"), ('a "fine" view', "positive"), ("bad\nlines", "negative"),
+               ("great tea", "positive")]
+
+
+def write_parquet(path: Path, rows, row_group_size: int = 2, **extra_columns) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = {"text": [t for t, _ in rows], "label": [label for _, label in rows], **extra_columns}
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def write_csv(path: Path, rows) -> Path:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("text", "label"), *rows])
+    return path
+
+
+def test_parquet_reads_the_rows_of_the_same_csv_a_row_group_at_a_time(tmp_path, monkeypatch):
+    parquet = write_parquet(tmp_path / "train.parquet", REVIEW_ROWS, row_group_size=2,
+                            pixels=[b"\x00" * 10] * len(REVIEW_ROWS))  # a column nobody asked for
+    from_csv = train_split(SENTIMENT, write_csv(tmp_path / "train.csv", REVIEW_ROWS))
+    from_parquet = train_split(SENTIMENT, parquet)
+    assert from_parquet.texts == from_csv.texts and from_parquet.labels.tolist() == from_csv.labels.tolist()
+    assert from_parquet.labels.tolist() == [1, 0, 1, 0, 1, 0, 1]
+
+    # Row groups one at a time, only the columns asked for, never the whole file (a spy on pyarrow's reader).
+    read: list[tuple[int, tuple[str, ...]]] = []
+    real_read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, columns=None, **kw: (
+        read.append((i, tuple(columns))), real_read_row_group(self, i, columns=columns, **kw))[1])
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **kw: pytest.fail("read the whole file"))
+    from ft_framework.data.readers import read_table
+    table = read_table(parquet, "train", columns=("text", "label"))
+    assert table.columns == ["text", "label", "pixels"]
+    records = iter(table.records)
+    assert next(records) == (f"{parquet} (row group 0, row 0)", {"text": "good food", "label": "positive"})
+    assert read == [(0, ("text", "label"))]
+    assert [where for where, _ in records][-1] == f"{parquet} (row group 3, row 6)"
+    assert [i for i, _ in read] == [0, 1, 2, 3]
+
+
+def test_a_hub_data_set_directory_gives_each_split_its_shards(tmp_path):
+    """data/<split>-NNNNN-of-NNNNN.parquet, as the Hub lays a data set out: both splits name the same
+    directory; a split's shards are read in order."""
+    hub = tmp_path / "hub_download"
+    write_parquet(hub / "data" / "train-00000-of-00002.parquet", REVIEW_ROWS[:3])
+    write_parquet(hub / "data" / "train-00001-of-00002.parquet", REVIEW_ROWS[3:])
+    write_parquet(hub / "data" / "validation-00000-of-00001.parquet", REVIEW_ROWS[:2])
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n")
+    splits = own_data_splits(SENTIMENT, both(hub))
+    assert splits["train"].texts == [[t for t, _ in REVIEW_ROWS]]
+    assert splits["validation"].texts == [["good food", "cold soup"]]
+    with pytest.raises(UserError, match=r"hub_download: no Parquet files of the test split: the names of its files "
+                                        r"and directories give the splits train, validation; the test split is "
+                                        r"named test or testing or eval or evaluation \(none of them"):
+        spec = own_data_task("t", text_columns=("text",), label_column="label", labels=("negative", "positive"),
+                             eval_splits=("validation", "test"))
+        own_data_splits(spec, {**both(hub), "test": str(hub)})
+
+
+def test_a_split_the_hub_calls_dev_is_the_validation_split(tmp_path):
+    hub = tmp_path / "hub"
+    write_parquet(hub / "data" / "train-00000-of-00001.parquet", REVIEW_ROWS)
+    write_parquet(hub / "data" / "dev-00000-of-00001.parquet", REVIEW_ROWS[1:2])
+    assert own_data_splits(SENTIMENT, both(hub))["validation"].texts == [["cold soup"]]
+    write_parquet(hub / "data" / "val-00000-of-00001.parquet", REVIEW_ROWS[2:3])
+    with pytest.raises(UserError, match=r"the validation split is named validation or valid or dev or val "
+                                        r"\(dev and val: more than one"):
+        own_data_splits(SENTIMENT, both(hub))
+
+
+def test_a_directory_per_split_and_a_directory_without_split_names(tmp_path):
+    per_split = tmp_path / "per_split"
+    write_parquet(per_split / "train" / "0000.parquet", REVIEW_ROWS[:4])
+    write_parquet(per_split / "train" / "0001.parquet", REVIEW_ROWS[4:])
+    write_parquet(per_split / "validation" / "0000.parquet", REVIEW_ROWS[2:3])
+    splits = own_data_splits(SENTIMENT, both(per_split))
+    assert splits["train"].texts == [[t for t, _ in REVIEW_ROWS]] and splits["validation"].texts == [["kind staff"]]
+    # A directory whose names name no split is the files of the split it is given as.
+    plain = write_parquet(tmp_path / "mine" / "part-a.parquet", REVIEW_ROWS[:1]).parent
+    write_parquet(plain / "part-b.parquet", REVIEW_ROWS[1:2])
+    assert own_data_splits(SENTIMENT, {"train": str(per_split), "validation": str(plain)})["validation"].texts == [
+        ["good food", "cold soup"]]
+
+
+def test_the_shipped_parquet_example_holds_the_csv_reviews():
+    """examples/data/reviews_parquet (configs/own_data_parquet.yaml): the CSV files' rows (its README says so),
+    in several row groups."""
+    root = Path(__file__).resolve().parents[3] / "examples" / "data"
+    for split, stem in (("train", "train"), ("validation", "dev")):
+        from_csv = own_data_splits(SENTIMENT, both(root / "reviews" / f"{stem}.csv"))["train"]
+        from_parquet = own_data_splits(SENTIMENT, both(root / "reviews_parquet"))[split]
+        assert from_parquet.texts == from_csv.texts and from_parquet.labels.tolist() == from_csv.labels.tolist()
+    assert pq.ParquetFile(root / "reviews_parquet" / "data" / "train-00000-of-00001.parquet").num_row_groups == 5
+
+
+def test_a_mistake_in_parquet_names_the_file_row_group_and_row(tmp_path):
+    rows = REVIEW_ROWS[:5] + [("odd", "neutral")]
+    path = write_parquet(tmp_path / "train.parquet", rows, row_group_size=2)
+    with pytest.raises(UserError, match=r"train\.parquet \(row group 2, row 5\): unknown label 'neutral' in column "
+                                        r"'label'"):
+        train_split(SENTIMENT, path)
+    nulls = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": ["a", None, "c"], "label": ["positive"] * 3}), nulls, row_group_size=2)
+    with pytest.raises(UserError, match=r"nulls\.parquet \(row group 0, row 1\): column 'text' is empty"):
+        train_split(SENTIMENT, nulls)
+    numbers = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": [1, 2], "label": ["positive"] * 2}), numbers)
+    with pytest.raises(UserError, match=r"numbers\.parquet \(row group 0, row 0\): column 'text' holds int 1, "
+                                        "expected text"):
+        train_split(SENTIMENT, numbers)
+
+
+PARQUET_ERRORS = {
+    "missing column": (lambda d: write_table(d / "train.parquet", {"txt": ["a"], "label": ["positive"]}),
+                       r"train\.parquet: missing column 'text'; the columns are \['txt', 'label'\]"),
+    "not Parquet": (lambda d: write(d / "train.parquet", "text,label\nhi,positive\n"),
+                    r"train\.parquet: not a Parquet file that can be read \("),
+    "shards with other columns": (lambda d: _shards_with_other_columns(d),
+                                  r"train-00001-of-00002\.parquet: its columns \['text', 'stars'\] differ from "
+                                  r".*train-00000-of-00002\.parquet's \['text', 'label'\]"),
+    "a CSV among the shards": (lambda d: _csv_among_shards(d),
+                               r"train-00001-of-00002\.csv: a \.csv file among the Parquet files of the train split"),
+}
+
+
+def write_table(path: Path, columns: dict) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def _shards_with_other_columns(d: Path) -> Path:
+    write_parquet(d / "hub" / "data" / "train-00000-of-00002.parquet", REVIEW_ROWS)
+    write_table(d / "hub" / "data" / "train-00001-of-00002.parquet", {"text": ["x"], "stars": [5]})
+    return d / "hub"
+
+
+def _csv_among_shards(d: Path) -> Path:
+    write_parquet(d / "hub" / "data" / "train-00000-of-00002.parquet", REVIEW_ROWS)
+    write_csv(d / "hub" / "data" / "train-00001-of-00002.csv", REVIEW_ROWS)
+    return d / "hub"
+
+
+@pytest.mark.parametrize("case", PARQUET_ERRORS, ids=list(PARQUET_ERRORS))
+def test_a_wrong_parquet_file_or_directory_is_one_line_naming_it(tmp_path, case):
+    make, message = PARQUET_ERRORS[case]
+    path = make(tmp_path)
+    with pytest.raises(UserError, match=message) as info:
+        train_split(SENTIMENT, path)
+    assert "\n" not in str(info.value)
