@@ -9,6 +9,8 @@ A second signal exits at once (the last complete checkpoint stays intact: saves 
 same signal again within ECHO_S seconds is not a second one but its echo (SLURM signals every
 process of a job step, and the launchers pass on what they got).
 With ``checkpoint.on_signal: exit`` the first signal exits at once.
+Under SLURM the run's job then requeues itself or ends for the sweep to submit it again, and the
+next attempt resumes from this checkpoint (sweep/slurm_job.py, docs/multinode.md "Preemption").
 
     with StopSignals(on_signal="save", prog="ft-train") as stop:
         ... at each step boundary: if stop.agreed(strategy): save, write, return

@@ -19,7 +19,6 @@ just before the driver died) and follows them instead of submitting them again.
 
 from __future__ import annotations
 
-import getpass
 import hashlib
 import json
 import logging
@@ -148,7 +147,7 @@ def _run_slurm(args: list[str], what: str, timeout: float = 60) -> str:
         raise UserError(f"{what}: {args[0]} did not answer within {timeout:g} s; is slurmctld up?") from None
     if done.returncode != 0:
         lines = (done.stderr or done.stdout).strip().splitlines()
-        raise UserError(f"{what}: {' '.join(args[:2])} failed ({lines[-1] if lines else f'exit code {done.returncode}'})")
+        raise UserError(f"{what}: {args[0]} failed ({lines[-1] if lines else f'exit code {done.returncode}'})")
     return done.stdout
 
 
@@ -167,7 +166,7 @@ class SlurmRunner:
     # ---- the queue ---------------------------------------------------------------------------
     def _queue(self, store: SweepStore) -> dict[str, JobState]:
         """This user's jobs of this store that squeue lists (any state), by job id."""
-        out = _run_slurm(["squeue", "-h", "-t", "all", "-u", getpass.getuser(), "-o", "%i|%j|%T|%r"],
+        out = _run_slurm(["squeue", "-h", "-t", "all", "--me", "-o", "%i|%j|%T|%r"],
                          "cannot read the queue")
         prefix = f"ft-{store_tag(store)}-"
         return {jid: job for jid, job in parse_squeue(out).items() if job.name.startswith(prefix)}

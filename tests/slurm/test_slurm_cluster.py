@@ -29,6 +29,7 @@ import yaml
 from tiny_run import write_run_config
 from ft_framework.cli import report_main
 from ft_framework.sweep.slurm_runner import store_tag
+from ft_framework.sweep.store import SweepStore
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -112,13 +113,21 @@ def scenario(slurm_cluster, tiny_bert_dir, tmp_path_factory):
                      if (s := status(store, d.name)).get("slurm_job_id")] if (store / "runs").is_dir() else []
             return [rid for _, rid in sorted(found)]
 
-        wait_until("two jobs submitted", lambda: len(submitted()) >= 2, 120, procs)
-        requeued, cancelled = submitted()[:2]
-        wait_until(f"run {requeued} at step 2", lambda: reached_step(store / "runs" / requeued, 2), 120, procs)
-        job = status(store, requeued)["slurm_job_id"]
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-        wait_until(f"run {cancelled} at step 2", lambda: reached_step(store / "runs" / cancelled, 2), 120, procs)
-        subprocess.run(["scancel", status(store, cancelled)["slurm_job_id"]], check=True)
+        # The first run to reach step 2 is sent USR1, the second one scancelled: both mid-run.
+        signalled: list[str] = []
+
+        def signal_the_next_at_step_2() -> bool:
+            for rid in submitted():
+                if rid not in signalled and reached_step(store / "runs" / rid, 2):
+                    job = status(store, rid)["slurm_job_id"]
+                    command = ["scancel", "--signal=USR1", "--batch", job] if not signalled else ["scancel", job]
+                    subprocess.run(command, check=True)
+                    signalled.append(rid)
+                    break
+            return len(signalled) == 2
+
+        wait_until("two runs at step 2", signal_the_next_at_step_2, 180, procs)
+        requeued, cancelled = signalled
         wait_until("the cancelled run recorded failed", lambda: status(store, cancelled).get("state") == "failed",
                    60, procs)
         cancelled_status = status(store, cancelled)
@@ -149,8 +158,6 @@ def scenario(slurm_cluster, tiny_bert_dir, tmp_path_factory):
 
 
 def store_tag_of(store: Path) -> str:
-    from ft_framework.sweep.store import SweepStore
-
     return store_tag(SweepStore(store))
 
 

@@ -105,3 +105,17 @@ def test_slurm_settings_belong_to_the_slurm_runner():
         validate_sweep({**base, "runner": {"name": "slurm", "sbatch_lines": ["--mem=8G"]}})
     with pytest.raises(ConfigError, match="runner.name.*slurm"):
         validate_sweep({**base, "runner": {"name": "slurmm"}})
+
+
+def test_a_missing_or_failing_slurm_command_is_one_line(tmp_path, monkeypatch):
+    from ft_framework.errors import UserError
+    from ft_framework.sweep.slurm_runner import SlurmRunner
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no squeue, no sbatch
+    with pytest.raises(UserError, match="needs SLURM's squeue on PATH"):
+        SlurmRunner(RunnerSpec(name="slurm")).run(SweepStore(tmp_path / "store"), [])
+    failing = tmp_path / "squeue"
+    failing.write_text("#!/bin/sh\necho 'squeue: error: Unable to contact slurm controller' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(UserError, match="cannot read the queue: squeue failed .*Unable to contact slurm controller"):
+        SlurmRunner(RunnerSpec(name="slurm")).run(SweepStore(tmp_path / "store"), [])
