@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
+from ft_framework.config.yaml_loader import load_yaml
 from ft_framework.run.files import (INDEX_FILE, INTERPOLATION_FILE, METRICS_FILE, RESULTS_FILE, RUNS_SUBDIR,
                                     STATUS_FILE, SWEEP_FILE)
 
@@ -96,7 +97,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _seed_keys(root: Path) -> tuple[str, ...]:
     try:
-        data = yaml.safe_load((root / SWEEP_FILE).read_text()) or {}
+        # a store handed to us is data: the bounded loader (no alias bombs, no duplicate keys)
+        data = load_yaml((root / SWEEP_FILE).read_text()) or {}
         keys = (data.get("report") or {}).get("seed_keys")
         return tuple(keys) if keys else DEFAULT_SEED_KEYS
     except (FileNotFoundError, yaml.YAMLError, AttributeError):
