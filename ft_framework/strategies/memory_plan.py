@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
+from ft_framework.models.forgetting import _mlm_head
 from ft_framework.strategies.memory_trace import (ASSUMED_ATTENTION_BACKEND, MicroBatchTrace, build_model_on_meta,
                                                    trace_micro_batch)
+from ft_framework.strategies.offload_transport import MAX_GRADS_IN_FLIGHT
 
 GIB = 1024**3
 MIB = 1024**2
@@ -26,8 +28,18 @@ MIB = 1024**2
 # been lent). torch.cuda.max_memory_allocated does not count it; nvidia-smi does.
 CUDA_CONTEXT_BYTES = 512 * MIB
 # The caching allocator keeps freed blocks for reuse, so what it reserves exceeds what is live:
-# planned as this fraction of the live peak (an assumption until the GPU suite's part e measures it).
-ALLOCATOR_SLACK = 0.10
+# planned as this fraction of the live peak. Measured on one H200 (GPU suite part e, ALBERT-xxlarge,
+# bf16, batch 32): max_memory_reserved / max_memory_allocated was 1.021 (our overlapped offload) and
+# 1.054 (DeepSpeed ZeRO-2 offload); the plan takes the larger.
+ALLOCATOR_SLACK = 0.054
+# The memory of a training process that is not tensors: the code of Python, torch, transformers and
+# ft_framework faulted in, the interpreter's objects, kernels' thread pools and scratch buffers.
+# Measured: the resident set of a process after importing them and one training step of a tiny
+# BERT, 499 MiB (torch 2.13 CPU, transformers 5.24, Python 3.11, this project's AMD EPYC host;
+# `python benchmarks/memory_plan.py --runtime` measures it again). The issue that asked for this row
+# measured about 0.5 GiB above the live tensors of a RoBERTa-base-size run with the allocator policy
+# of run/allocator.py (without it, glibc's fragmentation added about 1 GiB more).
+HOST_RUNTIME_BYTES = 499 * MIB
 # DeepSpeed's default zero_optimization.reduce_bucket_size (elements; deepspeed/runtime/zero/config.py):
 # ZeRO-1/2 with contiguous gradients (on by default, forced by offload) keep one bucket of it in
 # the gradients' dtype during backward, two with overlap_comm.
@@ -96,17 +108,32 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
                 PlanRow("anchors theta*", *_place(A * anchor_bytes / W, off))]
     offload = strategy.offload_optimizer if strategy.name == "single" else None
     if offload is not None:  # fp32 masters, their gradients and the state in host memory (offload.py)
-        copies = 0.0 if device_is_host else P * 4
         # A speculative compact step keeps copies of the old bf16 m and v and the old fp32 master
         # (AnchoredOptimizer._keep_undo): what its rollback restores, stochastic rounding having no inverse.
         undo = [PlanRow("undo copies of speculative steps (bf16 m, v and the fp32 master)", 0.0, P * 8)] \
             if compact and offload.overlap else []
+        host_state = [PlanRow("fp32 master weights" + (" (theta* + delta for the anchored)" if compact else ""), 0.0,
+                              P * 4),
+                      *[PlanRow(r.what, 0.0, r.device_bytes) for r in moment_rows],
+                      PlanRow("anchors theta*", 0.0, A * anchor_bytes), *undo]
+        if mixed:  # device-lean: the 16-bit model only; each gradient leaves the device as it is final
+            low = _dtype_of(precision).itemsize
+            accumulating = run_cfg.training.gradient_accumulation_steps > 1
+            on_device = offload.accumulate == "device" and accumulating
+            rows = [PlanRow(f"parameters ({precision} model, the only device copy)", P * low, 0.0),
+                    PlanRow(f"gradients ({precision}, host landing buffers)", 0.0, P * low)]
+            if on_device:
+                rows.append(PlanRow(f"gradients accumulated on the device ({precision}, between micro-batches)",
+                                    P * low, 0.0))
+            elif accumulating:
+                rows.append(PlanRow("gradients accumulated in fp32 on the host (between micro-batches)", 0.0, P * 4))
+            return rows + host_state
+        copies = 0.0 if device_is_host else P * 4
         return [PlanRow("parameters (fp32 device copies of the masters)", copies, 0.0),
                 PlanRow("gradients", 0.0 if offload.overlap and not device_is_host else P * 4, 0.0),
-                PlanRow("fp32 master weights" + (" (theta* + delta for the anchored)" if compact else ""), 0.0, P * 4),
+                host_state[0],
                 PlanRow("gradients (fp32 host copy for the CPU step)", 0.0, copies),
-                *[PlanRow(r.what, 0.0, r.device_bytes) for r in moment_rows],
-                PlanRow("anchors theta*", 0.0, A * anchor_bytes), *undo]
+                *host_state[1:]]
     if compact:
         return [PlanRow("parameters (theta* + delta for the anchored)", P * 4, 0.0), PlanRow("gradients", P * 4, 0.0),
                 *moment_rows, PlanRow("anchors theta*", A * anchor_bytes, 0.0)]
@@ -139,6 +166,7 @@ class ModelShape:
     num_anchored: int       # every parameter but the new classification head (theta* exists for them)
     largest_block: int      # parameters of the largest transformer block (FSDP2 unshards by block)
     largest_param: int      # elements of the largest parameter tensor (DeepSpeed's offload staging)
+    mlm_head_params: int = 0  # the pretrained MLM head the forgetting probe keeps (0: the model has none)
 
 
 def model_shape(arch: Any, *, num_labels: int) -> ModelShape:
@@ -150,7 +178,22 @@ def model_shape(arch: Any, *, num_labels: int) -> ModelShape:
     return ModelShape(num_params=sum(p.numel() for p in params),
                       num_anchored=sum(p.numel() for p in params if id(p) not in head),
                       largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
-                      largest_param=max(p.numel() for p in params))
+                      largest_param=max(p.numel() for p in params),
+                      mlm_head_params=_mlm_head_params(arch))
+
+
+def _mlm_head_params(arch: Any) -> int:
+    """Parameters of the masked-LM head that models/forgetting.py keeps for the run (its tied decoder
+    weight included: the reference model's, a tensor of its own); 0 for a model without one."""
+    from transformers import AutoModelForMaskedLM  # slow: imported where used
+
+    try:
+        with torch.device("meta"):
+            mlm = AutoModelForMaskedLM.from_config(copy.deepcopy(arch))
+    except ValueError:  # an architecture with no masked-LM class
+        return 0
+    head, _ = _mlm_head(mlm, [])
+    return 0 if head is None else sum(p.numel() for p in head.parameters())
 
 
 def _is_head(name: str) -> bool:
@@ -179,6 +222,12 @@ class PeakPlan:
     @property
     def host_peak(self) -> float:
         return sum(r.cpu_bytes for r in self.rows)
+
+    @property
+    def process_bytes(self) -> float:
+        """A CPU run's whole process (device and host are one memory, the runtime included): what its
+        peak resident set should be."""
+        return self.device_peak + self.host_peak
 
     @property
     def live_bytes(self) -> float:
@@ -234,9 +283,15 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
         trace_kw = dict(param_dtype=compute, autocast_dtype=None, keep_grads=False)
         if not fsdp.cpu_offload and on_gpu:
             step_temporaries = TORCH_STEP_TEMPORARIES * 4 * shape.num_anchored / W
+    elif offload is not None and mixed:  # the device-lean offload: the 16-bit model, no autocast
+        trace_kw = dict(param_dtype=low, autocast_dtype=None, keep_grads=False)
+        extra.append(PlanRow(f"gradients in flight to the host (at most {MAX_GRADS_IN_FLIGHT} of the largest "
+                             "parameter)", MAX_GRADS_IN_FLIGHT * shape.largest_param * low.itemsize, 0.0))
     else:
         overlap = offload is not None and offload.overlap
-        trace_kw = dict(param_dtype=torch.float32, autocast_dtype=low if mixed else None, keep_grads=not overlap)
+        # fp32 weights; with bf16/fp16 the forward runs under autocast, by CUDA's op lists on a GPU
+        trace_kw = dict(param_dtype=torch.float32, autocast_dtype=low if mixed else None, keep_grads=not overlap,
+                        autocast_rules="cuda" if on_gpu else "cpu")
         if overlap:
             extra.append(PlanRow("gradient bucket handed to the CPU worker (offload bucket_mb)",
                                  offload.bucket_mb * MIB, 0.0))
@@ -247,7 +302,8 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
     if on_gpu:
         arch = _without_attention_dropout(arch)
     trace = trace_micro_batch(arch, batch_size=training.per_device_batch_size, seq_len=run_cfg.data.max_seq_length,
-                              checkpointing=training.activation_checkpointing, num_labels=num_labels, **trace_kw)
+                              checkpointing=training.activation_checkpointing, num_labels=num_labels,
+                              fused_activations=run_cfg.model.fused_activations, **trace_kw)
     activations = _beyond_states(trace, step_temporaries)
     extra.insert(0, PlanRow(_activation_row_name(trace_kw["keep_grads"], step_temporaries), activations, 0.0))
     if bucket_epilogue:
@@ -256,13 +312,22 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
     if strategy.name == "deepspeed" and strategy.deepspeed.zero_stage == 3:
         # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers
         extra.append(PlanRow("parameters gathered by ZeRO-3 (prefetch)", shape.largest_block * low.itemsize, 0.0))
+    if run_cfg.evaluation.forgetting.enabled and shape.mlm_head_params:
+        # models/forgetting.py keeps the pretrained head (fp32) on the device for the whole run
+        extra.append(PlanRow("MLM head kept for the forgetting probe (fp32)", shape.mlm_head_params * 4, 0.0))
+    if on_gpu:
+        # A checkpoint can be saved at any step (checkpoint.every_steps, on a signal): DCP's writer
+        # copies the rank's device tensors to host memory and holds them until its file is written.
+        saved = sum(r.device_bytes for r in rows if "gradient" not in r.what)
+        extra.append(PlanRow("host copy of the device state while DCP saves a checkpoint", 0.0, saved))
     attention = (f"attention: {ASSUMED_ATTENTION_BACKEND}" if on_gpu else
                  "attention: the CPU's kernels (with attention dropout, the math path keeps the attention matrix)")
     assumptions = [attention, "sequences padded to data.max_seq_length (dynamic padding can only need less)"]
-    runtime = []
+    runtime = [PlanRow("process runtime: Python, torch, transformers code and non-tensor memory (measured)", 0.0,
+                       HOST_RUNTIME_BYTES)]
     if on_gpu:
         live = sum(r.device_bytes for r in rows + extra)
-        runtime = [PlanRow(f"caching allocator slack ({ALLOCATOR_SLACK:.0%} of the live peak; assumed)",
+        runtime += [PlanRow(f"caching allocator slack ({ALLOCATOR_SLACK:.1%} of the live peak; measured on an H200)",
                            ALLOCATOR_SLACK * live, 0.0),
                    PlanRow("CUDA context (about 0.5 GiB; not measured here)", CUDA_CONTEXT_BYTES, 0.0)]
     return PeakPlan(tensors=rows + extra, runtime=runtime, on_gpu=on_gpu, assumptions=assumptions)

@@ -143,3 +143,33 @@ def test_largest_micro_batch_fits_and_the_next_does_not(tiny_dir):
                         on_gpu=True).device_peak for b in (1, 40, 41)}
     budgets = [peak[1] / 2, (peak[40] + peak[41]) / 2]
     assert largest_micro_batches(cfg, budgets_bytes=budgets, world_size=1, on_gpu=True) == [0, 40]
+
+
+def test_ft_plan_says_which_device_it_planned_for(tiny_dir, tmp_path):
+    config = str(write_config(tmp_path, tiny_dir))
+    _, cpu, _ = ft_plan("--config", config, "training.device=cpu")
+    assert "planned for: CPU (training.device: cpu)" in cpu
+    code, auto, _ = ft_plan("--config", config)  # training.device: auto
+    assert code == 0
+    if torch.cuda.is_available():
+        assert "planned for: GPU (training.device: auto; this machine has one)" in auto
+    else:  # this machine has no GPU: the plan is still a GPU run's, and says where ft-train would run
+        assert "planned for: GPU (training.device: auto; this machine has none: ft-train here would run on the CPU" \
+            in auto
+    assert "CUDA context" in auto and "CUDA context" not in cpu
+    code, out, _ = ft_plan("--config", config, "--json", "training.device=cpu")
+    assert json.loads(out)["planned_for"] == "cpu"
+
+
+def test_the_cpu_plan_names_the_process_runtime_and_a_gpu_plan_the_checkpoint_copy(tiny_dir):
+    from ft_framework.strategies.memory_plan import HOST_RUNTIME_BYTES
+
+    cpu = plan_run(run_cfg(tiny_dir), world_size=1, on_gpu=False)
+    runtime = [r for r in cpu.runtime if r.what.startswith("process runtime")]
+    assert [r.cpu_bytes for r in runtime] == [HOST_RUNTIME_BYTES]
+    assert cpu.process_bytes == pytest.approx(cpu.live_bytes + HOST_RUNTIME_BYTES)
+    gpu = plan_run(run_cfg(tiny_dir, device="cuda"), world_size=1, on_gpu=True)
+    copy = [r for r in gpu.tensors if r.what.startswith("host copy of the device state while DCP saves")]
+    device_state = sum(r.device_bytes for r in gpu.tensors[:4] if "gradient" not in r.what)  # parameters, moments, theta*
+    assert len(copy) == 1 and copy[0].cpu_bytes == device_state > 0
+    assert not any(r.what.startswith("host copy") for r in cpu.tensors)
