@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ft_framework.distributed import peer_failures
+from ft_framework.distributed.ports import free_port  # noqa: F401  (owned by ports.py; the launchers' tests import it here)
 
 from ft_framework.errors import UserError
 
@@ -32,14 +33,6 @@ __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "RendezvousFailed", "free_port", 
 
 TIMEOUT_ENV = "FT_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now, for a launcher's rendezvous (another process may take it
-    before the launcher binds it; single-machine runs and tests accept that race)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RendezvousFailed(UserError):

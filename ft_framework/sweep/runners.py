@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ft_framework.config import RunConfig
-from ft_framework.distributed.rendezvous import free_port
+from ft_framework.distributed.ports import free_port
 from ft_framework.run.files import LOG_FILE, RESULTS_FILE, RUN_CONFIG_FILE
 
 from ft_framework.sweep.grid import PlannedRun
