@@ -57,6 +57,9 @@ EOF
   exit 0
 fi
 
+# `gpu_run.sh install`: steps 1 and 2 only (benchmarks/gpu_run_next.sh runs the parts itself).
+INSTALL_ONLY=
+if [ "${1:-}" = "install" ]; then INSTALL_ONLY=1; shift; fi
 OUT_DIR=${OUT:-gpu_results}
 mkdir -p "$OUT_DIR"
 echo "== python: $("$PY" -c 'import sys; print(sys.version.split()[0])'), torch: $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())')"
@@ -74,6 +77,7 @@ fi
 #    --no-deps: the index-only extras (datasets, ray, ...) are not needed to train or test here.
 "$PY" -m pip install -q --no-build-isolation --no-deps --no-index -e .
 "$PY" -c "from ft_framework.optim import cpu; print('ft_framework installed; CPU kernel SIMD level:', cpu.simd_level())"
+[ -n "$INSTALL_ONLY" ] && exit 0
 
 # 3. the suite: tests/gpu + benchmarks a, b, c; report and logs under $OUT_DIR
 "$PY" benchmarks/gpu_suite.py --out "$OUT_DIR/gpu_results.md" "$@" 2>&1 | tee "$OUT_DIR/gpu_suite.log"

@@ -24,6 +24,9 @@ Parts:
   e      ALBERT-xxlarge, bf16, overlapped offload and DeepSpeed ZeRO-2 offload: the memory plan
          (ft-plan, made before anything is built) against torch.cuda.max_memory_allocated, target
          within 10% (docs/memory.md).
+  f      ALBERT-xxlarge, bf16, seq 128: the device-lean offload (overlapped, serial) against DeepSpeed
+         ZeRO-2 offload with DeepSpeedCPUAdam: peak memory, samples/s, rollbacks, largest batch in
+         16 GB, the plan per row, a memory snapshot where the plan misses (benchmarks/gpu_part_f.py).
 
 --tiny: toy sizes on the CPU (DS_ACCELERATOR=cpu, gloo; tests run with FT_GPU_TESTS_DEVICE=cpu),
 so every line of the suite can be smoke-tested without a GPU. Its numbers mean nothing.
@@ -39,6 +42,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,8 +54,11 @@ from typing import Any, Callable, Sequence
 
 from ft_framework.distributed.rendezvous import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_part_f  # noqa: E402  part f (issue 35), in a file of its own
+
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("tests", "a", "b", "c", "d", "e")
+PARTS = ("tests", "a", "b", "c", "d", "e", "f")
 TARGET_RATIO = 1.5  # RecAdam step <= 1.5 x fused AdamW (issue 9)
 TRITON_TARGET_FP32, TRITON_TARGET_COMPACT = 1.2, 1.0  # impl="triton" vs fused AdamW (issue 36)
 
@@ -99,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=None, help="part b: upper end of the batch search (default 1024; tiny 64)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched worker / pytest (default 900)")
     # internal: this file re-launched as a worker
-    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp", "d", "d_cap", "e"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp", "d", "d_cap", "e", "f0", "f1", "f2"),
+                   help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
@@ -641,7 +649,7 @@ def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> d
 # Parts b and c: workers under a launcher (world size 1)
 # ==================================================================================================
 def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch: int, device: str,
-                     seq: int | None = None):
+                     seq: int | None = None, model: dict[str, Any] | None = None):
     """A RunConfig through the public loader (its model/data sections are not used here)."""
     import yaml
 
@@ -650,7 +658,7 @@ def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch:
     model_dir = tmp / "unused_model"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text("{}")
-    cfg = {"model": {"name_or_path": str(model_dir)},
+    cfg = {"model": {"name_or_path": str(model_dir), **(model or {})},
            "data": {"task": "sst2", "source": "builtin:quickstart", **({"max_seq_length": seq} if seq else {})},
            "schedule": {"name": "constant", "warmup_steps": 0},
            "training": {"max_steps": 10, "per_device_batch_size": batch, "precision": precision,
@@ -822,6 +830,8 @@ def worker(args) -> dict[str, Any]:
         return worker_d(args, cuda, device, steps, warmup, tmp)
     if args.worker == "e":
         return worker_e(args, cuda, device, steps=2, warmup=1, tmp=tmp)
+    if args.worker in ("f0", "f1", "f2"):
+        return gpu_part_f.worker_f(sys.modules[__name__], args, cuda, device, tmp)
     offload = args.worker in ("b", "b_cap")
     precision = "bf16"
     if args.worker.startswith("c_fsdp"):
@@ -1040,6 +1050,20 @@ def batch_search(cfg, args, steps: int, cuda: bool) -> dict[str, Any]:
     return result
 
 
+RUNNING_WORKERS: set[int] = set()  # process groups of the workers running now
+
+
+def stop_workers_and_exit(signum, frame) -> None:
+    """SIGTERM (a part's time limit, benchmarks/gpu_run_next.sh): each running worker's whole
+    process group goes too, so none keeps the GPU while the next part measures."""
+    for pid in list(RUNNING_WORKERS):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(124)
+
+
 def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
     """Runs this file as a --worker under `launcher` (deepspeed / torchrun), world size 1."""
     out_json = Path(tempfile.mkdtemp(prefix="gpu_suite_w_")) / f"{kind}.json"
@@ -1064,12 +1088,21 @@ def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     log(f"launching {kind}: {shlex.join(cmd)}")
     t0 = time.perf_counter()
+    # A session of its own: at the time limit the whole tree goes (the launcher's worker and a
+    # JIT compiler under it too), so no orphan holds GPU memory while the next part measures.
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    RUNNING_WORKERS.add(proc.pid)
     try:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
-        tail = (proc.stdout + proc.stderr)[-3000:]
+        stdout, stderr = proc.communicate(timeout=args.timeout)
+        tail = (stdout + stderr)[-3000:]
         rc = proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        tail, rc = f"timeout after {args.timeout}s: {str(exc.stderr)[-2000:]}", -1
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        tail, rc = f"timeout after {args.timeout}s: {(stdout + stderr)[-2000:]}", -1
+    finally:
+        RUNNING_WORKERS.discard(proc.pid)
     log(f"{kind}: exit {rc} after {time.perf_counter() - t0:.0f} s")
     if out_json.is_file():
         data = json.loads(out_json.read_text())
@@ -1124,6 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         return 0
 
+    signal.signal(signal.SIGTERM, stop_workers_and_exit)
     command = "python " + shlex.join([os.path.relpath(__file__, REPO)] + list(sys.argv[1:] if argv is None else argv))
     started = time.perf_counter()
     v = versions()
@@ -1178,6 +1212,11 @@ def main(argv: list[str] | None = None) -> int:
         e = launch_worker("e", args, "deepspeed")
         raw["e"] = e
         sections.append(format_e(e))
+        write()
+    if "f" in args.only:
+        f = gpu_part_f.run_part_f(sys.modules[__name__], args)
+        raw["f"] = f
+        sections.append(gpu_part_f.format_f(f, markdown_table))
         write()
     text = write()
     print(text)

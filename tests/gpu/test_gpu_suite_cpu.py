@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ def test_arguments_parse_and_resolve():
     assert args.only == ["tests", "c"] and args.tiny and args.out == "x.md"
     assert (args.a_params, args.a_tensors, args.batch, args.seq) == (2e6, 10, 4, 16)
     full = suite.resolve_defaults(suite.build_parser().parse_args([]))
-    assert full.only == ["tests", "a", "b", "c", "d", "e"] and full.a_params == 200e6 and full.a_tensors == 100
+    assert full.only == ["tests", "a", "b", "c", "d", "e", "f"] and full.a_params == 200e6 and full.a_tensors == 100
     assert (full.batch, full.seq, full.cap_gb) == (32, 128, 16.0)
     with pytest.raises(SystemExit):
         suite.build_parser().parse_args(["--only", "a,z"])
@@ -149,12 +150,12 @@ def test_part_d_table_format():
     assert "failed: boom" in suite.format_d({"error": "boom", "candidates": []}, None)
 
 
-def run_tiny_part(tmp_path, part: str) -> dict:
+def run_tiny_part(tmp_path, part: str, timeout: int = 600) -> dict:
     """`gpu_suite.py --tiny --only PART` on the CPU; its raw JSON (the report is PART.md)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", part,
                           "--out", str(tmp_path / f"{part}.md")], capture_output=True, text=True, env=env, cwd=REPO,
-                         timeout=600)
+                         timeout=timeout)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return json.loads((tmp_path / f"{part}.json").read_text())
 
@@ -198,3 +199,78 @@ def test_part_e_tiny_smoke_run(tmp_path):
     for c in cases.values():
         assert not c.get("error") and c["planned_gb"] > 0 and c["measured_gb"] > 0, c
     assert "## e. The memory plan against the measured peak" in (tmp_path / "e.md").read_text()
+
+
+def load_part_f():
+    spec = importlib.util.spec_from_file_location("gpu_part_f", REPO / "benchmarks" / "gpu_part_f.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_part_f_finds_the_allocations_live_at_the_peak():
+    """A device trace replayed: the peak is the highest live total, and its bytes are grouped by the
+    first Python line outside torch (a block freed before the peak is not counted)."""
+    f = load_part_f()
+    torch_frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"}
+    model = lambda line: [torch_frame, {"filename": "/m/modeling_albert.py", "line": line, "name": "forward"}]  # noqa: E731
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": model(10)},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": model(20)},
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 70, "frames": model(10)},
+        {"action": "alloc", "addr": 4, "size": 30, "frames": [torch_frame]},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 5, "size": 60, "frames": model(30)},
+    ]
+    top = f.top_lines_at_peak(events)
+    assert top["peak_bytes"] == 200
+    assert top["lines"] == [("/m/modeling_albert.py:10 (forward)", 170, 2),
+                            ("/x/site-packages/torch/nn/functional.py:9 (linear)", 30, 1)]
+
+
+def test_part_f_table_and_targets():
+    suite, f = load_suite(), load_part_f()
+    ours = {"name": "lean offload, overlapped (ours)", "batch": 32, "seq": 128, "steps": 3, "warmup": 1,
+            "model": "ALBERT-xxlarge", "samples_per_s": 60.0, "measured_gb": 7.0, "measured_reserved_gb": 8.0,
+            "planned_gb": 7.2, "planned_peak_gb": 8.1, "rollbacks": 2, "cap": {"cap_gb": 16, "largest_batch": 96},
+            "activations": "12 gelu_new module(s) -> fused tanh GELU"}
+    ds = {"name": "DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam", "batch": 32, "samples_per_s": 50.0,
+          "measured_gb": 14.0, "measured_reserved_gb": 15.0, "planned_gb": 11.0, "planned_peak_gb": 12.0,
+          "cap": {"cap_gb": 16, "largest_batch": 40, "complete": False},
+          "snapshot": {"file": "/o/f_snapshot_DeepSpeed_f2.pickle", "peak_bytes": 14e9,
+                       "lines": [("/m/modeling_albert.py:10 (forward)", 9e9, 36)]}}
+    serial = {"name": "lean offload, serial (ours)", "error": "worker exit code -1: timeout", "iter_ms": None}
+    text = re.sub(r" +", " ", f.format_f({"rows": [ours, ds, serial]}, suite.markdown_table))  # cells are padded
+    assert "| lean offload, overlapped (ours) | 60.0 " in text and "+2.9% (yes)" in text
+    assert "-21.4% (NO)" in text and "40 (at least: time limit)" in text and "| 96 " in text
+    assert "peak: ours / DeepSpeed = 0.50 (target <= 0.6: met)" in text
+    assert "samples/s: ours / DeepSpeed = 1.20 (target >= 1: met)" in text
+    assert "largest batch: ours / DeepSpeed = 2.40 (target >= 1.5: met)" in text
+    assert "f_snapshot_DeepSpeed_f2.pickle" in text and "| /m/modeling_albert.py:10 (forward) | 9.000 | 36" in text
+    assert "| lean offload, serial (ours) | failed" in text and "timeout" in text
+
+
+@pytest.mark.slow
+def test_part_f_tiny_smoke_run(tmp_path):
+    """Part f end to end at toy sizes on the CPU: each candidate in its worker, planned, trained,
+    and its batch searched (against a simulated limit of 16); ours fused, DeepSpeed's unchanged."""
+    raw = run_tiny_part(tmp_path, "f", timeout=1500)
+    rows = {r["name"]: r for r in raw["f"]["rows"]}
+    assert set(rows) == {"lean offload, overlapped (ours)", "lean offload, serial (ours)",
+                         "DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam"}, raw["f"]
+    for name, r in rows.items():
+        assert not r.get("error") and not r.get("plan_error") and r["iter_ms"] > 0 and r["planned_gb"] > 0, r
+        assert r["cap"]["largest_batch"] == 16 and r["cap"]["complete"], r
+        assert ("fused tanh GELU" in r["activations"]) == ("ours" in name), r
+    assert rows["lean offload, overlapped (ours)"]["rollbacks"] is not None
+    assert "## f. The device-lean offload" in (tmp_path / "f.md").read_text()
+
+
+def test_the_next_gpu_run_script_parses_and_runs_f_then_a_with_limits():
+    """benchmarks/gpu_run_next.sh: valid bash; part f first, then part a, each under `timeout`."""
+    script = REPO / "benchmarks" / "gpu_run_next.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "timeout -k" in text and text.index('part f "') < text.index("part a $")
+    assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu_run.sh")], capture_output=True).returncode == 0
