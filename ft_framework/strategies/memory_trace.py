@@ -164,26 +164,25 @@ def _trace(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype
         batch = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len), device=device),
                  "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long, device=device),
                  "labels": torch.randint(0, num_labels, (batch_size,), device=device)}
-        with _autocast(device, autocast_dtype, autocast_rules):
-            loss = model(**batch).loss
-        loss.backward()
+        # CUDA's rules stay in force through backward: activation checkpointing recomputes under autocast
+        with _cuda_rules(device, autocast_dtype, autocast_rules) as rules:
+            with (torch.autocast(device_type=device, dtype=autocast_dtype) if autocast_dtype is not None
+                  else contextlib.nullcontext()):
+                loss = model(**batch).loss
+            if rules is not None:
+                rules.end_region()  # CUDA's weight-cast cache ends with the forward's autocast region
+            loss.backward()
         del loss, batch
         grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
         return MicroBatchTrace(param_bytes=param_bytes, grad_bytes=grad_bytes, peak_bytes=counter.peak)
 
 
-@contextlib.contextmanager
-def _autocast(device: str, dtype: torch.dtype | None, rules: str):
-    """The forward's autocast region: none, the device's own lists, or CUDA's on the CPU (the weight
-    casts it keeps end with the region, as CUDA's cache does)."""
-    if dtype is None:
-        yield
-    elif rules == "cuda" and device == "cpu":
-        with cuda_autocast_rules(dtype), torch.autocast(device_type="cpu", dtype=dtype):
-            yield
-    else:
-        with torch.autocast(device_type=device, dtype=dtype):
-            yield
+def _cuda_rules(device: str, dtype: torch.dtype | None, rules: str):
+    """CUDA's autocast lists on the CPU when a GPU run's autocast is traced; otherwise nothing (the
+    device's own lists apply)."""
+    if dtype is not None and rules == "cuda" and device == "cpu":
+        return cuda_autocast_rules(dtype)
+    return contextlib.nullcontext()
 
 
 def _drop_grad(param: torch.Tensor) -> None:

@@ -102,6 +102,14 @@ class _CudaAutocastKernels:
     def __init__(self, low: torch.dtype) -> None:
         self.low = low
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -> (weight, its cast)
+        self.caching = True
+
+    def end_region(self) -> None:
+        """The forward's autocast region ended: CUDA clears its weight-cast cache there. Casts made
+        later (activation checkpointing's recompute in backward, each block its own short region)
+        are not kept beyond their use."""
+        self.cache.clear()
+        self.caching = False
 
     def eligible(self, value: Any) -> bool:
         """What autocast casts: a floating tensor other than fp64 (on the autocast device)."""
@@ -114,8 +122,8 @@ class _CudaAutocastKernels:
             return value
         # CUDA's cached_cast: an fp32 leaf that requires grad (a weight) is cast to the lower precision
         # once per autocast region, and the copy is kept until the region ends.
-        if (dtype == self.low and value.dtype == torch.float32 and value.requires_grad and value.is_leaf
-                and not value._is_view()):
+        if (self.caching and dtype == self.low and value.dtype == torch.float32 and value.requires_grad
+                and value.is_leaf and not value._is_view()):
             hit = self.cache.get(id(value))
             if hit is None or hit[0] is not value:
                 hit = self.cache[id(value)] = (value, value.to(dtype))
@@ -148,9 +156,11 @@ class _CudaAutocastKernels:
 
 
 @contextlib.contextmanager
-def cuda_autocast_rules(low: torch.dtype) -> Iterator[None]:
+def cuda_autocast_rules(low: torch.dtype) -> Iterator[_CudaAutocastKernels]:
     """Inside: ``torch.autocast("cpu", dtype=low)`` casts by CUDA's op lists (above), weight-cast
-    cache included, instead of the CPU's. The kernels are removed on leaving."""
+    cache included, instead of the CPU's. Keep it open through backward (activation checkpointing
+    recomputes under autocast) and call ``end_region()`` on what it yields when the forward's
+    autocast region ends. The kernels are removed on leaving."""
     check_torch()
     kernels = _CudaAutocastKernels(low)
     library = torch.library.Library("aten", "IMPL")
@@ -160,7 +170,7 @@ def cuda_autocast_rules(low: torch.dtype) -> Iterator[None]:
             for name, policy in _POLICIES.items():
                 if _exists(name):
                     library.impl(name, kernels.kernel(name, policy), "AutocastCPU")
-        yield
+        yield kernels
     finally:
         kernels.cache.clear()
         library._destroy()

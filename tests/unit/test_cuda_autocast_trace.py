@@ -109,3 +109,32 @@ def test_another_torch_is_refused_in_one_line(monkeypatch):
     with pytest.raises(UserError, match=r"checked on torch 2\.6 to 2\.13; this is torch"):
         with cuda_autocast_rules(BF16):
             pass
+
+
+def test_activation_checkpointing_recomputes_under_the_same_rules():
+    """Backward recomputes a checkpointed block under autocast: the rules must still be CUDA's there
+    (torch.utils.checkpoint refuses a recomputation whose saved dtypes differ)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(4, 8, requires_grad=True)
+    with cuda_autocast_rules(BF16) as rules:
+        with torch.autocast("cpu", dtype=BF16):
+            loss = checkpoint(model, x, use_reentrant=False)
+        rules.end_region()
+        loss.backward()
+    assert x.grad is not None and model.linear.weight.grad.dtype == F32
+
+
+def test_the_plans_trace_of_a_checkpointed_model_under_cudas_rules():
+    """What ft-plan --fit tries for a GPU run in bf16: activation checkpointing under autocast."""
+    from transformers import BertConfig
+
+    from ft_framework.strategies.memory_trace import trace_micro_batch
+
+    arch = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, hidden_act="gelu_new")
+    kw = dict(batch_size=4, seq_len=16, param_dtype=F32, autocast_dtype=BF16, keep_grads=True, autocast_rules="cuda")
+    plain = trace_micro_batch(arch, checkpointing=False, **kw)
+    checkpointed = trace_micro_batch(arch, checkpointing=True, **kw)
+    assert checkpointed.above_params < plain.above_params
