@@ -1,5 +1,6 @@
 """The SLURM runner's pure parts, without a cluster (the real cluster: tests/slurm/): the job script,
-squeue's lines, what a job that left the queue means for its run, and the runner's settings."""
+squeue's lines, what a job that left the queue means for its run, a restarted driver finding its
+jobs, and the runner's settings."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import json
 import shlex
 
 import pytest
+from sweep_helpers import sweep_dict
 
 from ft_framework.config import ConfigError
-from ft_framework.sweep.slurm_runner import (ALIVE_STATES, JobState, job_name, job_outcome, parse_squeue,
-                                             render_job_script, store_tag)
+from ft_framework.errors import UserError
+from ft_framework.sweep.driver import plan_sweep
+from ft_framework.sweep.slurm_runner import (ALIVE_STATES, PREEMPTED_RUN_RETRIES, JobState, SlurmRunner, job_name,
+                                             job_outcome, parse_squeue, render_job_script, store_tag)
 from ft_framework.sweep.spec import RunnerSpec, validate_sweep
 from ft_framework.sweep.store import SweepStore
 
@@ -108,9 +112,6 @@ def test_slurm_settings_belong_to_the_slurm_runner():
 
 
 def test_a_missing_or_failing_slurm_command_is_one_line(tmp_path, monkeypatch):
-    from ft_framework.errors import UserError
-    from ft_framework.sweep.slurm_runner import SlurmRunner
-
     monkeypatch.setenv("PATH", str(tmp_path))  # no squeue, no sbatch
     with pytest.raises(UserError, match="needs SLURM's squeue on PATH"):
         SlurmRunner(RunnerSpec(name="slurm")).run(SweepStore(tmp_path / "store"), [])
@@ -119,3 +120,45 @@ def test_a_missing_or_failing_slurm_command_is_one_line(tmp_path, monkeypatch):
     failing.chmod(0o755)
     with pytest.raises(UserError, match="cannot read the queue: squeue failed .*Unable to contact slurm controller"):
         SlurmRunner(RunnerSpec(name="slurm")).run(SweepStore(tmp_path / "store"), [])
+
+
+def planned(tmp_path):
+    store, runs = plan_sweep(validate_sweep(sweep_dict(runner={"name": "slurm"})), output_dir=tmp_path / "store")
+    store.sync(runs)
+    return store, runs
+
+
+def test_a_restarted_driver_follows_queued_jobs_by_recorded_id_or_by_name(tmp_path):
+    store, runs = planned(tmp_path)
+    a, b, c, d = (r.run_id for r in runs[:4])
+    store.write_status(a, state="running", slurm_job_id="11", slurm_job_ids=["11"])
+    store.write_status(b, state="running", slurm_job_id="12", slurm_job_ids=["12"])  # its job ended
+    store.write_status(c, state="pending")  # submitted, then the driver died before recording the id
+    queue = {"11": JobState("11", job_name(store, a), "RUNNING", "None"),
+             "12": JobState("12", job_name(store, b), "COMPLETED", "None"),
+             "13": JobState("13", job_name(store, c), "PENDING", "Resources"),
+             "14": JobState("14", f"ft-{'0' * 8}-{d}", "RUNNING", "None")}  # another store's job
+    adopted = SlurmRunner(RunnerSpec(name="slurm"))._adopt(store, runs, queue)
+    assert adopted == {a: "11", c: "13"}
+    assert store.read_status(c)["slurm_job_ids"] == ["13"] and store.read_status(c)["state"] == "running"
+    # A store sync (a new ft-sweep) leaves runs with a SLURM job to the SLURM runner.
+    store.sync(runs)
+    assert store.read_status(a)["state"] == "running"
+
+
+def test_a_job_killed_after_its_run_saved_on_a_signal_counts_as_preempted(tmp_path):
+    store, runs = planned(tmp_path)
+    run = runs[0]
+    store.write_status(run.run_id, state="running", slurm_job_id="21", slurm_job_ids=["21"])
+    (store.run_dir(run.run_id) / "results.json").write_text(json.dumps(
+        {"status": "interrupted", "signal": "SIGUSR1", "steps": 7}))
+    retries: dict[str, int] = {}
+    runner = SlurmRunner(RunnerSpec(name="slurm"))
+    assert runner._settle(store, run, "21", JobState("21", "n", "FAILED", "NonZeroExitCode"), retries) == "resubmit"
+    assert store.read_status(run.run_id)["error"] == (
+        "SLURM job 21 FAILED, reason NonZeroExitCode: stopped by SIGUSR1 at step 7, checkpoint saved; "
+        f"submitted again (1 of {PREEMPTED_RUN_RETRIES})")
+    store.write_status(run.run_id, state="running")
+    retries[run.run_id] = PREEMPTED_RUN_RETRIES
+    assert runner._settle(store, run, "21", None, retries) == "failed"
+    assert store.read_status(run.run_id)["state"] == "failed"
