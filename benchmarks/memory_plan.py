@@ -285,10 +285,12 @@ def runtime_worker() -> None:
     print(f"runtime (VmRSS after imports and one tiny training step): {_rss_kib('VmRSS') / 1024:.0f} MiB")
 
 
-def process_main(policy: bool) -> None:
+def process_main(policy: bool, only: str = "") -> None:
     gib = 1024**3
     table, worst = [], 0.0
     for row in PROCESS_ROWS:
+        if only.lower() not in row[0].lower():
+            continue
         got, plan = measure_process(row, policy)
         rss = got["peak_rss"]
         worst = max(worst, abs(plan / rss - 1))
@@ -323,7 +325,7 @@ def main() -> None:
         runtime_worker()
         return
     if args.process:
-        process_main(policy=not args.no_policy)
+        process_main(policy=not args.no_policy, only=args.only)
         return
     gib = 1024**3
     table, worst = [], 0.0
