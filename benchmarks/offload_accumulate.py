@@ -2,7 +2,9 @@
 default) or in bf16 on the device (accumulate: device). On this CPU the "device" is host memory
 too, so the table counts, per setting: the gradient bytes the device holds between micro-batches
 (what a GPU would keep), the host bytes of the transport (bf16 landing buffers + fp32 sums), and
-the median time of an optimizer step (all micro-batches and the step), paired and alternated.
+the median time of an optimizer step (all micro-batches and the step), paired and alternated, and
+the time spent in the transport itself (copies out of the device gradients and fp32 host adds),
+which is what the setting changes; the step time on a shared machine is mostly its load.
 
     python benchmarks/offload_accumulate.py [--hidden 512] [--layers 4] [--accum 4] [--steps 6]
 """
@@ -35,6 +37,28 @@ def build(args, accumulate: str):
     return strategy
 
 
+class Clock:
+    """Sums the time spent in the wrapped methods of `obj`."""
+
+    def __init__(self, obj, methods):
+        self.total = 0.0
+        for name in methods:
+            setattr(obj, name, self._timed(getattr(obj, name)))
+
+    def _timed(self, original):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                self.total += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> float:
+        t, self.total = self.total, 0.0
+        return t
+
+
 def one_step(strategy, args, step: int, held: list[int]) -> float:
     gen = torch.Generator().manual_seed(step)
     start = time.perf_counter()
@@ -62,21 +86,26 @@ def main() -> None:
     args = parser.parse_args()
     settings = ("host", "device")
     strategies = {a: build(args, a) for a in settings}
+    clocks = {a: Clock(strategies[a]._transport, ("take", "add_pending")) for a in settings}
+    transport = {a: [] for a in settings}
     times = {a: [] for a in settings}
     held = {a: [] for a in settings}
     for step in range(args.steps + 1):  # the first step of each is a warm-up
         for a in (settings if step % 2 == 0 else settings[::-1]):
             t = one_step(strategies[a], args, step, held[a])
+            spent = clocks[a].take()
             if step:
                 times[a].append(t)
+                transport[a].append(spent)
     params = sum(p.numel() for p in strategies["host"].model.parameters())
     print(f"{params / 1e6:.1f} M parameters, {args.accum} micro-batches of {args.batch} x {args.seq}, "
           f"{'overlapped' if args.overlap else 'serial'}, {torch.get_num_threads()} threads")
-    print("| accumulate | device gradient bytes between micro-batches | host transport bytes | step time (median) |")
-    print("|---|---|---|---|")
+    print("| accumulate | device gradient bytes between micro-batches | host transport bytes | transport time per "
+          "step (median) | step time (median) |")
+    print("|---|---|---|---|---|")
     for a in settings:
         print(f"| {a} | {max(held[a]) / 2**20:.1f} MiB | {strategies[a]._transport.host_bytes() / 2**20:.1f} MiB "
-              f"| {statistics.median(times[a]) * 1e3:.0f} ms |")
+              f"| {statistics.median(transport[a]) * 1e3:.1f} ms | {statistics.median(times[a]) * 1e3:.0f} ms |")
     for s in strategies.values():
         s.close()
 

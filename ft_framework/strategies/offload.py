@@ -158,7 +158,11 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         if not isinstance(optimizer, AnchoredOptimizer):
             raise UserError(f"strategy.offload_optimizer needs an ft_framework optimizer (optimizer.name), "
                             f"got {type(optimizer).__name__}")
-        masters = [p for g in optimizer.param_groups for p in g["params"]]
+        # In the model's order: the global norm sums the per-tensor norms in this order, as
+        # clip_grad_norm_ over model.parameters() does (the param groups list them otherwise).
+        model_order = {id(p): i for i, p in enumerate(model.parameters())}
+        masters = sorted((p for g in optimizer.param_groups for p in g["params"]),
+                         key=lambda p: model_order.get(id(p), len(model_order)))
         master_ids = {id(m) for m in masters}
         bad = [n for n, p in model.named_parameters()
                if id(p) in master_ids and (p.device.type != "cpu" or p.dtype != torch.float32)]
@@ -378,13 +382,12 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
         if not bool(coef < 1.0):
             return grads
-        out = []
-        for g in grads:
-            if g.dtype == torch.float32:
-                out.append(g.mul_(coef.to(g.device)))
-            else:
-                out.append(g.float().mul_(coef))
-        return out
+        # fp32 in place with one foreach op, as clip_grad_norm_ multiplies (on a CPU, torch 2.13's
+        # foreach mul by a 0-dim tensor rounds differently from a per-tensor mul_).
+        exact = [g for g in grads if g.dtype == torch.float32]
+        if exact:
+            torch._foreach_mul_(exact, coef.to(exact[0].device))
+        return [g if g.dtype == torch.float32 else g.float().mul_(coef) for g in grads]
 
     def clip_and_step(self, max_grad_norm: float | None) -> float:
         norm = self._overlapped_step(max_grad_norm) if self.overlap else self._serial_step(max_grad_norm)
