@@ -71,7 +71,7 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
                  DELTA_MASTER: tl.constexpr, FUSED_MUTANT: tl.constexpr, CHUNK_ELEMS: tl.constexpr,
                  BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    t = tl.load(chunk_tensor + pid).to(tl.int64)
+    t = tl.load(chunk_tensor + pid)
     start = tl.load(chunk_start + pid)
     end = tl.minimum(start + CHUNK_ELEMS, tl.load(numels + t))
     row = addresses + t * 6
@@ -208,11 +208,16 @@ class _Tables:
             self._cache.move_to_end(key)
             return hit
         pairs = [(t, s) for t, n in enumerate(numels) for s in range(0, n, chunk)]
-        tables = (torch.tensor(addresses, dtype=torch.int64).reshape(-1, 6).to(device),
-                  torch.tensor(numels, dtype=torch.int64).to(device),
-                  torch.tensor(list(bases), dtype=torch.int64).to(device),
-                  torch.tensor([t for t, _ in pairs], dtype=torch.int32).to(device),
-                  torch.tensor([s for _, s in pairs], dtype=torch.int64).to(device))
+        # One int64 buffer, one host-to-device copy (from pinned memory on CUDA: no sync); the
+        # tables are views of it.
+        flat = [x for row in addresses for x in row] + numels + list(bases)
+        flat += [t for t, _ in pairs] + [s for _, s in pairs]
+        host = torch.tensor(flat, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(device, non_blocking=True)
+        sizes = [6 * len(rows), len(rows), len(rows), len(pairs), len(pairs)]
+        tables = tuple(packed.split(sizes))
         self._cache[key] = tables
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)

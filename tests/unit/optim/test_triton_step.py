@@ -186,7 +186,7 @@ def test_tables_are_cached_by_addresses_and_sizes_and_a_new_lr_reuses_them():
     cached = dict(program._tables._cache)
     _step_rows(program, rows, False, c=StepCoefficients(beta1=0.9, beta2=0.999, eps=1e-8, step_size=5e-4))
     assert program._tables._cache.keys() == cached.keys()  # hyper-parameters are arguments, not table keys
-    assert all(program._tables._cache[k][0] is cached[k][0] for k in cached)
+    assert all(program._tables._cache[k][0] is cached[k][0] for k in cached)  # not rebuilt
     moved = [(p.clone(), g, m, v, a, d) for p, g, m, v, a, d in rows]  # the parameters at new addresses
     _step_rows(program, moved, False)
     assert len(program._tables._cache) == 2 * len(cached)  # one launch (and table) per kind of tensor
@@ -213,8 +213,7 @@ def _ptx(compact: bool, fused_mutant: bool = False) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {name: "*i64" for name in ("addresses", "numels", "bases", "chunk_start")}
-    signature["chunk_tensor"] = "*i32"
+    signature = {name: "*i64" for name in ("addresses", "numels", "bases", "chunk_tensor", "chunk_start")}
     signature.update({name: "fp32" for name in ("beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "eps",
                                                 "denom_scale", "step_size", "pre_decay", "pre_pull", "post_pull",
                                                 "post_decay")})
