@@ -3,7 +3,7 @@
     python benchmarks/optim_step.py                              # CPU, 1M/10M/50M/100M, 1 and 2 threads
     python benchmarks/optim_step.py --sizes 5e7 --threads 2 --simd avx2
     python benchmarks/optim_step.py --markdown /tmp/optim_step.md
-    python benchmarks/optim_step.py --device cuda                # GPU: torch RecAdam vs AdamW(fused=True)
+    python benchmarks/optim_step.py --device cuda                # GPU: triton and torch RecAdam vs AdamW(fused=True)
     python benchmarks/optim_step.py --sizes 5e7 --threads 2 --only ours_fp32,ds_adam --paired --lead-in 1
 
 The parameters of one size are ONE flat fp32 tensor (ZeRO-Offload hands the CPU optimizer one flat
@@ -30,6 +30,8 @@ Candidates (--only takes these names):
   ours_compact_ds  the same with the parameter as its own master (keep_masters_in_params: the step on
                DeepSpeed's fp32 partitions, no delta: 22 B moved, 10 B host; opt-in)
   ours_torch   ft_framework recadam, impl="torch" (CPU or CUDA)
+  ours_triton  ft_framework recadam, impl="triton" (CUDA; one Triton launch per step)
+  ours_triton_compact  the same in the compact state (bf16 moments and anchors: 26 B moved; CUDA)
   authors      RecAdam in the style of the authors' release (benchmarks/authors_style_recadam.py)
   adamw_pull   torch.optim.AdamW(fused=True) step + a separate p.lerp_(theta*, pull)
   ds_adam      deepspeed.ops.adam.DeepSpeedCPUAdam (Adam only; JIT-built on first use)
@@ -233,6 +235,9 @@ CANDIDATES = [
     Candidate("ours_bf16", "ours cpu bf16-anchor", BYTES["recadam_bf16"], _ours("cpu", "bfloat16"),
               host_bytes_per_param=HOST_BYTES["recadam_bf16"]),
     Candidate("ours_torch", "ours torch", BYTES["recadam"], _ours("torch"), ("cpu", "cuda"), slow=True),
+    Candidate("ours_triton", "ours triton", BYTES["recadam"], _ours("triton"), ("cuda",)),
+    Candidate("ours_triton_compact", "ours triton compact state", BYTES["recadam_compact"],
+              _ours("triton", "bfloat16", "bfloat16"), ("cuda",)),
     Candidate("authors", "authors-style", BYTES["recadam"], _authors, slow=True),
     Candidate("adamw_pull", "AdamW fused + pull", BYTES["recadam"], _adamw_pull, ("cpu", "cuda")),
     Candidate("ds_adam", "DeepSpeedCPUAdam (Adam)", BYTES["adam"], _ds_adam),
@@ -241,7 +246,7 @@ CANDIDATES = [
 ]
 BY_NAME = {c.name: c for c in CANDIDATES}
 DEFAULT_CPU = ["ours_fp32", "ours_bf16", "ours_torch", "authors", "adamw_pull", "ds_adam"]
-DEFAULT_CUDA = ["ours_torch", "adamw_pull", "adamw_fused"]
+DEFAULT_CUDA = ["ours_triton", "ours_triton_compact", "ours_torch", "adamw_pull", "adamw_fused"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,7 +381,9 @@ RATIOS = [
     ("ours AdamW / DeepSpeedCPUAdam", "ours_adamw", "ds_adam", "info", None),
 ]
 CUDA_RATIOS = [
-    ("ours torch / AdamW fused", "ours_torch", "adamw_fused", "<= 1.5", lambda r: r <= 1.5),
+    ("ours triton / AdamW fused", "ours_triton", "adamw_fused", "<= 1.2", lambda r: r <= 1.2),
+    ("ours triton compact / AdamW fused", "ours_triton_compact", "adamw_fused", "<= 1.0", lambda r: r <= 1.0),
+    ("ours torch / AdamW fused", "ours_torch", "adamw_fused", "info", None),
     ("AdamW fused + pull / AdamW fused", "adamw_pull", "adamw_fused", "info", None),
 ]
 
