@@ -97,6 +97,9 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("fsdp_offload", "torchrun", "fp32", {"name": "fsdp", "fsdp": {"cpu_offload": True}}, offload=True),
     # Our offload: the CPU step overlapped with backward (CUDA streams, pinned buffers, rollback).
     Case("single_offload_overlap", "python", "fp32", _OVERLAP_OFFLOAD, offload=True),
+    # The device-lean offload (issue 35): a bf16 model on the GPU, each gradient copied to pinned
+    # host memory on a side stream as it becomes final and freed there (record_stream).
+    Case("single_offload_lean", "python", "bf16", _OVERLAP_OFFLOAD, offload=True),
     # The compact state wherever an offloaded step runs it (issue 27, part 3).
     Case("single_offload_overlap_compact", "python", "fp32", _OVERLAP_OFFLOAD, offload=True,
          state_dtype="bfloat16"),
