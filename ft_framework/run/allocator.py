@@ -10,6 +10,11 @@ a RoBERTa-base-size run (batch 8 x 256 tokens, fp32, CPU) the process peaked at 
 boundaries saved 0.4 GiB. A fixed threshold of 128 KiB (``mallopt(M_MMAP_THRESHOLD, 131072)``,
 which also turns off the threshold's growth) serves every tensor of 128 KiB or more by its own
 mmap, returned to the kernel when it is freed: the same run peaked at 4.31 GiB.
+
+Its cost: each such tensor is a fresh mapping whose pages the kernel zeroes on first touch. On
+small CPU runs (MiniLM-size, 4 steps) it took 16-19% off the peak and added 33-50% wall time
+(docs/benchmarks.md, "The ft-train process against its plan"); GPU runs allocate few large host
+blocks through malloc.
 """
 
 from __future__ import annotations
