@@ -79,3 +79,34 @@ def test_a_model_without_any_architecture_is_reported_before_the_budget(tmp_path
     code, text = _run_line(tmp_path, "nobody/no-such-model-xyz", 0.25, monkeypatch)
     assert code == 2 and len(text.splitlines()) == 1, text
     assert "model.name_or_path: 'nobody/no-such-model-xyz' is not in the Hugging Face cache" in text, text
+
+
+def test_an_auto_device_run_without_a_gpu_is_checked_against_the_cpu_plan(tmp_path):
+    """training.device auto on a machine without a GPU runs on the CPU: its budget is the CPU plan's
+    (ft-plan's default plan for auto is a GPU run's, which adds the CUDA context and slack)."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto runs there")
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY))
+    run = {"model": {"name_or_path": str(model_dir)},
+           "data": {"task": "sst2", "source": "builtin:quickstart", "max_seq_length": 64},
+           "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
+           "training": {"max_steps": 2, "per_device_batch_size": 8, "device": "auto"},
+           "logging": {"output_dir": str(tmp_path / "out"), "progress_bar": False}}
+    cpu = plan_run(validate_config({**run, "training": {**run["training"], "device": "cpu"}}), world_size=1,
+                   on_gpu=False).device_peak
+    gpu = plan_run(validate_config(run), world_size=1, on_gpu=True).device_peak
+    assert cpu < gpu
+    run["training"]["memory_budget_gib"] = (cpu + gpu) / 2 / GIB  # the CPU plan fits, the GPU plan would not
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(run))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.train_main(["--config", str(config)])
+    # past the budget check: it stops at the weights, which this directory does not have
+    assert code != 0 and "training.memory_budget_gib" not in err.getvalue(), err.getvalue()
+    assert "model.safetensors" in err.getvalue()
