@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from ft_framework.errors import quoted
+from ft_framework.errors import quoted, shortened
 from ft_framework.models.hub import looks_like_path
 from ft_framework.run.fingerprint import check_allow_list
 
@@ -74,7 +74,7 @@ def _check_paths(cfg: RunConfig) -> None:
                           f"'builtin:quickstart', {FILES_SOURCE!r} (your own data) or a directory in the GLUE layout")
     for split, path in (cfg.data.files or {}).items():
         if not Path(path).expanduser().exists():
-            raise ConfigError(f"data.files.{quoted(split)}: {quoted(path)} not found (relative paths start at the current "
+            raise ConfigError(f"data.files.{shortened(str(split))}: {quoted(path)} not found (relative paths start at the current "
                               f"directory, {Path.cwd()})")
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():

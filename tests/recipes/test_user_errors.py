@@ -308,8 +308,10 @@ ROWS = [
         says=("train.csv:5", "unknown label 'postive' in column 'label'", "'negative', 'positive'")),
     Row("own_jsonl_malformed_line", prepare=_own_data(".jsonl", "dev.jsonl", _replace_line(3, b'{"review": "ok"')),
         says=("dev.jsonl:3", "not valid JSON")),
-    Row("own_data_file_missing", prepare=lambda ctx: [*_own_data(".csv", "train.csv", lambda text: text)(ctx),
-                                                       "data.files.validation=/nonexistent/dev.csv"],
+    # (one data.files override names the missing file: an override inside another's section is refused)
+    Row("own_data_file_missing", prepare=lambda ctx: [
+        arg.replace(f"validation: {ctx.tmp / 'own'}/dev.csv", "validation: /nonexistent/dev.csv")
+        for arg in _own_data(".csv", "train.csv", lambda text: text)(ctx)],
         says=("data.files.validation", "'/nonexistent/dev.csv' not found")),
     Row("own_data_key_with_glue", ("data.text_columns=[sentence]",),
         says=("data.text_columns", "data.source: files")),

@@ -3,18 +3,16 @@ huge value is refused in one short line with exit 2, fast and in little memory, 
 silently half-read or quoted in full.
 
 The bomb cases run in ONE child process (Python's start-up once, not per case) that calls the CLI's
-own function, ``cli.train_main``, case after case; the parent reads the child's peak RSS from
-``os.wait4`` and kills it at the deadline, so a bomb that does expand fails the test instead of
+own function, ``cli.train_main``, case after case; the child reports its own peak RSS (VmHWM) at
+exit and the parent kills it at the deadline, so a bomb that does expand fails the test instead of
 filling the machine. Two cases run through the real ``ft-train`` console script as well.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -75,26 +73,40 @@ def config_text_with(path: tuple[str, ...], value_text: str) -> str:
     return yaml.safe_dump(data, sort_keys=False).replace(PLACEHOLDER, value_text)
 
 
-def run_measured(cmd: list[str], cwd: Path, deadline_s: float) -> tuple[int, str, str, float, float]:
-    """Runs `cmd`; returns (exit code, stdout, stderr, seconds, the child's peak RSS in MB). Killed
-    at `deadline_s` (exit code -9 then). The RSS comes from wait4 on this child alone: other tests'
-    children do not count."""
-    out_path, err_path = cwd / "child.out", cwd / "child.err"
+# Runs a Python script (argv[2:]) and, at its exit, writes the process's own peak RSS (VmHWM, in kB)
+# to argv[1]. VmHWM belongs to the exec'd image alone; wait4's ru_maxrss would not do: Linux keeps
+# in it the high-water mark of the image a child replaced at exec, here the forking pytest worker's.
+HWM_WRAPPER = textwrap.dedent("""
+    import atexit, runpy, sys
+    def report(path=sys.argv[1]):
+        with open("/proc/self/status") as status:
+            hwm_kb = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+        with open(path, "w") as out:
+            out.write(hwm_kb)
+    atexit.register(report)
+    sys.argv = sys.argv[2:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+
+def run_measured(script: list[str], cwd: Path, deadline_s: float) -> tuple[int, str, str, float, float]:
+    """Runs the Python script `script[0]` with arguments `script[1:]`; returns (exit code, stdout,
+    stderr, seconds, the child's own peak RSS in MB). Killed at `deadline_s` (exit code -9 then, and
+    no peak: inf)."""
+    out_path, err_path, hwm_path = cwd / "child.out", cwd / "child.err", cwd / "child.hwm"
+    hwm_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-c", HWM_WRAPPER, str(hwm_path), *script]
     with out_path.open("w") as out, err_path.open("w") as err:
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=err, preexec_fn=_limit_address_space)
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - start > deadline_s:
-                os.kill(proc.pid, signal.SIGKILL)
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.02)
+        try:
+            proc.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         elapsed = time.monotonic() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-    return proc.returncode, out_path.read_text(), err_path.read_text(), elapsed, usage.ru_maxrss / 1024
+    peak_mb = int(hwm_path.read_text()) / 1024 if hwm_path.exists() else float("inf")
+    return proc.returncode, out_path.read_text(), err_path.read_text(), elapsed, peak_mb
 
 
 def _limit_address_space() -> None:
@@ -162,7 +174,7 @@ def test_hostile_configs_exit_2_fast_in_one_short_line_and_little_memory(tmp_pat
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     code, stdout, stderr, _, peak_mb = run_measured(
-        [sys.executable, str(child), str(tmp_path / "cases.json")], tmp_path,
+        [str(child), str(tmp_path / "cases.json")], tmp_path,
         deadline_s=10 + CASE_SECONDS * len(cases))
     results = [json.loads(line) for line in stdout.splitlines()]
     assert code == 0 and len(results) == len(cases), (

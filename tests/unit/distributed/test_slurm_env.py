@@ -90,7 +90,10 @@ def test_ports_differ_between_jobs_and_stay_below_the_ephemeral_range():
 
 def test_adopt_sets_the_launcher_variables(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # set first, so that monkeypatch records each as absent and removes what adopt sets: a
+        # RANK/MASTER_ADDR left in this worker made a later test's accelerate wait for a rendezvous
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
     for key, value in srun_env().items():
         monkeypatch.setenv(key, value)
     assert adopt_slurm_launch() is True
