@@ -26,7 +26,7 @@ run/allocator.py, setup, the forgetting probe, evaluations and checkpoint saves 
 model saved with random weights and MiniLM's tokenizer, on long real text (Python's documentation
 topics, cut to the row's sequence length), and compares the process's peak resident set (VmHWM)
 with the plan's whole process (`PeakPlan.process_bytes`: tensors and the runtime row). Target:
-within ±10%. `--no-policy` runs the same rows without the allocator policy (its cost and effect).
+within ±10%. `--no-policy` runs the same rows with training.host_allocator=glibc (the policy's cost and effect).
 """
 
 from __future__ import annotations
@@ -244,13 +244,10 @@ def process_worker(config_path: str, out: str, policy: bool) -> None:
     import time
 
     from ft_framework import cli
-    from ft_framework.run import allocator
 
-    if not policy:
-        allocator.set_host_allocator_policy = lambda: "host allocator: left as it is (--no-policy)"
-        cli.set_host_allocator_policy = allocator.set_host_allocator_policy
     start = time.perf_counter()
-    code = cli.train_main(["--config", config_path])
+    code = cli.train_main(["--config", config_path,
+                           f"training.host_allocator={'predictable' if policy else 'glibc'}"])
     Path(out).write_text(json.dumps({"code": code, "seconds": time.perf_counter() - start,
                                      "peak_rss": _rss_kib("VmHWM") * 1024}))
 

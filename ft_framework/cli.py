@@ -45,16 +45,16 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="print the traceback of a config or data error too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # First, before anything large is allocated: the host memory then follows the live tensors
-    # (run/allocator.py). Said once the config is good (a config error stays one line).
-    allocator_policy = set_host_allocator_policy()
     from ft_framework.config import load_config  # after --help (module docstring)
 
     try:
         cfg = load_config(args.config, args.overrides)
     except Exception as exc:  # every rank reads the same file: rank 0 alone reports it
         return report_failure(exc, prog="ft-train", debug=args.debug, same_on_every_rank=True)
-    logging.getLogger("ft_framework.run.allocator").info("%s", allocator_policy)
+    # Before anything large is allocated (reading the config allocates little): with the default
+    # policy the host memory then follows the live tensors (run/allocator.py).
+    logging.getLogger("ft_framework.run.allocator").info(
+        "%s", set_host_allocator_policy(cfg.training.host_allocator))
     from ft_framework.trainer import Trainer  # the config is good: now torch (module docstring)
 
     trainer = None

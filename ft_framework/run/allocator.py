@@ -12,9 +12,10 @@ which also turns off the threshold's growth) serves every tensor of 128 KiB or m
 mmap, returned to the kernel when it is freed: the same run peaked at 4.31 GiB.
 
 Its cost: each such tensor is a fresh mapping whose pages the kernel zeroes on first touch. On
-small CPU runs (MiniLM-size, 4 steps) it took 16-19% off the peak and added 33-50% wall time
+small CPU runs (MiniLM-size, 4 steps) it took 16-19% off the peak and added 33-50% wall time on a
+busy machine, and the quickstart took 15.3-16.2 s against 12.1-12.7 s on a quiet one (-4.5% peak)
 (docs/benchmarks.md, "The ft-train process against its plan"); GPU runs allocate few large host
-blocks through malloc.
+blocks through malloc. So it is a choice, ``training.host_allocator`` (predictable by default).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ M_MMAP_THRESHOLD = -3           # <malloc.h>: mallopt's parameter number of the 
 MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
-def set_host_allocator_policy() -> str:
-    """Sets glibc's mmap threshold to :data:`MMAP_THRESHOLD_BYTES` where glibc is the allocator;
-    returns one line for the run's log saying what was done (or why nothing was)."""
+def set_host_allocator_policy(policy: str = "predictable") -> str:
+    """With `policy` "predictable" (``training.host_allocator``), sets glibc's mmap threshold to
+    :data:`MMAP_THRESHOLD_BYTES` where glibc is the allocator; "glibc" leaves glibc's own policy.
+    Returns one line for the run's log saying what was done (or why nothing was)."""
+    if policy == "glibc":
+        return "host allocator: glibc's own (training.host_allocator: glibc; freed tensors may stay in its heap)"
     libc_name, _ = platform.libc_ver()
     if libc_name != "glibc":
         return f"host allocator: left as it is (the C library is {libc_name or 'not glibc'}; the policy is glibc's)"

@@ -34,7 +34,7 @@ def block(size):  # what a CPU tensor's storage is: malloc'ed, then written
     ctypes.memset(pointer, 1, size)
     return pointer
 
-line = set_host_allocator_policy() if sys.argv[1] == "policy" else "default"
+line = set_host_allocator_policy("predictable" if sys.argv[1] == "policy" else "glibc")
 libc.free(block(MIB))                 # 1 MiB allocated and freed
 before = rss_mib()
 big, small = [], []
@@ -62,3 +62,4 @@ def test_freed_tensors_return_to_the_system_with_the_policy_and_not_without():
     assert default["kept_mib"] > 100       # glibc's default keeps the 1 MiB holes between the kept blocks
     assert policy["kept_mib"] < 20         # each 1 MiB block was its own mmap, unmapped when freed
     assert policy["line"].startswith("host allocator: glibc mmap threshold fixed at 128 KiB")
+    assert default["line"].startswith("host allocator: glibc's own (training.host_allocator: glibc")
