@@ -56,6 +56,7 @@ from ft_framework.distributed.rendezvous import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_part_f  # noqa: E402  part f (issue 35), in a file of its own
+from method_clock import MethodClock  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "a", "b", "c", "d", "e", "f")
@@ -688,32 +689,6 @@ def make_batch(batch: int, seq: int, vocab: int, device) -> dict[str, Any]:
             "labels": torch.randint(0, 2, (batch,), generator=g).to(device)}
 
 
-class StepClock:
-    """Wraps an optimizer instance's step (and the per-tensor steps and rollbacks the offloaded
-    single-device strategy calls) to sum the time spent in them: the CPU step under offload, on
-    whichever thread it runs."""
-
-    def __init__(self, opt):
-        self.total = 0.0
-        for method in ("step", "step_tensors", "rollback_tensors"):
-            if hasattr(opt, method):
-                setattr(opt, method, self._timed(getattr(opt, method)))
-
-    def _timed(self, original):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                self.total += time.perf_counter() - t0
-
-        return timed
-
-    def take(self) -> float:
-        t, self.total = self.total, 0.0
-        return t * 1e3
-
-
 def optimizer_builders(name: str, *, offload: bool, tiny: bool):
     """(make_optimizer(model), needs_anchors, note) for candidate `name`, through public APIs."""
     import torch
@@ -767,7 +742,9 @@ def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool
         strategy = setup_strategy(cfg, model, optimizer_name, offload, args.tiny)
         del model
     entry["impl"] = getattr(strategy.optimizer, "impl", type(strategy.optimizer).__name__)
-    clock = getattr(strategy, "_bench_clock", None) or StepClock(strategy.optimizer)
+    # the CPU step under offload (the per-tensor steps and rollbacks too), on whichever thread it runs
+    clock = getattr(strategy, "_bench_clock", None) or MethodClock(
+        strategy.optimizer, ("step", "step_tensors", "rollback_tensors"))
     strategy._bench_clock = clock
     vocab = (ALBERT_TINY if args.tiny else ALBERT_XXLARGE)["vocab_size"]
     data = make_batch(batch, args.seq, vocab, strategy.device)
@@ -786,7 +763,7 @@ def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool
         strategy.clip_and_step(1.0)
         sync()
         t2 = time.perf_counter()
-        cpu = clock.take()
+        cpu = clock.take() * 1e3
         if i >= warmup:
             iters.append((t2 - t0) * 1e3)
             step_ms.append((t2 - t1) * 1e3)

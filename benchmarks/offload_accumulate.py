@@ -18,6 +18,8 @@ import time
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
+from method_clock import MethodClock
+
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.groups import build_param_groups
 from ft_framework.strategies import OffloadedSingleDeviceStrategy
@@ -35,28 +37,6 @@ def build(args, accumulate: str):
         "recadam", build_param_groups(m, anchors, lr=1e-4, weight_decay=0.01, attach_anchors=False),
         impl="auto", anneal_k=0.5, anneal_t0=5, pretrain_cof=10.0), anchors=anchors)
     return strategy
-
-
-class Clock:
-    """Sums the time spent in the wrapped methods of `obj`."""
-
-    def __init__(self, obj, methods):
-        self.total = 0.0
-        for name in methods:
-            setattr(obj, name, self._timed(getattr(obj, name)))
-
-    def _timed(self, original):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                self.total += time.perf_counter() - t0
-        return timed
-
-    def take(self) -> float:
-        t, self.total = self.total, 0.0
-        return t
 
 
 def one_step(strategy, args, step: int, held: list[int]) -> float:
@@ -86,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = ("host", "device")
     strategies = {a: build(args, a) for a in settings}
-    clocks = {a: Clock(strategies[a]._transport, ("take", "add_pending")) for a in settings}
+    clocks = {a: MethodClock(strategies[a]._transport, ("take", "add_pending")) for a in settings}
     transport = {a: [] for a in settings}
     times = {a: [] for a in settings}
     held = {a: [] for a in settings}

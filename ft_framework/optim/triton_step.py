@@ -34,7 +34,7 @@ import torch
 from ft_framework.counter_rng import LOWBIAS32_MUL1, LOWBIAS32_MUL2
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.compact import rounding_key
-from ft_framework.optim.torch_step import finite_flags, foreach_inverse_step
+from ft_framework.optim.torch_step import TorchProgram
 
 try:
     import triton
@@ -238,10 +238,14 @@ _F32 = (torch.float32,)
 _INPUTS = (torch.float32, torch.bfloat16)
 
 
-class TritonProgram:
+class TritonProgram(TorchProgram):
     """The Triton kernel as a step program (optim/programs.py). `chunk` and `block` are the
     elements per (tensor, chunk) entry and per loop iteration (default: CHUNK, and GPU_BLOCK on the
-    GPU or the whole chunk in the interpreter); `fused_mutant` is the tests' wrong variant."""
+    GPU or the whole chunk in the interpreter); `fused_mutant` is the tests' wrong variant.
+
+    guarded_step (a finite check, then this program's step) and inverse come from the torch
+    program: the undo is exact to a few ulp whichever implementation runs it (cpp/step_args.h), and
+    the overlapped offload, its one user, steps CPU tensors."""
 
     name = "triton"
 
@@ -266,17 +270,6 @@ class TritonProgram:
         for p, g, m, v, a, _ in rows:
             self._check(p, g, (m, v), _F32, a, None)
         self._launch(rows, [0] * len(rows), c, 0, compact=False)
-
-    def guarded_step(self, tensors: tuple, c: StepCoefficients, num_threads: int | None = None) -> bool:
-        if not finite_flags([tensors[1]])[0]:
-            return False
-        self.step([tensors], c)
-        return True
-
-    def inverse(self, tensors: tuple, c: StepCoefficients, num_threads: int | None = None) -> None:
-        # The undo is exact to a few ulp whichever implementation runs it (cpp/step_args.h); the
-        # overlapped offload, its one user, steps CPU tensors. The torch ops serve it here.
-        foreach_inverse_step(*[[x] if x is not None else None for x in tensors], c)
 
     def step_compact(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
                      num_threads: int | None = None) -> None:
