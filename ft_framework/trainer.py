@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ft_framework.checkpointing.dcp_io import CheckpointReadError
-from ft_framework.checkpointing.export import export_pretrained
+from ft_framework.checkpointing.export import ExportExistsError, check_run_export_dir, export_pretrained
 from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.distributed.config_agreement import check_config_agreement
 from ft_framework.distributed.slurm_env import slurm_job_record
@@ -32,6 +32,7 @@ from ft_framework.config import RunConfig
 from ft_framework.data import load_task_data, make_collator
 from ft_framework.data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
 from ft_framework.run.divergence import DivergenceGuard
+from ft_framework.run.failures import same_on_every_rank
 from ft_framework.errors import UserError
 from ft_framework.run.fingerprint import config_record
 from ft_framework.strategies.memory_fit import check_memory_budget
@@ -124,6 +125,11 @@ class Trainer:
         self._run_lock = hold_run_lock(self.strategy, self.paths)
         # Before anything is loaded: a resume must match its checkpoint, a fresh run must not mix with an old one.
         self._resume_point = check_start(cfg, self.strategy, self.paths)
+        if cfg.checkpoint.export_dir:  # its end would refuse another run's export: refuse it now
+            try:
+                check_run_export_dir(Path(cfg.checkpoint.export_dir), self.paths.root)
+            except ExportExistsError as exc:  # every rank sees the same directory
+                raise same_on_every_rank(exc) from None
         # Before any weight loads: a run planned over training.memory_budget_gib stops here, in one line.
         check_memory_budget(cfg, world_size=self.strategy.world_size, on_gpu=self.strategy.device.type == "cuda")
         # The init seed drives everything random in the model (head, RI, re-init); the data seed

@@ -42,8 +42,8 @@ from ft_framework.run.files import CHECKPOINTS_DIR, EXPORT_SCRATCH_DIR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EXPORT_RECORD", "ExportExistsError", "Replace", "build_model", "export_pretrained", "load_model_weights",
-           "verify_checkpoint", "write_atomically"]
+__all__ = ["EXPORT_RECORD", "ExportExistsError", "Replace", "build_model", "check_run_export_dir", "export_pretrained",
+           "load_model_weights", "verify_checkpoint", "write_atomically"]
 
 EXPORT_RECORD = "ft_export.json"  # in every export: the checkpoint and the run it was exported from
 EXPORT_FORMAT = "ft_framework.export/1"
@@ -177,6 +177,13 @@ def _check_replaceable(out_dir: Path, run_dir: Path, replace: Replace) -> None:
               "choose another checkpoint.export_dir or remove it; the final weights stay in the run's checkpoint "
               "(ft-export writes them from it)")
     raise ExportExistsError(f"export directory {out_dir} {what}: it is not overwritten; {remedy}")
+
+
+def check_run_export_dir(out_dir: Path, run_dir: Path) -> None:
+    """A run's checkpoint.export_dir, checked at its start by the rule its export applies at its end
+    (replace="same run"): refused in one line when it holds another run's export or other files,
+    so that a run does not train for hours to be refused its export."""
+    _check_replaceable(Path(out_dir), Path(os.path.realpath(run_dir)), "same run")
 
 
 def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:

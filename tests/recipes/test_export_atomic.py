@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_run import write_run_config
 from ft_framework.checkpointing import save_sharded
 from ft_framework.checkpointing.export import EXPORT_RECORD, ExportExistsError, export_pretrained
-from ft_framework.cli import export_main
+from ft_framework.cli import export_main, train_main
 
 HERE = Path(__file__).parent
 KILLS = 10
@@ -185,3 +186,20 @@ def test_a_rerun_replaces_what_a_killed_export_left(checkpoint, tmp_path):
     export_pretrained(directory, out, replace="never")
     load_whole(out, weights)
     assert not partial.exists()
+
+
+def test_a_run_whose_export_dir_holds_another_runs_export_is_refused_at_its_start(checkpoint, tiny_bert_dir,
+                                                                                   tmp_path, capsys):
+    """The end-of-run rule (replace="same run") applied before anything trains: one line, exit 2,
+    no checkpoint written, the other run's export untouched."""
+    directory, weights = checkpoint
+    out = tmp_path / "exported"
+    export_pretrained(directory, out)  # another run's export
+    capsys.readouterr()  # (its progress bars)
+    cfg = write_run_config(tmp_path / "r.yaml", tiny_bert_dir, tmp_path / "r", training={"max_steps": 2},
+                           checkpoint={"export_dir": str(out)})
+    assert train_main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"export directory {out} holds an export of" in err[0], "\n".join(err)
+    assert not (tmp_path / "r" / "checkpoints").exists() and not (tmp_path / "r" / "results.json").exists()
+    load_whole(out, weights)
