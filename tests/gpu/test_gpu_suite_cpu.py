@@ -17,15 +17,16 @@ import pytest
 from gpu_common import CASES, HERE, REPO, case_params, run_config, skip_reason, write_config
 
 
-def load_suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_arguments_parse_and_resolve():
-    suite = load_suite()
+    suite = load_benchmark("gpu_suite")
     args = suite.resolve_defaults(suite.build_parser().parse_args(["--only", "c,tests", "--tiny", "--out", "x.md"]))
     assert args.only == ["tests", "c"] and args.tiny and args.out == "x.md"
     assert (args.a_params, args.a_tensors, args.batch, args.seq) == (2e6, 10, 4, 16)
@@ -37,7 +38,7 @@ def test_arguments_parse_and_resolve():
 
 
 def test_chunk_sizes_and_batch_search():
-    suite = load_suite()
+    suite = load_benchmark("gpu_suite")
     sizes = suite.chunk_sizes(200e6 + 7, 100)
     assert len(sizes) == 100 and sum(sizes) == int(200e6 + 7) and max(sizes) - min(sizes) <= 1
     for limit in (1, 2, 31, 32, 33, 37, 100):
@@ -49,7 +50,7 @@ def test_chunk_sizes_and_batch_search():
 
 
 def test_tables_and_report_format():
-    suite = load_suite()
+    suite = load_benchmark("gpu_suite")
     table = suite.markdown_table(["a", "b"], [[1, "x|y"], [None, 2.5]])
     lines = table.splitlines()
     assert lines[0].startswith("| a") and set(lines[1]) <= {"|", "-"} and "x\\|y" in lines[2]
@@ -135,7 +136,7 @@ def test_gpu_worker_runs_a_case_on_the_cpu(tmp_path):
 
 
 def test_part_d_table_format():
-    suite = load_suite()
+    suite = load_benchmark("gpu_suite")
     d = {"model": "ALBERT-xxlarge", "numel": 222.6e6, "seq": 128, "batch": 32, "steps": 8, "warmup": 3,
          "candidates": [
              {"name": "RecAdam, overlapped offload (ours)", "iter_ms": 600.0, "samples_per_s": 53.3,
@@ -177,7 +178,7 @@ def test_part_d_tiny_smoke_run(tmp_path):
 
 
 def test_part_e_table_format():
-    suite = load_suite()
+    suite = load_benchmark("gpu_suite")
     e = {"model": "ALBERT-xxlarge", "seq": 128, "batch": 32, "precision": "bf16", "cases": [
         {"name": "overlapped offload (single)", "planned_gb": 10.5, "measured_gb": 10.0, "planned_reserved_gb": 12.0,
          "measured_reserved_gb": 11.2},
@@ -201,17 +202,10 @@ def test_part_e_tiny_smoke_run(tmp_path):
     assert "## e. The memory plan against the measured peak" in (tmp_path / "e.md").read_text()
 
 
-def load_part_f():
-    spec = importlib.util.spec_from_file_location("gpu_part_f", REPO / "benchmarks" / "gpu_part_f.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_part_f_finds_the_allocations_live_at_the_peak():
     """A device trace replayed: the peak is the highest live total, and its bytes are grouped by the
     first Python line outside torch (a block freed before the peak is not counted)."""
-    f = load_part_f()
+    f = load_benchmark("gpu_part_f")
     torch_frame = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"}
     model = lambda line: [torch_frame, {"filename": "/m/modeling_albert.py", "line": line, "name": "forward"}]  # noqa: E731
     events = [
@@ -230,7 +224,7 @@ def test_part_f_finds_the_allocations_live_at_the_peak():
 
 
 def test_part_f_table_and_targets():
-    suite, f = load_suite(), load_part_f()
+    suite, f = load_benchmark("gpu_suite"), load_benchmark("gpu_part_f")
     ours = {"name": "lean offload, overlapped (ours)", "batch": 32, "seq": 128, "steps": 3, "warmup": 1,
             "model": "ALBERT-xxlarge", "samples_per_s": 60.0, "measured_gb": 7.0, "measured_reserved_gb": 8.0,
             "planned_gb": 7.2, "planned_peak_gb": 8.1, "rollbacks": 2, "cap": {"cap_gb": 16, "largest_batch": 96},

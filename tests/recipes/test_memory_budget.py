@@ -18,30 +18,40 @@ TINY = {"model_type": "bert", "vocab_size": 1000, "hidden_size": 64, "num_hidden
         "intermediate_size": 256, "max_position_embeddings": 128}
 
 
-def test_an_over_budget_run_is_refused_in_one_line_before_anything_loads(tmp_path):
+def _config_only_run(tmp_path, device: str) -> dict:
+    """A run of a model directory that holds config.json only: no weights and no tokenizer, so a run
+    that loaded anything would fail there."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    # config.json only: no weights and no tokenizer, so a run that loaded anything would fail otherwise
     (model_dir / "config.json").write_text(json.dumps(TINY))
-    base = {"model": {"name_or_path": str(model_dir)},
+    return {"model": {"name_or_path": str(model_dir)},
             "data": {"task": "sst2", "source": "builtin:quickstart", "max_seq_length": 64},
             "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
-            "training": {"max_steps": 2, "per_device_batch_size": 8, "device": "cpu"},
+            "training": {"max_steps": 2, "per_device_batch_size": 8, "device": device},
             "logging": {"output_dir": str(tmp_path / "out"), "progress_bar": False}}
+
+
+def _train_main(tmp_path, run: dict) -> tuple[int, str]:
+    """ft-train's exit code and stderr for `run`, written to a config file as a user would."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(run))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = cli.train_main(["--config", str(config)])
+    return code, err.getvalue()
+
+
+def test_an_over_budget_run_is_refused_in_one_line_before_anything_loads(tmp_path):
+    base = _config_only_run(tmp_path, "cpu")
     peaks = {}
     for batch in (4, 8):
         cfg = validate_config({**base, "training": {**base["training"], "per_device_batch_size": batch}})
         peaks[batch] = plan_run(cfg, world_size=1, on_gpu=False).device_peak
     budget_gib = (peaks[4] + peaks[8]) / 2 / GIB  # batch 4 fits, batch 8 does not
     base["training"]["memory_budget_gib"] = budget_gib
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(base))
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.train_main(["--config", str(config)])
-    lines = err.getvalue().strip().splitlines()
-    assert code == 2 and len(lines) == 1, err.getvalue()
+    code, err = _train_main(tmp_path, base)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
     line = lines[0]
     assert "training.memory_budget_gib" in line and "Traceback" not in line
     assert f"planned peak per rank is {format_bytes(peaks[8])}" in line and "MiB" in line
@@ -58,12 +68,8 @@ def _run_line(tmp_path, name_or_path: str, budget_gib: float, monkeypatch) -> tu
            "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
            "training": {"max_steps": 2, "per_device_batch_size": 1, "device": "cpu", "memory_budget_gib": budget_gib},
            "logging": {"output_dir": str(tmp_path / "out"), "progress_bar": False}}
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(run))
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        code = cli.train_main(["--config", str(config)])
-    return code, err.getvalue().strip()
+    code, err = _train_main(tmp_path, run)
+    return code, err.strip()
 
 
 def test_the_budget_is_checked_before_the_weights_are_looked_for(tmp_path, monkeypatch):
@@ -89,24 +95,13 @@ def test_an_auto_device_run_without_a_gpu_is_checked_against_the_cpu_plan(tmp_pa
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: auto runs there")
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(TINY))
-    run = {"model": {"name_or_path": str(model_dir)},
-           "data": {"task": "sst2", "source": "builtin:quickstart", "max_seq_length": 64},
-           "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
-           "training": {"max_steps": 2, "per_device_batch_size": 8, "device": "auto"},
-           "logging": {"output_dir": str(tmp_path / "out"), "progress_bar": False}}
+    run = _config_only_run(tmp_path, "auto")
     cpu = plan_run(validate_config({**run, "training": {**run["training"], "device": "cpu"}}), world_size=1,
                    on_gpu=False).device_peak
     gpu = plan_run(validate_config(run), world_size=1, on_gpu=True).device_peak
     assert cpu < gpu
     run["training"]["memory_budget_gib"] = (cpu + gpu) / 2 / GIB  # the CPU plan fits, the GPU plan would not
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(run))
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        code = cli.train_main(["--config", str(config)])
+    code, err = _train_main(tmp_path, run)
     # past the budget check: it stops at the weights, which this directory does not have
-    assert code != 0 and "training.memory_budget_gib" not in err.getvalue(), err.getvalue()
-    assert "model.safetensors" in err.getvalue()
+    assert code != 0 and "training.memory_budget_gib" not in err, err
+    assert "model.safetensors" in err

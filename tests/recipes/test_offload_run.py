@@ -17,20 +17,26 @@ def _close(actual, expected, what, rel=1e-6):
     assert bool((err <= rel * (expected.double().abs() + scale)).all()), f"{what}: max error {float(err.max())}"
 
 
-@pytest.mark.slow
-def test_trainer_runs_overlapped_offload_and_logs_rollbacks(tiny_bert_dir, tmp_path):
-    results = {}
+def _serial_and_overlapped(tiny_bert_dir, tmp_path, label: str, training: dict, **sections):
+    """The same run with the serial and the overlapped offload: {overlap: (trainer, its train
+    records from metrics.jsonl)}."""
+    runs = {}
     for overlap in (False, True):
-        out = tmp_path / f"out{overlap}"
-        cfg = write_run_config(tmp_path / f"run{overlap}.yaml", tiny_bert_dir, out,
-                               training={"max_steps": 5, "max_grad_norm": 0.255},
+        out = tmp_path / f"{label}{overlap}"
+        cfg = write_run_config(tmp_path / f"{label}{overlap}.yaml", tiny_bert_dir, out, training=training,
                                evaluation={"num_evals": 1, "batch_size": 16},
-                               strategy={"name": "single", "offload_optimizer": {"overlap": overlap}})
+                               strategy={"name": "single", "offload_optimizer": {"overlap": overlap}}, **sections)
         trainer = Trainer(load_config(cfg))
         trainer.fit()
         trainer.strategy.close()
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        results[overlap] = (trainer, [r for r in records if r["type"] == "train"])
+        runs[overlap] = (trainer, [r for r in records if r["type"] == "train"])
+    return runs
+
+
+@pytest.mark.slow
+def test_trainer_runs_overlapped_offload_and_logs_rollbacks(tiny_bert_dir, tmp_path):
+    results = _serial_and_overlapped(tiny_bert_dir, tmp_path, "fp32", {"max_steps": 5, "max_grad_norm": 0.255})
     (serial, serial_log), (overlap, overlap_log) = results[False], results[True]
     clips = [r["grad_norm"] > 0.255 for r in serial_log]
     # Up to the first step that clips, both paths took the same steps on the same gradients: the
@@ -85,18 +91,9 @@ def test_trainer_runs_the_device_lean_offload_in_bf16(tiny_bert_dir, tmp_path):
     """training.precision bf16: the trainer's model is bf16 (no autocast), evaluation and the
     checkpoint run on it, and serial and overlapped end with the fp32 masters within 1e-6
     (relative), the bf16 weights within one bf16 ulp, after clipping fired and was rolled back."""
-    runs = {}
-    for overlap in (False, True):
-        out = tmp_path / f"bf16{overlap}"
-        cfg = write_run_config(tmp_path / f"bf16{overlap}.yaml", tiny_bert_dir, out,
-                               training={"max_steps": 4, "max_grad_norm": 0.255, "precision": "bf16"},
-                               evaluation={"num_evals": 1, "batch_size": 16}, checkpoint={"every_steps": 4},
-                               strategy={"name": "single", "offload_optimizer": {"overlap": overlap}})
-        trainer = Trainer(load_config(cfg))
-        trainer.fit()
-        trainer.strategy.close()
-        log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        runs[overlap] = (trainer, [r for r in log if r["type"] == "train"])
+    runs = _serial_and_overlapped(tiny_bert_dir, tmp_path, "bf16",
+                                  {"max_steps": 4, "max_grad_norm": 0.255, "precision": "bf16"},
+                                  checkpoint={"every_steps": 4})
     (serial, serial_log), (overlap, overlap_log) = runs[False], runs[True]
     assert {p.dtype for p in overlap.model.parameters()} == {torch.bfloat16}
     assert serial.strategy.autocast().__class__.__name__ == "nullcontext"

@@ -25,6 +25,8 @@ import yaml
 from ft_framework.config import ConfigError, apply_overrides, load_config, parse_override
 from ft_framework.config.yaml_loader import ALIAS_NODE_LIMIT
 from ft_framework.errors import QUOTE_LIMIT, quoted
+# A valid config (so only the case's value can make it fail); it is never trained.
+from test_config import minimal as base_config
 
 CASE_SECONDS = 5.0  # each case's limit (the issue's)
 PEAK_RSS_MB = 300
@@ -40,17 +42,6 @@ def bomb(depth: int = 9, width: int = 9) -> str:
     for i in range(1, depth):
         levels.append(f"&l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]")
     return "[" + ", ".join(levels) + "]"
-
-
-def base_config() -> dict:
-    """A valid config (so only the case's value can make it fail); it is never trained."""
-    return {
-        "model": {"name_or_path": "some/model"},
-        "data": {"task": "rte"},
-        "optimizer": {"hparams": {"lr": 2e-5}},
-        "schedule": {"warmup_ratio": 0.1},
-        "training": {"max_steps": 100},
-    }
 
 
 PLACEHOLDER = "__VALUE__"

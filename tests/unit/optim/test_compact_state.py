@@ -12,15 +12,9 @@ from ft_framework.optim import build_optimizer
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.compact import rounding_bits, rounding_key, stochastic_round_bf16
 from optim_reference import Reference
+from rule_hparams import RULE_HPARAMS as HPARAMS
 from simd_levels import SIMD_LEVELS, level_or_skip
 
-HPARAMS = {
-    "recadam": dict(lr=1e-3, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.1, anneal_t0=10,
-                    pretrain_cof=50.0),
-    "adamw": dict(lr=1e-3, weight_decay=0.01),
-    "bertadam": dict(lr=1e-3, weight_decay=0.01, correct_bias=False),
-    "prior_wd": dict(lr=1e-3, weight_decay=0.1),
-}
 PATHS = ["torch"] + SIMD_LEVELS
 SEED = 1234
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "delta", "step")

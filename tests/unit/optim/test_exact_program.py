@@ -9,15 +9,9 @@ import torch
 from ft_framework.optim import build_optimizer
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim import torch_step
+from rule_hparams import RULE_HPARAMS as HPARAMS
 from simd_levels import SIMD_LEVELS, level_or_skip
 
-HPARAMS = {
-    "recadam": dict(lr=1e-3, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.1, anneal_t0=10,
-                    pretrain_cof=50.0),
-    "adamw": dict(lr=1e-3, weight_decay=0.01),
-    "bertadam": dict(lr=1e-3, weight_decay=0.01, correct_bias=False),
-    "prior_wd": dict(lr=1e-3, weight_decay=0.1),
-}
 ANCHORED_SIZES = (1, 7, 4096, 65537)  # tails at every vector width, one tensor past a 64 Ki boundary
 HEAD_SIZES = (3,)
 STEPS = 3

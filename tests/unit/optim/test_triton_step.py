@@ -18,6 +18,7 @@ from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.compact import rounding_key
 from ft_framework.optim.programs import resolve_impl
 from ft_framework.optim.triton_step import TritonProgram
+from rule_hparams import RULE_HPARAMS as HPARAMS
 
 pytestmark = [
     pytest.mark.skipif(triton_step.triton is None, reason="triton is not installed (pip install triton)"),
@@ -25,13 +26,6 @@ pytestmark = [
     pytest.mark.usefixtures("restore_level", "interpret"),
 ]
 
-HPARAMS = {
-    "recadam": dict(lr=1e-3, weight_decay=0.01, anneal_fun="sigmoid", anneal_k=0.1, anneal_t0=10,
-                    pretrain_cof=50.0),
-    "adamw": dict(lr=1e-3, weight_decay=0.01),
-    "bertadam": dict(lr=1e-3, weight_decay=0.01, correct_bias=False),
-    "prior_wd": dict(lr=1e-3, weight_decay=0.1),
-}
 # 65537: one tensor past the 64 Ki chunk, so a program starts at an offset inside a tensor.
 ANCHORED_SIZES = (1, 7, 65537)
 HEAD_SIZES = (3, 33)
