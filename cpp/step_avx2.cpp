@@ -33,6 +33,10 @@ struct Avx2Ops {
     static inline IReg iand(IReg a, IReg b) { return _mm256_and_si256(a, b); }
     static inline IReg imul(IReg a, IReg b) { return _mm256_mullo_epi32(a, b); }
     template <int N> static inline IReg isrl(IReg a) { return _mm256_srli_epi32(a, N); }
+    // Per lane: `if_nan` where x is a NaN, else `otherwise` (the bf16 stores' NaN guard).
+    static inline IReg select_nan(Reg x, IReg if_nan, IReg otherwise) {
+        return _mm256_blendv_epi8(otherwise, if_nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    }
     static inline IReg bits(Reg x) { return _mm256_castps_si256(x); }
     // The top halves of the 8 lanes as 8 uint16: pack within 128-bit lanes, then gather qwords 0 and 2.
     static inline void store_hi16(uint16_t* p, IReg u) {

@@ -34,6 +34,10 @@ struct Avx512Ops {
     static inline IReg iand(IReg a, IReg b) { return _mm512_and_si512(a, b); }
     static inline IReg imul(IReg a, IReg b) { return _mm512_mullo_epi32(a, b); }
     template <int N> static inline IReg isrl(IReg a) { return _mm512_srli_epi32(a, N); }
+    // Per lane: `if_nan` where x is a NaN, else `otherwise` (the bf16 stores' NaN guard).
+    static inline IReg select_nan(Reg x, IReg if_nan, IReg otherwise) {
+        return _mm512_mask_mov_epi32(otherwise, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
+    }
     static inline IReg bits(Reg x) { return _mm512_castps_si512(x); }
     static inline void store_hi16(uint16_t* p, IReg u) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));

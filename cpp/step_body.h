@@ -9,6 +9,10 @@
 
 namespace {
 
+// The word whose top half every program stores for a NaN bf16 moment: bf16's positive quiet NaN
+// (optim/compact.py BF16_NAN_BITS, the owner; tests/unit/optim/test_nan_bits.py checks the two agree).
+constexpr uint32_t kBf16NanWord = 0x7FC00000u;
+
 // HasPre / HasPostDecay drop the stages a rule does not use (RecAdam has no pre-step decay or
 // pull, and no final decay at weight_decay 0): on two cores the loop is close enough to compute
 // bound that every vector op shows in the step time.
@@ -97,12 +101,16 @@ struct StepProgram {
     // ---- the compact state (step_args.h) ----------------------------------------------------
     // The top 16 bits of each lane after adding `r`: r = 0x7FFF + lsb rounds to nearest even, r =
     // 16 random bits rounds stochastically (up with probability (dropped bits) / 2^16).
+    // A NaN lane (any sign or payload) stores kBf16NanWord's top half instead: the addition would
+    // carry a GPU's NaN (0x7FFFFFFF) into the sign (-0.0), or a low payload into infinity.
     static inline void store_rne(uint16_t* dst, R x) {
         const I u = V::bits(x);
-        V::store_hi16(dst, V::iadd(u, V::iadd(V::iset1(0x7FFFu), V::iand(V::template isrl<16>(u), V::iset1(1u)))));
+        const I rounded = V::iadd(u, V::iadd(V::iset1(0x7FFFu), V::iand(V::template isrl<16>(u), V::iset1(1u))));
+        V::store_hi16(dst, V::select_nan(x, V::iset1(kBf16NanWord), rounded));
     }
     static inline void store_sr(uint16_t* dst, R x, I random) {
-        V::store_hi16(dst, V::iadd(V::bits(x), V::template isrl<16>(random)));
+        const I rounded = V::iadd(V::bits(x), V::template isrl<16>(random));
+        V::store_hi16(dst, V::select_nan(x, V::iset1(kBf16NanWord), rounded));
     }
 
     // One compact step of the W elements at i, whose global index is gidx. DeltaMaster: an

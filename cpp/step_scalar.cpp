@@ -35,6 +35,8 @@ struct ScalarOps {
     static inline IReg iand(IReg a, IReg b) { return a & b; }
     static inline IReg imul(IReg a, IReg b) { return a * b; }   // mod 2^32
     template <int N> static inline IReg isrl(IReg a) { return a >> N; }
+    // Per lane: `if_nan` where x is a NaN, else `otherwise` (the bf16 stores' NaN guard).
+    static inline IReg select_nan(Reg x, IReg if_nan, IReg otherwise) { return x != x ? if_nan : otherwise; }
     static inline IReg bits(Reg x) {
         uint32_t u;
         std::memcpy(&u, &x, sizeof(u));

@@ -13,6 +13,10 @@ Per element, against the fp32 state's 16 bytes (master, m, v, fp32 theta*) plus 
 
 A parameter without theta* (the new head) keeps its fp32 weight as the master.
 
+A NaN moment (any sign, any payload) is stored as BF16_NAN_BITS, bf16's positive quiet NaN, by
+every program: the integer roundings alone would carry a GPU's NaN (0x7FFFFFFF) into the sign and
+store -0.0, and torch's own casts give 0x7FC0, 0xFFFF or the NaN's top bits depending on the CPU.
+
 The random bits are counter_rng's, stream STREAM_STOCHASTIC_ROUNDING, keyed on (seed, step, global
 element index): a replayed step rounds identically, under any thread count or split. The global
 element index is owned here (`element_offsets`): the parameters numbered one after the other in
@@ -29,6 +33,8 @@ import torch
 from ft_framework.counter_rng import MASK32, STREAM_STOCHASTIC_ROUNDING, random_bits, stream_key
 
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The bits of the NaN every program stores in a bf16 moment (the C++ kernel's copy: step_body.h).
+BF16_NAN_BITS = 0x7FC0
 
 
 def element_offsets(params: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -62,9 +68,20 @@ def _words(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32).to(torch.int64) & MASK32
 
 
+def _nan_to_quiet(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """`rounded` (bf16, x's shape) with BF16_NAN_BITS wherever fp32 `x` is a NaN."""
+    return rounded.view(torch.int16).masked_fill(torch.isnan(x), BF16_NAN_BITS).view(torch.bfloat16)
+
+
+def round_nearest_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` to bf16, to nearest even (the kernel's store_rne), a NaN as BF16_NAN_BITS."""
+    return _nan_to_quiet(x, x.to(torch.bfloat16))
+
+
 def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 `x` to bf16, up with probability (dropped 16 bits) / 2**16, with the top 16 of `bits`
     (what the kernel's store_sr does; for finite x, whose rounding up may reach infinity only from
-    within one ulp of bf16's largest value)."""
-    return _from_high_halves(_words(x.float()).reshape(-1) + (bits.reshape(-1) >> 16)).view(x.shape)
+    within one ulp of bf16's largest value), a NaN as BF16_NAN_BITS."""
+    x = x.float()
+    return _nan_to_quiet(x, _from_high_halves(_words(x).reshape(-1) + (bits.reshape(-1) >> 16)).view(x.shape))
 

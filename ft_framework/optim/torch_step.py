@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from ft_framework.optim.coefficients import StepCoefficients
-from ft_framework.optim.compact import rounding_bits, stochastic_round_bf16
+from ft_framework.optim.compact import round_nearest_bf16, rounding_bits, stochastic_round_bf16
 
 
 def _as_dtype(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -129,7 +129,7 @@ def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
             ds = torch._foreach_sub(ps, [anchors[i].float() for i in idx]) if kind == "param" else None
             torch._foreach_sub_(ps, exact_change(ps, ds, gs, ms, vs, c))
         for i, m, v in zip(idx, ms, vs):
-            exp_avgs[i].copy_(m)  # torch's cast rounds to nearest even, as the kernel's store_rne
+            exp_avgs[i].copy_(round_nearest_bf16(m))  # the kernel's store_rne, its NaN too
             exp_avg_sqs[i].copy_(stochastic_round_bf16(
                 v, rounding_bits(seed, step, index_bases[i], v.numel(), v.device)))
 

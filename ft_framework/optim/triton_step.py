@@ -13,8 +13,8 @@ torch path): a product then a sum, never fused (`enable_fp_fusion=False`: Triton
 contract a*b + c into an FMA on the GPU), `div_rn` and `sqrt_rn` (Triton's `/` and `sqrt` are
 approximate on the GPU). bf16 values are read and written as their bit patterns through integer
 ops: widening is exact, and rounding to nearest even ((bits + 0x7FFF + lsb) >> 16, as the C++
-store_rne, with no NaN guard) is the same in the compiled kernel and the interpreter, whose
-`.to(bfloat16)` truncates. v's stochastic rounding adds the top 16 of counter_rng's 32 bits of
+store_rne; a NaN of any sign or payload stored as compact.BF16_NAN_BITS) is the same in the compiled
+kernel and the interpreter, whose `.to(bfloat16)` truncates. v's stochastic rounding adds the top 16 of counter_rng's 32 bits of
 (key, global element index), the lowbias32 chain computed in uint32 lanes as the C++ kernel does.
 
 TRITON_INTERPRET=1 runs the same kernel on CPU tensors (numpy ops, one rounding each: the tests'
@@ -33,7 +33,7 @@ import torch
 
 from ft_framework.counter_rng import LOWBIAS32_MUL1, LOWBIAS32_MUL2
 from ft_framework.optim.coefficients import StepCoefficients
-from ft_framework.optim.compact import rounding_key
+from ft_framework.optim.compact import BF16_NAN_BITS, rounding_key
 from ft_framework.optim.torch_step import TorchProgram
 
 try:
@@ -54,6 +54,9 @@ CHUNK = 65536
 # program and iteration one after the other).
 GPU_BLOCK = 1024
 NUM_WARPS = 4
+# Bytes every address of a launch is a multiple of when the kernel is told so (ALIGNED): 16-byte
+# loads and stores. A fresh CUDA allocation is aligned far beyond; a view may not be, then no hint.
+ALIGN_BYTES = 16
 # Columns of the address table.
 _PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _ANCHOR, _DELTA = range(6)
 _TABLE_CACHE_SIZE = 64
@@ -69,7 +72,7 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
                  GRAD_BF16: tl.constexpr, ANCHOR_BF16: tl.constexpr, HAS_ANCHOR: tl.constexpr,
                  HAS_PRE: tl.constexpr, HAS_POST_DECAY: tl.constexpr, COMPACT: tl.constexpr,
                  DELTA_MASTER: tl.constexpr, FUSED_MUTANT: tl.constexpr, CHUNK_ELEMS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor + pid)
     start = tl.load(chunk_start + pid)
@@ -91,87 +94,127 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
     else:
         anchor_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     delta_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        # Every address of this launch is a multiple of ALIGNMENT bytes and BLOCK divides
+        # CHUNK_ELEMS (checked on the host: _aligned), and a chunk starts at a multiple of
+        # CHUNK_ELEMS. An address read from a table tells the compiler nothing; with these hints it
+        # loads and stores 16 bytes at a time in the unmasked blocks (checked in the PTX:
+        # tests/unit/optim/test_triton_kernel_source.py).
+        param_ptr = tl.multiple_of(param_ptr, ALIGNMENT)
+        grad_ptr = tl.multiple_of(grad_ptr, ALIGNMENT)
+        m_ptr = tl.multiple_of(m_ptr, ALIGNMENT)
+        v_ptr = tl.multiple_of(v_ptr, ALIGNMENT)
+        anchor_ptr = tl.multiple_of(anchor_ptr, ALIGNMENT)
+        delta_ptr = tl.multiple_of(delta_ptr, ALIGNMENT)
+        start = tl.multiple_of(start, CHUNK_ELEMS)
     base = tl.load(bases + t)
     key = sr_key.to(tl.uint32, bitcast=True)
-    for offset in range(start, end, BLOCK):
-        idx = offset + tl.arange(0, BLOCK)
-        mask = idx < end
-        if GRAD_BF16:
-            g = (tl.load(grad_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    # The whole blocks without a mask (a mask of unknown extent keeps the compiler from vectorising),
+    # then the chunk's last, partial block with one.
+    full_end = start + ((end - start) // BLOCK) * BLOCK
+    for part in tl.static_range(2):
+        if part == 0:
+            lo = start
+            hi = full_end
         else:
-            g = tl.load(grad_ptr + idx, mask=mask)
-        if COMPACT:
-            m = (tl.load(m_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            v = (tl.load(v_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            m = tl.load(m_ptr + idx, mask=mask)
-            v = tl.load(v_ptr + idx, mask=mask)
-        if HAS_ANCHOR:
-            if ANCHOR_BF16:
-                a = (tl.load(anchor_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            lo = full_end
+            hi = end
+        for offset in range(lo, hi, BLOCK):
+            if ALIGNED:
+                first = tl.multiple_of(offset, BLOCK)  # start + a multiple of BLOCK
             else:
-                a = tl.load(anchor_ptr + idx, mask=mask)
-        # p and d = p - a, as the C++ kernel forms them for each master.
-        if COMPACT and HAS_ANCHOR and DELTA_MASTER:
-            d = tl.load(delta_ptr + idx, mask=mask)
-            p = a + d
-        else:
-            p = tl.load(param_ptr + idx, mask=mask)
+                first = offset
+            idx = first + tl.arange(0, BLOCK)
+            if part == 0:
+                mask = None
+            else:
+                mask = idx < end
+            if GRAD_BF16:
+                g = (tl.load(grad_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                g = tl.load(grad_ptr + idx, mask=mask)
+            if COMPACT:
+                m = (tl.load(m_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                v = (tl.load(v_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                m = tl.load(m_ptr + idx, mask=mask)
+                v = tl.load(v_ptr + idx, mask=mask)
             if HAS_ANCHOR:
-                d = p - a
-        # ---- the exact program (cpp/step_body.h change()): one rounding per operation ----
-        if FUSED_MUTANT:  # the tests' deliberately wrong variant: one fused multiply-add
-            m = tl.fma(g, one_minus_beta1, beta1 * m)
-        else:
-            m = one_minus_beta1 * g + beta1 * m
-        v = (one_minus_beta2 * g) * g + beta2 * v
-        denom = tl.sqrt_rn(v) * denom_scale + eps
-        e = step_size * tl.div_rn(m, denom)
-        if HAS_PRE:
-            pre = pre_decay * p
+                if ANCHOR_BF16:
+                    a = (tl.load(anchor_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                else:
+                    a = tl.load(anchor_ptr + idx, mask=mask)
+            # p and d = p - a, as the C++ kernel forms them for each master.
+            # Pairs only ((A and B) and C): Triton before 3.4 refuses a chain of three (tests/unit/optim/
+            # test_triton_kernel_source.py scans for them).
+            if (COMPACT and HAS_ANCHOR) and DELTA_MASTER:
+                d = tl.load(delta_ptr + idx, mask=mask)
+                p = a + d
+            else:
+                p = tl.load(param_ptr + idx, mask=mask)
+                if HAS_ANCHOR:
+                    d = p - a
+            # ---- the exact program (cpp/step_body.h change()): one rounding per operation ----
+            if FUSED_MUTANT:  # the tests' deliberately wrong variant: one fused multiply-add
+                m = tl.fma(g, one_minus_beta1, beta1 * m)
+            else:
+                m = one_minus_beta1 * g + beta1 * m
+            v = (one_minus_beta2 * g) * g + beta2 * v
+            denom = tl.sqrt_rn(v) * denom_scale + eps
+            e = step_size * tl.div_rn(m, denom)
+            if HAS_PRE:
+                pre = pre_decay * p
+                if HAS_ANCHOR:
+                    pre = pre_pull * (d - pre) + pre
+                e = e + pre
             if HAS_ANCHOR:
-                pre = pre_pull * (d - pre) + pre
-            e = e + pre
-        if HAS_ANCHOR:
-            e = post_pull * (d - e) + e
-        if HAS_POST_DECAY:
-            e = post_decay * (p - e) + e
-        # ---- stores ----
-        if COMPACT and HAS_ANCHOR and DELTA_MASTER:
-            d = d - e
-            tl.store(delta_ptr + idx, d, mask=mask)
-            tl.store(param_ptr + idx, a + d, mask=mask)
-        else:
-            tl.store(param_ptr + idx, p - e, mask=mask)
-        if COMPACT:
-            m_bits = m.to(tl.uint32, bitcast=True)
-            m_bits = (m_bits + (0x7FFF + ((m_bits >> 16) & 1))) >> 16
-            tl.store(m_ptr + idx, m_bits.to(tl.uint16), mask=mask)
-            # counter_rng's bits of (key, base + idx): lowbias32(lowbias32(lo ^ key) ^ hi).
-            gidx = base + idx
-            h = gidx.to(tl.uint32) ^ key
-            h = h ^ (h >> 16)
-            h = h * MUL1
-            h = h ^ (h >> 15)
-            h = h * MUL2
-            h = h ^ (h >> 16)
-            h = h ^ (gidx >> 32).to(tl.uint32)
-            h = h ^ (h >> 16)
-            h = h * MUL1
-            h = h ^ (h >> 15)
-            h = h * MUL2
-            h = h ^ (h >> 16)
-            v_bits = (v.to(tl.uint32, bitcast=True) + (h >> 16)) >> 16
-            tl.store(v_ptr + idx, v_bits.to(tl.uint16), mask=mask)
-        else:
-            tl.store(m_ptr + idx, m, mask=mask)
-            tl.store(v_ptr + idx, v, mask=mask)
+                e = post_pull * (d - e) + e
+            if HAS_POST_DECAY:
+                e = post_decay * (p - e) + e
+            # ---- stores ----
+            if (COMPACT and HAS_ANCHOR) and DELTA_MASTER:
+                d = d - e
+                tl.store(delta_ptr + idx, d, mask=mask)
+                tl.store(param_ptr + idx, a + d, mask=mask)
+            else:
+                tl.store(param_ptr + idx, p - e, mask=mask)
+            if COMPACT:
+                m_bits = m.to(tl.uint32, bitcast=True)
+                m_rounded = (m_bits + (0x7FFF + ((m_bits >> 16) & 1))) >> 16
+                # A NaN (any sign or payload: a GPU's is 0x7FFFFFFF, which the addition carries into
+                # the sign) is stored as bf16's quiet NaN, as every program stores it.
+                m_rounded = tl.where((m_bits & 0x7FFFFFFF) > 0x7F800000, BF16_QUIET_NAN, m_rounded)
+                tl.store(m_ptr + idx, m_rounded.to(tl.uint16), mask=mask)
+                # counter_rng's bits of (key, base + idx): lowbias32(lowbias32(lo ^ key) ^ hi).
+                gidx = base + idx
+                h = gidx.to(tl.uint32) ^ key
+                h = h ^ (h >> 16)
+                h = h * MUL1
+                h = h ^ (h >> 15)
+                h = h * MUL2
+                h = h ^ (h >> 16)
+                h = h ^ (gidx >> 32).to(tl.uint32)
+                h = h ^ (h >> 16)
+                h = h * MUL1
+                h = h ^ (h >> 15)
+                h = h * MUL2
+                h = h ^ (h >> 16)
+                v_word = v.to(tl.uint32, bitcast=True)
+                v_bits = (v_word + (h >> 16)) >> 16
+                v_bits = tl.where((v_word & 0x7FFFFFFF) > 0x7F800000, BF16_QUIET_NAN, v_bits)
+                tl.store(v_ptr + idx, v_bits.to(tl.uint16), mask=mask)
+            else:
+                tl.store(m_ptr + idx, m, mask=mask)
+                tl.store(v_ptr + idx, v, mask=mask)
 
 
 if tl is not None:
     # counter_rng's constants (the owner), as uint32 compile-time values of the kernel.
     MUL1 = tl.constexpr(LOWBIAS32_MUL1)
     MUL2 = tl.constexpr(LOWBIAS32_MUL2)
+    # The compact state's NaN (optim/compact.py owns it) and the address alignment of the hints.
+    BF16_QUIET_NAN = tl.constexpr(BF16_NAN_BITS)
+    ALIGNMENT = tl.constexpr(ALIGN_BYTES)
 
 
 @functools.lru_cache(maxsize=2)
@@ -315,11 +358,18 @@ class TritonProgram(TorchProgram):
             tables = self._tables.get([rows[i] for i in idx], [bases[i] for i in idx], rows[idx[0]][0].device,
                                       self.chunk)
             flags = dict(GRAD_BF16=grad_dtype == torch.bfloat16, ANCHOR_BF16=anchor_dtype == torch.bfloat16,
+                         ALIGNED=_aligned([rows[i] for i in idx], self.chunk, block),
                          HAS_ANCHOR=has_anchor,
                          HAS_PRE=_f32(c.pre_decay) != 0.0 or (has_anchor and _f32(c.pre_pull) != 0.0),
                          HAS_POST_DECAY=_f32(c.post_decay) != 0.0, COMPACT=compact, DELTA_MASTER=has_delta,
                          FUSED_MUTANT=self.fused_mutant, CHUNK_ELEMS=self.chunk, BLOCK=block)
             kernel[(tables[3].numel(),)](*tables, *_scalars(c), _i32(key), **flags, **_launch_options(interpret))
+
+
+def _aligned(rows: Sequence[tuple], chunk: int, block: int) -> bool:
+    """Whether the kernel's alignment hints hold for these rows: every address a multiple of
+    ALIGN_BYTES, and a loop iteration never starting off a multiple of `block` within its chunk."""
+    return chunk % block == 0 and all(x.data_ptr() % ALIGN_BYTES == 0 for row in rows for x in row if x is not None)
 
 
 def _scalars(c: StepCoefficients) -> list[float]:
