@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +19,35 @@ from gpu_common import (CASES, HERE, REPO, free_port, reference_case, run_config
                         run_device, skip_reason, write_config)
 
 LAUNCH_TIMEOUT_S = int(os.environ.get("FT_GPU_TESTS_TIMEOUT", "480"))
+# Where each launch's output is written as it comes (launch_<launcher>.log), so that a launch killed
+# from outside (benchmarks/gpu_run_next.sh's time limit) leaves its log: FT_GPU_TESTS_LOG_DIR, else
+# the launch's own directory under pytest's tmp_path.
+LOG_DIR_ENV = "FT_GPU_TESTS_LOG_DIR"
 # The case names of the tests this session selected (pytest -k, node ids): a launch runs only those.
 SELECTED_CASES = pytest.StashKey[set]()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected (pytest's own hook): only the selected cases
 def pytest_collection_modifyitems(config, items):
     config.stash[SELECTED_CASES] = {item.callspec.params["case_name"] for item in items
                                     if hasattr(item, "callspec") and "case_name" in item.callspec.params}
+
+
+def launch_plan(selected: set[str]) -> dict[str, list[str]]:
+    """Per launcher, the cases its one launch runs (selected and not skipped here), in CASES' order."""
+    plan: dict[str, list[str]] = {}
+    for name, case in CASES.items():
+        if name in selected and skip_reason(name) is None:
+            plan.setdefault(case.launcher, []).append(name)
+    return plan
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    if not config.stash.get(SELECTED_CASES, set()):
+        return None  # no GPU case in this session
+    plan = launch_plan(config.stash[SELECTED_CASES])
+    return "gpu launches: " + ("; ".join(f"{launcher}: {' '.join(names)}" for launcher, names in plan.items())
+                               or "none")
 
 
 def launcher_command(launcher: str, script: Path) -> list[str]:
@@ -40,6 +63,27 @@ def launcher_command(launcher: str, script: Path) -> list[str]:
                                                     else [sys.executable, "-m", "deepspeed.launcher.runner"])
         return [*prefix, "--num_gpus", "1", "--master_port", port, str(script)]
     raise ValueError(launcher)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and every process below it (a launcher's workers), children first found."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def worker_env() -> dict[str, str]:
@@ -61,19 +105,28 @@ class Launches:
         self.logs: dict[str, str] = {}
 
     def _launch(self, launcher: str) -> None:
-        names = [n for n, c in CASES.items()
-                 if c.launcher == launcher and n in self.selected and skip_reason(n) is None]
+        names = launch_plan(self.selected).get(launcher, [])
         out = self.root / launcher
         out.mkdir(parents=True, exist_ok=True)
+        log_dir = Path(os.environ.get(LOG_DIR_ENV) or out)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"launch_{launcher}.log"
         cmd = launcher_command(launcher, HERE / "gpu_worker.py") + [str(out), str(self.model_dir), *names]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=self.root, env=worker_env(),
-                                  timeout=LAUNCH_TIMEOUT_S)
-            log = f"$ {' '.join(cmd)}\nrc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-        except subprocess.TimeoutExpired as exc:
-            log = f"$ {' '.join(cmd)}\nTIMEOUT after {LAUNCH_TIMEOUT_S}s\n{exc.stdout}\n{exc.stderr}"
-        (out / "launch.log").write_text(log)
-        self.logs[launcher] = log
+        # The output goes to the file as it comes (unbuffered workers, no pipe held in memory): a
+        # kill from outside leaves what the launch printed. The launcher stays in pytest's process
+        # group, so a `timeout` around pytest ends it too.
+        with open(log_path, "w", buffering=1) as log:
+            log.write(f"$ {' '.join(cmd)}\n")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=self.root,
+                                    env=worker_env())
+            try:
+                rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+                log.write(f"\nrc={rc}\n")
+            except subprocess.TimeoutExpired:
+                kill_tree(proc.pid)
+                proc.wait()
+                log.write(f"\nTIMEOUT after {LAUNCH_TIMEOUT_S}s (FT_GPU_TESTS_TIMEOUT)\n")
+        self.logs[launcher] = log_path.read_text(errors="replace")
 
     def result(self, case_name: str) -> dict:
         launcher = CASES[case_name].launcher

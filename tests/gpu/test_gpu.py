@@ -9,7 +9,8 @@ tiny BERT saved with save_pretrained. Per case:
 - ||theta - theta*|| at every step equals the same run's fp32 CPU reference within tolerance;
 - a run resumed from the step-3 checkpoint equals the uninterrupted run;
 - the export loads with from_pretrained, and its distance to theta* is the run's last logged one;
-- under offload the step ran the C++ kernel on CPU tensors (impl "cpu"), otherwise torch on CUDA.
+- under offload the step ran the C++ kernel on CPU tensors (impl "cpu"), otherwise the program impl="auto"
+  picks for CUDA tensors (Triton where it imports, else torch).
 
 Each launcher is started once for all of its cases (tests/gpu/gpu_worker.py writes what it saw).
 Skipped without CUDA; FT_GPU_TESTS_DEVICE=cpu runs it all on the CPU with gloo (smoke test).
@@ -26,6 +27,16 @@ from gpu_common import (CASES, RESUME_AT, STEPS, case_params, file_key, rel_diff
                         train_records)
 
 ON_CUDA = run_device() == "cuda"
+
+
+def auto_impl_on_cuda() -> str:
+    """The step program impl="auto" picks for CUDA parameters (optim/programs.py decides)."""
+    from ft_framework.optim.programs import resolve_impl
+
+    return resolve_impl("auto", [torch.empty(1, device="cuda")])
+
+
+AUTO_ON_CUDA = auto_impl_on_cuda() if ON_CUDA and torch.cuda.is_available() else None
 
 
 @pytest.mark.parametrize("case_name", case_params())
@@ -140,7 +151,8 @@ def test_step_ran_where_expected(case_name, launches):
             assert devices == {"cpu"}, (phase, devices)
             assert set(obs["state_devices"]) == {"cpu"}, (phase, obs["state_devices"])
         else:
-            assert obs["impl"] == "torch", (phase, obs["impl"])
+            # impl="auto" on CUDA parameters: the program programs.py prefers there (Triton where it imports).
+            assert obs["impl"] == AUTO_ON_CUDA, (phase, obs["impl"])
             assert devices and all(d.startswith("cuda") for d in devices), (phase, devices)
             assert all(d.startswith("cuda") for d in obs["state_devices"]), (phase, obs["state_devices"])
         expected_backend = None if case.launcher == "python" else ("nccl" if ON_CUDA else "gloo")

@@ -268,3 +268,18 @@ def test_the_next_gpu_run_script_parses_and_runs_f_then_a_with_limits():
     text = script.read_text()
     assert "timeout -k" in text and text.index('part f "') < text.index("part a $")
     assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu_run.sh")], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("selection", [["-k", "single_offload_lean"], ["-k", "zero2_offload and not compact"]],
+                         ids=["lean", "zero2_offload"])
+def test_k_selects_the_cases_the_launches_run(selection):
+    """`pytest tests/gpu -k CASE` launches CASE alone (benchmarks/gpu_run_next.sh runs one case under
+    a short limit): the launches are planned from the items left after -k deselected the rest, not
+    from every collected case. The conftest reports its plan after collection."""
+    env = {**os.environ, "FT_GPU_TESTS_DEVICE": "cpu"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *selection], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    plan = next(line for line in out.stdout.splitlines() if line.startswith("gpu launches:"))
+    expected = "python: single_offload_lean" if selection[1] == "single_offload_lean" else "deepspeed: zero2_offload"
+    assert plan == f"gpu launches: {expected}", plan
