@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator
 
 from ft_framework.errors import UserError, quoted, shortened
 
-__all__ = ["PARQUET_SUFFIX", "Table", "TEXT_SUFFIXES", "read_table", "read_tsv_rows"]
+__all__ = ["PARQUET_SUFFIX", "Table", "TEXT_SUFFIXES", "read_table", "read_tsv_rows", "source_files"]
 
 # Some GLUE fields (e.g. QQP questions) exceed csv's default 128 KiB field limit.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
@@ -59,9 +59,8 @@ def read_table(path: Path, split: str, columns: Iterable[str] | None = None) -> 
     directory holding several. ``columns``: the ones needed, where a format can read only those
     (Parquet); every record holds at least those the file has."""
     if path.is_dir():
-        if next(path.rglob(f"*{PARQUET_SUFFIX}"), None) is not None:
-            return _parquet_table(_parquet_split_files(path, split), columns)
-        return _dataset_table(path, split)
+        parquet = _parquet_files(path, split)
+        return _dataset_table(path, split) if parquet is None else _parquet_table(parquet, columns)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return Table(None, str(path), _jsonl_records(path))
@@ -73,6 +72,24 @@ def read_table(path: Path, split: str, columns: Iterable[str] | None = None) -> 
     raise UserError(f"{path}: unknown file type {quoted(path.suffix or '(no suffix)')}; valid: "
                     f"{', '.join(TEXT_SUFFIXES + (PARQUET_SUFFIX,))}, or a directory of Parquet files as the Hub "
                     "lays a split out, or one saved with datasets' save_to_disk")
+
+
+def source_files(path: Path, split: str) -> list[Path]:
+    """The files whose bytes make the rows that :func:`read_table` reads for ``path`` and ``split`` (what
+    a cache of those rows is keyed on): the file itself; a Hub-style directory's Parquet files of the
+    split; every file of a ``datasets`` directory, in name order."""
+    if not path.is_dir():
+        return [path]
+    parquet = _parquet_files(path, split)
+    return parquet if parquet is not None else sorted(f for f in path.rglob("*") if f.is_file())
+
+
+def _parquet_files(directory: Path, split: str) -> list[Path] | None:
+    """The Parquet files of ``split`` in ``directory``, or None for a directory without Parquet files
+    (one saved with datasets' save_to_disk)."""
+    if next(directory.rglob(f"*{PARQUET_SUFFIX}"), None) is None:
+        return None
+    return _parquet_split_files(directory, split)
 
 
 # --------------------------------------------------------------------------------------------------
