@@ -10,7 +10,9 @@ it found in an error. So every such name is resolved here before anything opens 
   place inside the directory.
 
 The walk touches only the directory's own entries (lstat and readlink), never anything outside
-it, so a refused name's target is never opened, sized or hashed. A refusal is one line naming the
+it, so a refused name's target is never opened, sized or hashed; a name the file system cannot look
+up (too long, no permission) is refused the same way. `real_path_inside` returns what the walk found
+(the real path, no symlink in it), which user_files.py opens without following a link. A refusal is one line naming the
 entry, quoting at most about 100 characters of the name (`errors.quoted`). `links_leading_out`
 applies the same walk to every symlink found in a directory tree (a checkpoint's files that the
 readers open by their fixed names: the manifest, trainer_state.pt, the model's config and
@@ -25,7 +27,7 @@ from pathlib import Path, PurePosixPath
 
 from ft_framework.errors import UserError, quoted
 
-__all__ = ["MAX_LINKS", "NameOutsideError", "links_leading_out", "resolve_inside"]
+__all__ = ["MAX_LINKS", "NameOutsideError", "links_leading_out", "real_path_inside", "resolve_inside"]
 
 MAX_LINKS = 40  # symlinks followed for one name (as the kernel's own bound): a loop is refused
 
@@ -38,11 +40,8 @@ def _is_inside(path: PurePosixPath, root: PurePosixPath) -> bool:
     return path == root or root in path.parents
 
 
-def resolve_inside(directory: str | Path, name: object, *, entry: str) -> Path:
-    """The path `name` (read from a file in `directory`) designates, once it is certain that it stays
-    inside `directory`; `entry` says where the name was read (e.g. "ft_checkpoint.json's files entry").
-    Raises NameOutsideError, one line, without touching anything outside `directory`. A name whose
-    file does not exist resolves too: the caller's reader says it is missing."""
+def _walk(directory: str | Path, name: object, entry: str) -> tuple[PurePosixPath, PurePosixPath]:
+    """(the directory's real path, the real path `name` leads to inside it), or NameOutsideError."""
     root = PurePosixPath(os.path.realpath(directory))  # the directory itself is the user's own choice
 
     def refuse(why: str) -> NameOutsideError:
@@ -71,19 +70,21 @@ def resolve_inside(directory: str | Path, name: object, *, entry: str) -> Path:
         candidate = current / part
         try:
             mode = os.lstat(candidate).st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             current = candidate  # missing (and so is the rest): the reader reports it
             continue
-        except NotADirectoryError:
-            current = candidate
-            continue
+        except OSError as exc:  # a name the file system cannot look up: too long, or no permission
+            raise refuse(f"cannot be looked up ({exc.strerror or type(exc).__name__})") from None
         if not stat.S_ISLNK(mode):
             current = candidate
             continue
         links += 1
         if links > MAX_LINKS:
             raise refuse(f"passes more than {MAX_LINKS} symlinks (a loop)")
-        target = PurePosixPath(os.readlink(candidate))
+        try:
+            target = PurePosixPath(os.readlink(candidate))
+        except OSError as exc:  # replaced meanwhile
+            raise refuse(f"cannot be looked up ({exc.strerror or type(exc).__name__})") from None
         if target.is_absolute():
             # Inside only when it starts with the directory's real path (which holds no symlink).
             if target.parts[:len(root.parts)] != root.parts:
@@ -91,7 +92,24 @@ def resolve_inside(directory: str | Path, name: object, *, entry: str) -> Path:
             current, pending = root, list(target.parts[len(root.parts):]) + pending
         else:
             pending = list(target.parts) + pending
+    return root, current
+
+
+def resolve_inside(directory: str | Path, name: object, *, entry: str) -> Path:
+    """The path `name` (read from a file in `directory`) designates, once it is certain that it stays
+    inside `directory`; `entry` says where the name was read (e.g. "ft_checkpoint.json's files entry").
+    Raises NameOutsideError, one line, without touching anything outside `directory`. A name whose
+    file does not exist resolves too: the caller's reader says it is missing."""
+    _walk(directory, name, entry)
     return Path(directory) / name  # as given (the walk proved where it leads): messages keep the user's spelling
+
+
+def real_path_inside(directory: str | Path, name: object, *, entry: str) -> tuple[Path, PurePosixPath]:
+    """As `resolve_inside`, but what the walk found: the directory's real path and, relative to it,
+    the real path (no symlink in it) that `name` leads to. user_files.py opens that path component
+    by component without following links, so a link planted after this walk is refused, not followed."""
+    root, real = _walk(directory, name, entry=entry)
+    return Path(root), real.relative_to(root)
 
 
 def links_leading_out(directory: str | Path) -> list[str]:
