@@ -22,23 +22,30 @@ An empty directory is no export and is replaced.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import importlib
 import json
 import logging
 import os
+import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import nn
 
+from ft_framework.errors import UserError, quoted, shortened
+from ft_framework.models.hub import NO_REMOTE_CODE
 from ft_framework.models.lora import save_model
 from ft_framework.checkpointing.dcp_io import _planners, _quiet_dcp
 from ft_framework.checkpointing.dcp_read import checkpoint_reader
 from ft_framework.checkpointing.fragments import MASTER, buffer_key, fragment_key, param_key
 from ft_framework.checkpointing.manifest import MODEL_SUBDIR, CheckpointFormatError, check_files, read_manifest
 from ft_framework.run.files import CHECKPOINTS_DIR, EXPORT_SCRATCH_DIR
+from ft_framework.user_files import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +86,23 @@ def _import(path: str, *, from_manifest: bool, checkpoint_dir: Path) -> Any:
     return obj
 
 
+def _model_config(auto_config: Any, config_path: Path, checkpoint_dir: Path) -> Any:
+    """The model's config from `config_path`, read by transformers without running a model's own code
+    (NO_REMOTE_CODE); what transformers refuses there is one line."""
+    try:
+        return auto_config.from_pretrained(config_path, **NO_REMOTE_CODE)
+    except (OSError, ValueError) as exc:
+        try:
+            custom = "auto_map" in read_json(Path(config_path) / "config.json")
+        except UserError:
+            custom = False
+        why = ("names a model's own code (auto_map) for a model type transformers does not ship; ft_framework never "
+               "runs it (trust_remote_code=False)") if custom else (
+            f"cannot be read by transformers ({shortened(str(exc))})")
+        raise CheckpointFormatError(f"checkpoint {checkpoint_dir}: the model config {config_path}/config.json {why}; "
+                                    "pass --config-dir with a config of a model transformers ships") from exc
+
+
 def build_model(checkpoint_dir: Path, manifest: dict[str, Any] | None = None, *,
                 config_dir: Path | None = None, model_class: str | None = None) -> nn.Module:
     """The checkpoint's model with uninitialized (empty) CPU weights: its class and config, and the
@@ -97,7 +121,7 @@ def build_model(checkpoint_dir: Path, manifest: dict[str, Any] | None = None, *,
             "without a model): resume training from it and export a later checkpoint, or pass --config-dir "
             "(a directory with the model's config.json) and --model-class (e.g. "
             "transformers:AutoModelForSequenceClassification)")
-    config = AutoConfig.from_pretrained(config_path)
+    config = _model_config(AutoConfig, config_path, checkpoint_dir)
     cls = _import(class_path, from_manifest=model_class is None, checkpoint_dir=checkpoint_dir)
     with torch.device("meta"):
         # An Auto class builds through from_config; a model class from its config.
@@ -162,15 +186,15 @@ def _check_replaceable(out_dir: Path, run_dir: Path, replace: Replace) -> None:
         raise ExportExistsError(f"export directory {out_dir} exists and is not a directory; choose another one")
     if replace == "always" or not any(out_dir.iterdir()):
         return
-    try:
-        if not (out_dir / EXPORT_RECORD).is_file():
-            raise FileNotFoundError(out_dir / EXPORT_RECORD)
-        record = json.loads((out_dir / EXPORT_RECORD).read_text())
-        previous_run = record.get("run") if isinstance(record, dict) else None
-    except (OSError, ValueError):
+    try:  # a regular file inside the export, a JSON object (user_files.py)
+        record = read_json(out_dir / EXPORT_RECORD, root=out_dir, entry="the export record")
+        previous_run = record.get("run") if isinstance(record.get("run"), str) else None
+    except UserError:
         previous_run = None
     if replace == "same run" and previous_run == str(run_dir):
         return
+    if previous_run is not None and not previous_run.isprintable():
+        previous_run = quoted(previous_run)
     what = (f"holds an export of {previous_run}" if previous_run else
             f"holds files that are not an ft_framework export ({EXPORT_RECORD} missing or unreadable)")
     remedy = ("pass --overwrite to replace it, or choose another output directory" if replace == "never" else
@@ -186,27 +210,77 @@ def check_run_export_dir(out_dir: Path, run_dir: Path) -> None:
     _check_replaceable(Path(out_dir), Path(os.path.realpath(run_dir)), "same run")
 
 
-def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
-    """Calls `write(directory)` on a temporary sibling of `out_dir` and renames it into place: a kill
-    at any moment leaves at `out_dir` the previous directory, the new one, or (between the two
-    renames of a replacement) nothing; never a partial one. What a killed call left beside
-    `out_dir` is removed first. One writer per `out_dir` at a time."""
+@contextlib.contextmanager
+def _held(path: Path, *, blocking: bool = True) -> Iterator[bool | None]:
+    """An exclusive flock on the directory `path` while the block runs. Yields True when taken, False
+    when another process holds it (`blocking` False), None when the file system has no flock on a
+    directory (NFS): then nothing is held, and the rule is the old one, one writer at a time."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            taken: bool | None = True
+        except BlockingIOError:
+            taken = False
+        except OSError:
+            taken = None
+        yield taken
+    finally:
+        os.close(fd)
+
+
+def _tidy(out_dir: Path, replaced: Path, mine: Path | None = None) -> None:
+    """What a killed export left beside `out_dir` (under the lock of its parent): an export renamed
+    aside goes back when nothing took its place (a kill between the two renames; the new one is
+    then a leftover), else it goes; every partial export whose writer is gone goes (its flock is free)."""
+    if replaced.exists() or replaced.is_symlink():
+        if out_dir.exists() or out_dir.is_symlink():
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.rename(replaced, out_dir)
+    for leftover in sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}{PARTIAL_SUFFIX}*")):
+        if leftover == mine:
+            continue
+        with _held(leftover, blocking=False) as taken:
+            if taken is not False:  # its writer is gone (or the file system cannot tell: as before, removed)
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_atomically(out_dir: Path, write: Callable[[Path], None], check: Callable[[], None] | None = None) -> Path:
+    """Calls `write(directory)` on a temporary sibling of `out_dir` of its own, then renames it into
+    place: a kill at any moment leaves at `out_dir` the previous directory or the new one; one killed
+    between the two renames of a replacement leaves the previous one aside, and the next call puts it
+    back. Never a partial one, and never two writers' files mixed: each writes its own sibling
+    (`.<name>.export-partial-<random>`, flock'ed while it is written, so that a later call removes it
+    only when its writer is gone), and the renames run under an flock of the parent directory, where
+    `check()` runs again (it may refuse: then nothing is renamed), so that it judges what is at
+    `out_dir` at the moment it is replaced."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_dir.with_name(f".{out_dir.name}{PARTIAL_SUFFIX}")
     replaced = out_dir.with_name(f".{out_dir.name}{REPLACED_SUFFIX}")
-    shutil.rmtree(partial, ignore_errors=True)
-    shutil.rmtree(replaced, ignore_errors=True)
-    partial.mkdir()
-    try:
-        write(partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out_dir.exists() or out_dir.is_symlink():
-        os.rename(out_dir, replaced)
-    os.rename(partial, out_dir)
-    shutil.rmtree(replaced, ignore_errors=True)
+    partial = out_dir.with_name(f".{out_dir.name}{PARTIAL_SUFFIX}-{secrets.token_hex(8)}")
+    with contextlib.ExitStack() as alive:
+        with _held(out_dir.parent):  # made and flock'ed at once: no other call's tidying can take it meanwhile
+            _tidy(out_dir, replaced)
+            partial.mkdir()
+            alive.enter_context(_held(partial, blocking=False))  # held while this writer lives
+        try:
+            write(partial)
+            with _held(out_dir.parent):
+                _tidy(out_dir, replaced, mine=partial)
+                if check is not None:
+                    check()
+                if out_dir.exists() or out_dir.is_symlink():
+                    os.rename(out_dir, replaced)
+                os.rename(partial, out_dir)
+                shutil.rmtree(replaced, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
     return out_dir
 
 
@@ -220,7 +294,7 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
     A run's best model is the checkpoint checkpoints/best."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     run_dir = _run_dir_of(checkpoint_dir)
-    _check_replaceable(out_dir, run_dir, replace)  # before anything is read
+    _check_replaceable(out_dir, run_dir, replace)  # before anything is read (and again at the rename)
     manifest = read_manifest(checkpoint_dir)
     damaged = check_files(checkpoint_dir)  # the sizes the manifest records (--verify: the checksums too)
     if damaged:
@@ -230,14 +304,14 @@ def export_pretrained(checkpoint_dir: Path, out_dir: Path, *, tokenizer: Any = N
     if tokenizer is None and manifest.get("tokenizer"):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir / MODEL_SUBDIR)
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir / MODEL_SUBDIR, **NO_REMOTE_CODE)
     record = {"format": EXPORT_FORMAT, "checkpoint": os.path.realpath(checkpoint_dir), "run": str(run_dir)}
 
     def write(directory: Path) -> None:
         save_model(model, directory, tokenizer)
         (directory / EXPORT_RECORD).write_text(json.dumps(record, indent=1))
 
-    write_atomically(out_dir, write)
+    write_atomically(out_dir, write, check=lambda: _check_replaceable(out_dir, run_dir, replace))
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
     return out_dir
 

@@ -193,4 +193,21 @@ def expand(spec: SweepSpec, overrides: Sequence[str] = (), store_root: str | Pat
                     f"[{run.label()}]; an axis value has no effect there (or a method repeats another)")
             seen[run_id] = run
             runs.append(run)
+    _refuse_shared_exports(runs)
     return runs
+
+
+def _refuse_shared_exports(runs: Sequence[PlannedRun]) -> None:
+    """Two runs exporting into one checkpoint.export_dir (the base config sets one for every run)
+    would replace each other's export, or refuse it: refused in one line before anything runs."""
+    by_dir: dict[str, list[PlannedRun]] = {}
+    for run in runs:
+        if run.config.checkpoint.export_dir:
+            by_dir.setdefault(str(Path(run.config.checkpoint.export_dir).absolute()), []).append(run)
+    for directory, sharing in by_dir.items():
+        if len(sharing) > 1:
+            raise ConfigError(
+                f"checkpoint.export_dir: {len(sharing)} runs of the sweep ({sharing[0].run_id}, {sharing[1].run_id}"
+                f"{', ...' if len(sharing) > 2 else ''}) would all export into {directory}, each replacing or "
+                "refusing the other's export; leave it unset in the sweep's base config (with interpolate: set, each "
+                "run exports into its own runs/<id>/export) or give it a value per run (an axis)")
