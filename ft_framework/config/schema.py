@@ -517,6 +517,9 @@ class OffloadOptimizerConfig(_Section):
     # training.precision bf16 only: where micro-batches' gradients are summed, in fp32 in host
     # memory (the device keeps no gradient between micro-batches) or in bf16 on the device.
     accumulate: Literal["host", "device"] = "host"
+    # training.precision bf16 only: gradients whose copies to host memory may run at once (None: 2,
+    # strategies/offload_transport.py); one more waits in backward's gradient hook, blocking it.
+    copies_in_flight: int | None = Field(None, ge=1)
 
 
 class StrategyConfig(_Section):

@@ -19,7 +19,8 @@ def build_strategy(strategy_cfg, training_cfg) -> Strategy:
         if offload is not None:
             return OffloadedSingleDeviceStrategy(training_cfg.precision, training_cfg.device,
                                                  overlap=offload.overlap, worker_threads=offload.worker_threads,
-                                                 bucket_mb=offload.bucket_mb, accumulate=offload.accumulate)
+                                                 bucket_mb=offload.bucket_mb, accumulate=offload.accumulate,
+                                                 copies_in_flight=offload.copies_in_flight)
         return SingleDeviceStrategy(training_cfg.precision, training_cfg.device)
     if name == "ddp":
         return DDPStrategy(training_cfg.precision, training_cfg.device)

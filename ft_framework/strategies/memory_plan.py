@@ -285,8 +285,9 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
             step_temporaries = TORCH_STEP_TEMPORARIES * 4 * shape.num_anchored / W
     elif offload is not None and mixed:  # the device-lean offload: the 16-bit model, no autocast
         trace_kw = dict(param_dtype=low, autocast_dtype=None, keep_grads=False)
-        extra.append(PlanRow(f"gradients in flight to the host (at most {MAX_GRADS_IN_FLIGHT} of the largest "
-                             "parameter)", MAX_GRADS_IN_FLIGHT * shape.largest_param * low.itemsize, 0.0))
+        window = offload.copies_in_flight or MAX_GRADS_IN_FLIGHT  # offload_optimizer.copies_in_flight
+        extra.append(PlanRow(f"gradients in flight to the host (at most {window} of the largest "
+                             "parameter)", window * shape.largest_param * low.itemsize, 0.0))
     else:
         overlap = offload is not None and offload.overlap
         # fp32 weights; with bf16/fp16 the forward runs under autocast, by CUDA's op lists on a GPU

@@ -53,7 +53,7 @@ from ft_framework.errors import UserError
 from ft_framework.optim.base import AnchoredOptimizer
 from ft_framework.strategies.base import anchors_for, mixout_reads_anchors
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
-from ft_framework.strategies.offload_transport import ACCUMULATE_ON, Arrival, GradientTransport
+from ft_framework.strategies.offload_transport import ACCUMULATE_ON, MAX_GRADS_IN_FLIGHT, Arrival, GradientTransport
 from ft_framework.strategies.single import SingleDeviceStrategy
 
 __all__ = ["OffloadedSingleDeviceStrategy"]
@@ -105,16 +105,21 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     `bucket_mb`: overlapped only, the gradient megabytes (MiB) handed to the worker at a time.
     `accumulate`: bf16 only, where micro-batches' gradients are summed: "host" (fp32, in host
     memory) or "device" (autograd's bf16 sum in the device gradient).
+    `copies_in_flight`: bf16 only, gradients whose copies to the host may run at once (None:
+    offload_transport.MAX_GRADS_IN_FLIGHT); one more waits in the hook, blocking backward.
     """
 
     def __init__(self, precision: str = "fp32", device: str = "auto", overlap: bool = False,
                  worker_threads: int | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 accumulate: str = "host"):
+                 accumulate: str = "host", copies_in_flight: int | None = None):
         super().__init__(precision, device)
         if accumulate not in ACCUMULATE_ON:
             raise UserError(f"strategy.offload_optimizer.accumulate must be one of {', '.join(ACCUMULATE_ON)}, "
                             f"got {accumulate!r}")
         self.accumulate = accumulate
+        if copies_in_flight is not None and not (isinstance(copies_in_flight, int) and copies_in_flight >= 1):
+            raise UserError(f"strategy.offload_optimizer.copies_in_flight must be an integer >= 1, got {copies_in_flight!r}")
+        self.copies_in_flight = MAX_GRADS_IN_FLIGHT if copies_in_flight is None else copies_in_flight
         # The device-lean offload: a 16-bit model on the device, gradients moved off as they arrive.
         self.lean = precision == "bf16"
         self.device_dtype = torch.bfloat16 if self.lean else torch.float32
@@ -133,6 +138,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self._bucket_fill = 0
         self.rollbacks = 0        # speculative steps rolled back (clipping fired, or not finite)
         self.skipped_steps = 0    # steps skipped because a gradient was not finite
+        self.speculated_steps = 0  # steps whose worker stepped during backward (kept or rolled back)
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []   # (model parameter, master)
         self._master_of: dict[int, nn.Parameter] = {}
         self._host_grad: dict[int, torch.Tensor] = {}
@@ -199,7 +205,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         if anchors:
             self.place_anchors(anchors)
         if self.lean:
-            self._transport = GradientTransport(self._pairs, self.device, self.accumulate)
+            self._transport = GradientTransport(self._pairs, self.device, self.accumulate, self.copies_in_flight)
         if self.overlap:
             self._start_worker()
         if self.overlap or self.lean:
@@ -442,6 +448,8 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         # A step whose coefficients changed since it ran (the lr was set after backward) is redone too.
         stale = self.optimizer.coefficients_changed([s.master for s in stepped], [s.coefficients for s in stepped])
         self._speculate = finite and not clips
+        if stepped:
+            self.speculated_steps += 1
         if finite and not clips and not stale:
             keep = {id(s.master) for s in stepped}
             todo = [s for s in spec if id(s.master) not in keep]  # not speculated: step them now
@@ -472,9 +480,45 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     def _would_clip(max_grad_norm: float | None, norm: torch.Tensor) -> bool:
         return bool(max_grad_norm) and bool(torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0) < 1.0)
 
+    def abandon_step(self) -> None:
+        """Undoes what a forward or backward that raised (out of memory, say) left half done, so the
+        next step starts clean: the worker's queue is drained and its speculative steps rolled back
+        (within a few ulp, as any rollback), every gradient on the device and in transit dropped.
+        Counted in no counter: the step never reached its decision."""
+        self._armed = False
+        self._bucket, self._bucket_fill = [], 0
+        if self.overlap:
+            self._help_drain()
+            self._queue.join()
+            self._worker_error = None
+            spec, self._speculated = self._speculated, []
+            stepped = [s for s in spec if s.coefficients is not None]
+            if self._h2d is not None:
+                self._h2d.synchronize()
+            if stepped:
+                self.optimizer.rollback_tensors([s.master for s in stepped], [s.grad for s in stepped],
+                                                [s.coefficients for s in stepped], num_threads=self.worker_threads)
+                self._copy_all_to_device([s.master for s in stepped])
+                if self._h2d is not None:
+                    self._h2d.synchronize()
+        for p in self._model_params:
+            p.grad = None
+        if self._transport is not None:
+            self._transport.end_step()
+        self._last_micro_batch = True
+
     # ---- telemetry, checkpoints, shutdown --------------------------------------------------------
     def train_metrics(self) -> dict[str, Any]:
-        return {"offload_rollbacks": self.rollbacks, "offload_skipped_steps": self.skipped_steps}
+        return {"offload_rollbacks": self.rollbacks, "offload_skipped_steps": self.skipped_steps,
+                "offload_speculated_steps": self.speculated_steps}
+
+    @property
+    def copy_waits(self) -> tuple[int, float]:
+        """(times the gradient hook found the copy window full, seconds it waited there in all):
+        the time backward's thread was blocked by the device-lean transport (0 without CUDA)."""
+        if self._transport is None:
+            return 0, 0.0
+        return self._transport.window.waits, self._transport.window.wait_seconds
 
     def checkpointable(self) -> "_OffloadCheckpoint":
         return _OffloadCheckpoint(self)

@@ -3,7 +3,10 @@
 With a 16-bit model on the device, each gradient leaves the device as soon as it is final: the
 post-accumulate-grad hook copies it into a host landing buffer of its own dtype (pinned, on a side
 stream, on CUDA) and frees the device gradient. The device then holds the 16-bit weights and at
-most ``MAX_GRADS_IN_FLIGHT`` gradients whose copies are still running.
+most ``copies_in_flight`` gradients whose copies are still running (``MAX_GRADS_IN_FLIGHT`` by
+default; ``strategy.offload_optimizer.copies_in_flight``). A copy that finds the window full waits
+for the oldest one in the hook, which blocks backward's thread: ``CopyWindow`` counts those waits
+and the seconds they took.
 
 Gradient accumulation (more than one micro-batch per step) happens in fp32 in host memory by
 default (``accumulate="host"``): after each micro-batch's copy, its gradient is added into an fp32
@@ -17,15 +20,16 @@ On a CPU device the same code runs, the copies being host copies (so the tests r
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
 
-__all__ = ["ACCUMULATE_ON", "MAX_GRADS_IN_FLIGHT", "Arrival", "GradientTransport"]
+__all__ = ["ACCUMULATE_ON", "MAX_GRADS_IN_FLIGHT", "Arrival", "CopyWindow", "GradientTransport"]
 
-# Device gradients whose copies to the host may still be running: a third copy waits for the
-# oldest, so a slow copy stream cannot keep a growing number of freed gradients alive on the device
-# (record_stream holds each one until its copy has run).
+# The default of how many device gradients' copies to the host may still be running: one more
+# copy waits for the oldest, so a slow copy stream cannot keep a growing number of freed gradients
+# alive on the device (record_stream holds each one until its copy has run).
 MAX_GRADS_IN_FLIGHT = 2
 ACCUMULATE_ON = ("host", "device")
 
@@ -55,12 +59,41 @@ class Arrival:
         return self.grad
 
 
+class CopyWindow:
+    """At most `size` copies in flight, each known by an event with `synchronize()` (a CUDA event).
+    `make_room` waits for the oldest ones until another may start, counting the waits and their
+    seconds: the time the hook held backward's thread."""
+
+    def __init__(self, size: int = MAX_GRADS_IN_FLIGHT):
+        if size < 1:
+            raise ValueError(f"copies in flight must be >= 1, got {size}")
+        self.size = size
+        self._events: deque = deque()
+        self.waits = 0           # copies that found the window full
+        self.wait_seconds = 0.0  # time spent waiting for room
+
+    def make_room(self) -> None:
+        if len(self._events) < self.size:
+            return
+        t0 = time.perf_counter()
+        while len(self._events) >= self.size:
+            self._events.popleft().synchronize()
+        self.waits += 1
+        self.wait_seconds += time.perf_counter() - t0
+
+    def add(self, event) -> None:
+        self._events.append(event)
+
+    def clear(self) -> None:
+        self._events.clear()
+
+
 class GradientTransport:
     """Moves each gradient of `pairs` ((device parameter, fp32 host master)) to host memory as it
     becomes final, and frees it on the device."""
 
     def __init__(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]], device: torch.device,
-                 accumulate: str = "host"):
+                 accumulate: str = "host", copies_in_flight: int = MAX_GRADS_IN_FLIGHT):
         if accumulate not in ACCUMULATE_ON:
             raise ValueError(f"accumulate must be one of {', '.join(ACCUMULATE_ON)}, got {accumulate!r}")
         self.device = device
@@ -74,7 +107,7 @@ class GradientTransport:
         self._sums: dict[int, torch.Tensor] = {}  # fp32 host sums, made at the first accumulation
         self._summed: set[int] = set()            # masters whose sum holds this step's earlier micro-batches
         self._pending: list[Arrival] = []         # earlier micro-batches' copies, added at the next backward
-        self._in_flight: deque = deque()
+        self.window = CopyWindow(copies_in_flight)
         self.arrived: dict[int, Arrival] = {}     # this step's final gradients, by master id
         self._pairs = pairs
 
@@ -102,8 +135,7 @@ class GradientTransport:
         if self._stream is None:
             landing.copy_(grad)
             return None
-        while len(self._in_flight) >= MAX_GRADS_IN_FLIGHT:
-            self._in_flight.popleft().synchronize()
+        self.window.make_room()  # blocks backward's thread while the window is full
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # the gradient's kernel, and every kernel before it, first
         with torch.cuda.stream(self._stream):
@@ -113,7 +145,7 @@ class GradientTransport:
         # The caching allocator may hand the freed gradient's block to the compute stream only
         # once this copy has read it.
         grad.record_stream(self._stream)
-        self._in_flight.append(ready)
+        self.window.add(ready)
         return ready
 
     # ---- the training thread's side ------------------------------------------------------------
@@ -153,7 +185,7 @@ class GradientTransport:
         self.arrived = {}
         self._summed = set()
         self._pending = []
-        self._in_flight.clear()
+        self.window.clear()
 
     def host_bytes(self) -> int:
         """Host memory the transport holds: landing buffers and fp32 sums."""
