@@ -179,6 +179,21 @@ def compute_metrics(task: TaskSpec | str, predictions: Any, labels: Any) -> dict
     return {name: value(name) for name in spec.metrics}
 
 
+# Metrics where a smaller value is the better one (every other metric: larger is better). A task's
+# main metric may be one of them (a causal LM's completion_loss): model selection and the failed-run
+# test read the direction from here.
+LOWER_IS_BETTER = frozenset({"mse", "completion_loss", "perplexity"})
+
+
+def is_better(metric: str, value: float, than: float) -> bool:
+    """Whether `value` of `metric` is strictly better than `than` (NaN is never better)."""
+    if np.isnan(value):
+        return False
+    if np.isnan(than):
+        return True
+    return value < than if metric in LOWER_IS_BETTER else value > than
+
+
 def main_metric(task: TaskSpec | str) -> str:
     """Name of the task's headline metric (its TaskSpec's main_metric)."""
     return _spec(task).main_metric
@@ -205,11 +220,13 @@ def majority_baseline(task: TaskSpec | str, train_labels: Any, eval_labels: Any)
 
 
 def is_failed(task: TaskSpec | str, metrics: Mapping[str, float], baseline: Mapping[str, float]) -> bool:
-    """Mosbach et al.'s failed run: the main metric is at or below the majority baseline's (NaN fails)."""
+    """Mosbach et al.'s failed run: the main metric is no better than the baseline's (NaN fails): the
+    majority class's for a classifier, the mean's for a regression, the model before fine-tuning for
+    a causal LM."""
     spec = _spec(task)
     name = spec.main_metric
     for what, values in (("metrics", metrics), ("baseline", baseline)):
         if name not in values:
             raise KeyError(f"{what} lack the main metric {name!r} of task {spec.name!r}; got {sorted(values)}")
     value = float(metrics[name])
-    return bool(np.isnan(value) or value <= float(baseline[name]))
+    return bool(np.isnan(value) or not is_better(name, value, float(baseline[name])))

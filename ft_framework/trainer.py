@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from ft_framework.checkpointing.dcp_io import CheckpointReadError
 from ft_framework.checkpointing.export import ExportExistsError, check_run_export_dir, export_pretrained
@@ -29,17 +28,15 @@ from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.distributed.config_agreement import check_config_agreement
 from ft_framework.distributed.slurm_env import slurm_job_record
 from ft_framework.config import RunConfig
-from ft_framework.data import load_task_data, make_collator
-from ft_framework.data.sharding import batches_per_epoch, epoch_batches, eval_shard, restore_order
+from ft_framework.data.sharding import batches_per_epoch, epoch_batches
 from ft_framework.run.divergence import DivergenceGuard
 from ft_framework.run.failures import same_on_every_rank
 from ft_framework.errors import UserError
 from ft_framework.run.fingerprint import config_record
 from ft_framework.strategies.memory_fit import check_memory_budget
 from ft_framework.strategies.memory_plan import format_memory_plan, plan_memory
-from ft_framework.metrics import compute_metrics, is_failed, majority_baseline
+from ft_framework.metrics import is_better, is_failed
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
-from ft_framework.models.forgetting import build_probe
 from ft_framework.models.fused_activations import describe_fused, fuse_activations
 from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
@@ -55,6 +52,7 @@ from ft_framework.run.logs import MetricsLogger
 from ft_framework.run.tracking import open_trackers
 from ft_framework.run.signals import StopSignals, interrupted_line
 from ft_framework.strategies import Strategy, build_strategy
+from ft_framework.task_kinds import Baseline, EvalContext, LossNormalizer, RunContext, build_task_kind, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +74,9 @@ class TrainState:
     config_changes: list[dict[str, Any]] = field(default_factory=list)
     # Child-Tuning's Fisher pass and child network (ChildTuningResult.to_record), None when off.
     child_tuning: dict[str, Any] | None = None
+    # What the run is judged against (Baseline.to_record): the majority class, or a causal LM's own
+    # scores before its first step (which a resumed run cannot measure again).
+    baseline: dict[str, Any] | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -119,6 +120,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.task = cfg.data.task_spec()
+        # The task's kind owns its model class, data, collation, loss and metrics (task_kinds/).
+        self.kind = build_task_kind(cfg)
         # The first collective: every rank (every node) must train the same resolved config.
         check_config_agreement(cfg.to_dict())
         # One writer per output directory: rank 0 holds its lock until the run ends (run/lock.py).
@@ -134,22 +137,23 @@ class Trainer:
         check_memory_budget(cfg, world_size=self.strategy.world_size, on_gpu=self.strategy.device.type == "cuda")
         # The init seed drives everything random in the model (head, RI, re-init); the data seed
         # drives data order and dropout, so the two can be varied separately (Dodge et al.).
-        loaded = load_model_and_tokenizer(cfg.model, task_num_labels=self.task.num_labels,
-                                          is_regression=self.task.is_regression, seed=cfg.training.seed)
+        loaded = load_model_and_tokenizer(cfg.model, model_class=self.kind.model_class, seed=cfg.training.seed)
         self.loaded = loaded
         check_max_seq_length(cfg.data.max_seq_length, loaded.model, cfg.model.name_or_path)
         # Before checkpointing and the strategy wrap the model (the memory plan traces the same transform).
         self.fused_activations = fuse_activations(loaded.model) if cfg.model.fused_activations else None
         logger.info("model.fused_activations: %s", "off (the model's own activation modules)"
                     if self.fused_activations is None else describe_fused(self.fused_activations))
-        self.data = load_task_data(self.task, tokenizer=loaded.tokenizer, **cfg.data.loader_arguments())
+        run = RunContext(rank=self.strategy.rank, world_size=self.strategy.world_size,
+                         is_main=self.strategy.is_main_process, barrier=self.strategy.barrier,
+                         gather=self.strategy.gather_objects, device=self.strategy.device,
+                         progress=cfg.logging.progress_bar and self.strategy.is_main_process)
+        self.data = self.kind.load_data(loaded.tokenizer, run)
         check_data_not_empty(self.data, task=self.task.name, source=cfg.data.source)
-        self.collate = make_collator(loaded.tokenizer)
-        # θ*'s side of the forgetting metrics, from the checkpoint (on resume too: it is θ* again).
-        self.forgetting = build_probe(cfg.evaluation.forgetting, model_name_or_path=cfg.model.name_or_path,
-                                      tokenizer=loaded.tokenizer, batch_size=cfg.evaluation.batch_size,
-                                      rank=self.strategy.rank, world_size=self.strategy.world_size,
-                                      device=self.strategy.device, gather=self.strategy.gather_objects)
+        self.collate = self.kind.collator(loaded.tokenizer, loaded.model.config)
+        # The forgetting probe: θ*'s side from the checkpoint (an encoder's), or from the model
+        # before its first step (a decoder's: captured below, once the strategy holds the model).
+        self.forgetting = self.kind.build_probe(loaded.tokenizer, run)
         seed_everything(self.data_seed)
 
         opt_cfg = cfg.optimizer
@@ -198,9 +202,7 @@ class Trainer:
         self.total_steps = tcfg.max_steps or max(1, math.ceil(steps_per_epoch * tcfg.num_epochs))
         self.warmup_steps = cfg.schedule.warmup_for(self.total_steps)
         self.eval_at = set(eval_steps(self.total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps))
-        self.selection_split = self.data.task.eval_splits[0]
-        self.baselines = {split: majority_baseline(self.task, self.data.train_labels, labels)
-                          for split, labels in self.data.eval_labels.items()}
+        self.selection_split = self.task.eval_splits[0]
 
         self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                              is_main_process=self.strategy.is_main_process,
@@ -213,8 +215,20 @@ class Trainer:
             if cfg.optimizer.child_tuning is not None:
                 prepare_masks(self.optimizer)  # targets of the checkpoint's masks: no second Fisher pass
             self._resume(self._resume_point)
-        elif cfg.optimizer.child_tuning is not None:
-            self._choose_child()
+            if getattr(self.forgetting, "needs_reference", False):
+                self.forgetting.load_reference(self.paths.forgetting_reference)
+        else:
+            if getattr(self.forgetting, "needs_reference", False):
+                # θ* is the model as it is now, before its first step (collective).
+                self.model.eval()
+                self.forgetting.capture_reference(self.strategy.forward)
+                self.forgetting.save_reference(self.paths.forgetting_reference,
+                                               is_main=self.strategy.is_main_process, barrier=self.strategy.barrier)
+            if cfg.optimizer.child_tuning is not None:
+                self._choose_child()
+        if self.state.baseline is None:  # a fresh run (or a checkpoint written before baselines were kept)
+            self.state.baseline = self.kind.baseline(self.data, self.evaluate).to_record()
+        self.baseline = Baseline.from_record(self.state.baseline)
 
     def _choose_child(self) -> None:
         """Child-Tuning-D (optim/child_tuning.py): the Fisher pass over the first fisher_batches
@@ -229,8 +243,11 @@ class Trainer:
             progress = tqdm(total=len(batches), desc="Fisher (child-tuning)", unit="batch", dynamic_ncols=True)
 
         def micro_step(indices: list[int]) -> None:
-            out = self.strategy.forward(self._to_device(self.collate([self.data.train[i] for i in indices])))
-            self.strategy.backward(out.loss)
+            batch = self.collate([self.data.train[i] for i in indices])
+            out = self._forward(batch)
+            _, loss = self.kind.loss(out, batch, LossNormalizer(micro_batches=1, world_size=self.strategy.world_size,
+                                                                step_units=self._step_units([batch])))
+            self.strategy.backward(loss)
             self.strategy.step_unclipped()
             if progress is not None:
                 progress.update(1)
@@ -288,8 +305,16 @@ class Trainer:
                              data_seed=self.data_seed, epoch=epoch, rank=self.strategy.rank,
                              world_size=self.strategy.world_size)
 
-    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.strategy.device) for k, v in batch.items()}
+    def _forward(self, batch: dict[str, Any], last_micro_batch: bool = True) -> Any:
+        """The strategy's forward of a collated batch's model inputs (the kind says which they are)."""
+        inputs = to_device(self.kind.model_inputs(batch), self.strategy.device)
+        return self.strategy.forward(inputs, last_micro_batch=last_micro_batch)
+
+    def _step_units(self, batches: list[dict[str, torch.Tensor]]) -> float | None:
+        """The loss units (a causal LM's label tokens) of one optimizer step on every rank together,
+        or None when the kind averages each micro-batch itself. Collective when it counts."""
+        units = self.kind.step_units(batches)
+        return None if units is None else float(sum(self.strategy.gather_objects(units)))
 
     def _micro_batches(self):
         """Yields collated micro-batches from the saved position on, across epochs, forever."""
@@ -329,12 +354,17 @@ class Trainer:
                 self.model.train()
                 # Before backward: an overlapped offloaded step runs during it (strategies/offload.py).
                 self._set_lr(st.step)
-                for micro in range(accum):
+                step_batches = [next(batches) for _ in range(accum)]
+                # The trainer alone counts accumulation and ranks: the kind scales each micro-batch's
+                # loss by them (and by the step's loss units), and the strategy hears of the end.
+                normalizer = LossNormalizer(micro_batches=accum, world_size=self.strategy.world_size,
+                                            step_units=self._step_units(step_batches))
+                for micro, batch in enumerate(step_batches):
                     last = micro == accum - 1
-                    out = self.strategy.forward(self._to_device(next(batches)), last_micro_batch=last)
-                    # The trainer alone counts accumulation: it divides, and tells the strategy the end.
-                    self.strategy.backward(out.loss / accum, last_micro_batch=last)
-                    st.window_loss += float(out.loss.detach())
+                    out = self._forward(batch, last_micro_batch=last)
+                    logged, loss = self.kind.loss(out, batch, normalizer)
+                    self.strategy.backward(loss, last_micro_batch=last)
+                    st.window_loss += float(logged.detach())
                     st.window_micro_batches += 1
                 grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
                 st.step += 1
@@ -409,33 +439,29 @@ class Trainer:
         return {} if distance is None else {"forgetting_distance": distance}
 
     # ---- evaluation ---------------------------------------------------------------------------
+    def _eval_context(self) -> EvalContext:
+        return EvalContext(forward=self.strategy.forward, device=self.strategy.device, rank=self.strategy.rank,
+                           world_size=self.strategy.world_size, gather=self.strategy.gather_objects,
+                           batch_size=self.cfg.evaluation.batch_size, collate=self.collate)
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """Metrics of every eval split; each rank scores a slice, rank 0's view is complete."""
+        """Metrics of every eval split (the task kind's); each rank scores a slice, every rank's view
+        is complete. Collective."""
         self.model.eval()
-        out = {}
-        bs = self.cfg.evaluation.batch_size
-        rank, world = self.strategy.rank, self.strategy.world_size
-        for split, dataset in self.data.eval.items():
-            # Same number of batches on every rank (sharded forwards are collective); the padding's
-            # logits are dropped below.
-            shard = eval_shard(len(dataset), rank, world)
-            loader = DataLoader([dataset[i] for i in shard.padded], batch_size=bs, collate_fn=self.collate)
-            preds = []
-            for batch in loader:
-                batch = self._to_device(batch)
-                batch.pop("labels")
-                preds.append(self.strategy.forward(batch).logits.float().cpu())
-            local = (torch.cat(preds) if preds else torch.empty(0))[:shard.num_real]
-            gathered = self.strategy.gather_objects((shard.indices, local))
-            logits = torch.cat([t for _, t in gathered])[torch.tensor(restore_order([idx for idx, _ in gathered]))]
-            out[split] = compute_metrics(self.task, logits.numpy(), self.data.eval_labels[split])
-        return out
+        return self.kind.evaluate(self.data, self._eval_context())
 
     def _evaluate_and_select(self) -> None:
         st = self.state
         metrics = self.evaluate()
         record = {"step": st.step, "metrics": metrics}
+        samples = self.kind.samples(self.data, self._eval_context())  # collective: every rank generates them
+        if samples is not None:
+            record["samples"] = samples
+            if self.strategy.is_main_process:
+                for sample in samples:
+                    logger.info("step %d sample: %r -> %r (reference %r)", st.step, sample["prompt"][-80:],
+                                sample["generated"], sample["reference"])
         if self.forgetting is not None:  # collective: every rank runs its share of the probe
             self.model.eval()
             record["forgetting"] = self.forgetting.measure(lambda batch: self.strategy.forward(batch))
@@ -446,7 +472,7 @@ class Trainer:
         self.log.write({"type": "eval", **record})
         main = self.task.main_metric
         score = metrics[self.selection_split][main]
-        if st.best is None or score > st.best["metrics"][self.selection_split][main]:
+        if st.best is None or is_better(main, score, st.best["metrics"][self.selection_split][main]):
             st.best = record
             if self.cfg.evaluation.select_best:
                 self.checkpoints.save_best(st.step, self.strategy, self._checkpoint_state())
@@ -507,12 +533,13 @@ class Trainer:
             "final": final,
             "best": st.best,
             "reported": "best" if self.cfg.evaluation.select_best else "final",
-            "majority_baseline": self.baselines,
+            "baseline": self.baseline.to_record(),
             "failed": diverged is not None or bool(is_failed(
-                self.task, reported["metrics"][self.selection_split], self.baselines[self.selection_split])),
+                self.task, reported["metrics"][self.selection_split], self.baseline.metrics[self.selection_split])),
             **({"diverged": diverged} if diverged is not None else {}),
             # The size this run trained on (ft-report groups tasks by it, not by the nominal GLUE size).
             "train_examples": len(self.data.train),
+            **self.kind.describe_data(self.data),
             # What model.fused_activations replaced ({activation name: modules}); null: the switch was off.
             "fused_activations": self.fused_activations,
             **({"forgetting_probe": self.forgetting.describe()} if self.forgetting is not None else {}),

@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ft_framework import optim, resources
-from ft_framework.data.tasks import GLUE_TASK_NAMES, OWN_DATA_SPLITS, TaskSpec, get_task, own_data_task
+from ft_framework.data.tasks import (CAUSAL_LM, GLUE_TASK_NAMES, OWN_DATA_SPLITS, TaskSpec, get_task, own_data_task,
+                                     sft_task)
 from ft_framework.errors import did_you_mean, quoted, shortened
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
@@ -26,17 +27,24 @@ __all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "Opt
            "TrainingConfig",
            "ForgettingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
            "CheckpointConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig", "InterpolationConfig",
+           "GenerationConfig",
            "DEFAULT_INTERPOLATION_ALPHAS"]
 
 # The valid data.task values, from the task specs (ft_framework/data/tasks.py).
 GlueTask = Literal[GLUE_TASK_NAMES]  # type: ignore[valid-type]
 
-# data.source values of the form "builtin:<name>": data sets shipped inside the package.
-BUILTIN_DATA_SOURCES: tuple[str, ...] = ("quickstart",)
+# data.source values of the form "builtin:<name>": data sets shipped inside the package, and the
+# data.problem each one is (quickstart: GLUE's SST-2 layout; quickstart_sft: prompt/completion rows).
+BUILTIN_DATA_SOURCES: dict[str, str] = {"quickstart": "classification", "quickstart_sft": CAUSAL_LM}
 # data.source for your own data, which the data.files, text_columns, label_column, problem, labels
 # and name keys describe (and only then may differ from their defaults).
 FILES_SOURCE = "files"
 _OWN_DATA_KEYS = ("files", "text_columns", "label_column", "problem", "labels", "name")
+# Keys that only a supervised fine-tuning task of a decoder (data.problem: causal_lm) reads.
+_SFT_KEYS = ("packing", "train_on_prompt", "chat_template", "token_cache_dir", "main_metric")
+# A causal LM's main metric: the mean completion loss (any SFT data), or the exact match of greedy
+# completions (short answers that have one right form, such as the SFT quickstart's).
+SFT_MAIN_METRICS = ("completion_loss", "exact_match")
 
 # Keys of the optimizer's hyper-parameters that are set as section fields instead of in
 # `optimizer.hparams`, because the parameter grouping (not the optimizer) decides their value.
@@ -130,12 +138,13 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Which task and where its data comes from: a GLUE task, or your own files (source: files)."""
+    """Which task and where its data comes from: a GLUE task, or your own files (source: files):
+    labelled texts, or a decoder's supervised fine-tuning rows (problem: causal_lm)."""
 
     # A GLUE task; leave it unset with source: files.
     task: GlueTask | None = None
-    # "hub", "builtin:<name>" (a data set shipped in the package), a local GLUE-format directory, or
-    # "files": your own data, described by the keys below.
+    # "hub", "builtin:<name>" (a data set shipped in the package: quickstart, quickstart_sft), a local
+    # GLUE-format directory, or "files": your own data, described by the keys below.
     source: str = "hub"
     hub_id: str = "nyu-mll/glue"
     max_seq_length: int = Field(128, gt=0)
@@ -152,11 +161,27 @@ class DataConfig(_Section):
     # The column of the text, or two columns of a text pair, in the order the model reads them.
     text_columns: list[str] | None = None
     label_column: str = "label"
-    problem: Literal["classification", "regression"] = "classification"
+    # classification and regression: a sequence classifier on text columns and a label column.
+    # causal_lm: supervised fine-tuning of a decoder LM on rows of text, prompt + completion, or
+    # messages (docs/training.md, "Supervised fine-tuning of decoder LLMs").
+    problem: Literal["classification", "regression", "causal_lm"] = "classification"
     # The classes as the files write them (the label id is the position); unset for regression.
     labels: list[Any] | None = None
     # The task's name in results.json, logs and sweep reports.
     name: str = "custom"
+    # ---- supervised fine-tuning of a decoder (problem: causal_lm) ------------------------------
+    # Several rows in one sequence of max_seq_length tokens, each attending only to itself.
+    packing: bool = False
+    # Train on the prompts and the user and system turns too; false: on completions and assistant
+    # turns only (the SFT tools' default).
+    train_on_prompt: bool = False
+    # A Jinja chat template file for `messages` rows; None: the tokenizer's own template.
+    chat_template: str | None = None
+    # Where tokenized data is cached (keyed on the file's content, the tokenizer and the settings);
+    # None: ~/.cache/ft_framework/tokens.
+    token_cache_dir: str | None = None
+    # completion_loss (lower is better) or exact_match of greedy completions; None: completion_loss.
+    main_metric: Literal["completion_loss", "exact_match"] | None = None
 
     @field_validator("source")
     @classmethod
@@ -167,9 +192,13 @@ class DataConfig(_Section):
                 valid = ", ".join(f"builtin:{n}" for n in BUILTIN_DATA_SOURCES)
                 raise ValueError(f"unknown built-in data set {quoted(value)}; valid: {valid}")
         elif not value:
-            raise ValueError(f"empty data source; use 'hub', 'builtin:quickstart', {FILES_SOURCE!r} (your own data) "
-                             "or a GLUE-format directory")
+            raise ValueError(f"empty data source; use 'hub', 'builtin:quickstart', 'builtin:quickstart_sft', "
+                             f"{FILES_SOURCE!r} (your own data) or a GLUE-format directory")
         return value
+
+    def builtin_name(self) -> str | None:
+        """The shipped data set data.source names ("quickstart"), or None."""
+        return self.source[len("builtin:"):] if self.source.startswith("builtin:") else None
 
     @field_validator("labels")
     @classmethod
@@ -189,6 +218,17 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _check_task_or_files(self) -> "DataConfig":
+        builtin = self.builtin_name()
+        if builtin is not None and BUILTIN_DATA_SOURCES[builtin] == CAUSAL_LM and self.problem != CAUSAL_LM:
+            raise ValueError(f"data.source {quoted(self.source)} holds supervised fine-tuning rows of a decoder: set "
+                             f"data.problem: {CAUSAL_LM} with it")
+        if self.problem == CAUSAL_LM:
+            return self._check_sft()
+        fields = type(self).model_fields
+        sft = [key for key in _SFT_KEYS if getattr(self, key) != fields[key].default]
+        if sft:
+            raise ValueError(f"data.{sft[0]} is read only when data.problem is {CAUSAL_LM} (supervised fine-tuning of a "
+                             f"decoder); remove it, or set data.problem: {CAUSAL_LM}")
         if self.source != FILES_SOURCE:
             fields = type(self).model_fields
             own = [key for key in _OWN_DATA_KEYS if getattr(self, key) != fields[key].default]
@@ -217,6 +257,28 @@ class DataConfig(_Section):
                              "[negative, positive]), or set data.problem: regression")
         return self
 
+    def _check_sft(self) -> "DataConfig":
+        """A decoder's supervised fine-tuning: your files, or the shipped quickstart_sft rows."""
+        if self.task is not None:
+            raise ValueError(f"data.task names a GLUE task, which data.problem: {CAUSAL_LM} does not read; remove it")
+        fields = type(self).model_fields
+        for key in ("text_columns", "labels", "label_column", "split_dev_in_half"):
+            if getattr(self, key) != fields[key].default:
+                raise ValueError(f"data.{key} describes labelled texts; data.problem: {CAUSAL_LM} reads rows of text, "
+                                 "prompt + completion, or messages: remove it")
+        builtin = self.builtin_name()
+        if self.source == FILES_SOURCE:
+            self._check_files()
+        elif builtin is None or BUILTIN_DATA_SOURCES[builtin] != CAUSAL_LM:
+            valid = ", ".join(f"builtin:{n}" for n, kind in BUILTIN_DATA_SOURCES.items() if kind == CAUSAL_LM)
+            raise ValueError(f"data.problem: {CAUSAL_LM} reads your files (data.source: {FILES_SOURCE} with data.files) "
+                             f"or a shipped set ({valid}); got data.source {quoted(self.source)}")
+        elif self.files is not None:
+            raise ValueError(f"data.files is read only with data.source: {FILES_SOURCE}; remove it, or set the source")
+        if self.name in GLUE_TASK_NAMES:
+            raise ValueError(f"data.name {quoted(self.name)} is a GLUE task's name; choose another for your own data")
+        return self
+
     def _check_files(self) -> None:
         if not self.files:
             raise ValueError(f"data.source: {FILES_SOURCE} needs data.files, e.g. "
@@ -234,6 +296,10 @@ class DataConfig(_Section):
 
     def task_spec(self) -> TaskSpec:
         """The run's task: a GLUE task's spec, or the spec of your own data."""
+        if self.problem == CAUSAL_LM:
+            name = self.builtin_name() if self.source != FILES_SOURCE and self.name == "custom" else self.name
+            splits = ("validation", "test") if self.files is not None and "test" in self.files else ("validation",)
+            return sft_task(name, eval_splits=splits, exact_match=self.main_metric == "exact_match")
         if self.source != FILES_SOURCE:
             return get_task(self.task)
         eval_splits = ("validation", "test") if "test" in self.files else ("validation",)
@@ -243,7 +309,7 @@ class DataConfig(_Section):
 
     def resolved_source(self) -> str:
         """The `source` argument for `load_glue`: "hub" or a directory path."""
-        if self.source.startswith("builtin:"):
+        if self.builtin_name() == "quickstart":
             return str(resources.quickstart_glue_dir())
         return self.source
 
@@ -450,6 +516,16 @@ class InterpolationConfig(_Section):
         return sorted(set(float(a) for a in value))
 
 
+class GenerationConfig(_Section):
+    """A causal LM's greedy generations at each evaluation (data.problem: causal_lm): the answers to
+    the first `samples` prompts of the selection split, in the log and results.json, so a person
+    can look."""
+
+    samples: int = Field(3, ge=0)
+    # Tokens generated per answer (cut at the end-of-sequence token when the model stops sooner).
+    max_new_tokens: int = Field(48, gt=0)
+
+
 class EvaluationConfig(_Section):
     """When and how the dev set is evaluated during training (always once at the end)."""
 
@@ -460,6 +536,7 @@ class EvaluationConfig(_Section):
     # Report (and keep) the best evaluation instead of the last one (early stopping).
     select_best: bool = False
     forgetting: ForgettingConfig = Field(default_factory=ForgettingConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
     # Interpolate the finished run toward θ* at its end (needs checkpoint.export_dir or select_best);
     # None: not (ft-interpolate RUN_DIR does it later).
     interpolation: InterpolationConfig | None = None
@@ -676,6 +753,7 @@ class RunConfig(_Section):
                 "pretrained weights have none. Drop select_best (the export at the end works), or use strategy "
                 "fsdp or ddp")
         _check_child_tuning(self)
+        _check_task_kind(self)
         if self.training.r3f is not None and self.data.task_spec().is_regression:
             raise ValueError(f"training.r3f needs a classification task: its KL compares class distributions, "
                              f"and task {self.data.task_spec().name!r} is a regression; set training.r3f: null")
@@ -727,6 +805,30 @@ def _check_child_tuning(cfg: "RunConfig") -> None:
         if hit:
             raise ValueError(f"optimizer.child_tuning cannot be combined with {what}; valid: single, ddp, fsdp "
                              "and deepspeed zero_stage 0-2, without LoRA")
+
+
+def _check_task_kind(cfg: "RunConfig") -> None:
+    """What a decoder's supervised fine-tuning (data.problem: causal_lm) cannot combine with, and the
+    keys only it reads, each in one line."""
+    causal = cfg.data.problem == CAUSAL_LM
+    if not causal:
+        if cfg.evaluation.generation != GenerationConfig():
+            raise ValueError(f"evaluation.generation is read only when data.problem is {CAUSAL_LM} (a classifier "
+                             "generates nothing); remove it")
+        return
+    refused = [
+        (cfg.model.init == "random", "model.init: random (re-initializing a pretrained decoder discards what "
+                                     "fine-tuning builds on; use init: pretrained)"),
+        (bool(cfg.model.reinit_top_layers), "model.reinit_top_layers (an encoder's top layers and pooler)"),
+        (bool(cfg.model.mixout), "model.mixout (not built for decoders; set mixout: 0)"),
+        (cfg.training.r3f is not None, "training.r3f (its KL compares class distributions; set r3f: null)"),
+        (cfg.optimizer.child_tuning is not None, "optimizer.child_tuning (not built for decoders; set it to null)"),
+        (cfg.evaluation.interpolation is not None, "evaluation.interpolation (ft-interpolate scores classifiers; "
+                                                   "set it to null)"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ValueError(f"data.problem: {CAUSAL_LM} cannot be combined with {what}")
 
 
 def _warn_if_pull_overshoots(opt: OptimizerConfig) -> None:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from ft_framework.errors import UserError, did_you_mean
 
 __all__ = ["TaskSpec", "GLUE_TASKS", "GLUE_TASK_NAMES", "LARGE_TASK_MIN_TRAIN_SIZE", "get_task", "own_data_task",
-           "OWN_DATA_SPLITS"]
+           "OWN_DATA_SPLITS", "TASK_KINDS", "CAUSAL_LM", "SFT_METRICS", "sft_task"]
+
+# The kinds of task (ft_framework/task_kinds/ implements each: its model class, batch collation, loss
+# and metrics); a TaskSpec names its kind, the config's data.problem chooses it for your own data.
+CLASSIFICATION, REGRESSION, CAUSAL_LM = "classification", "regression", "causal_lm"
+TASK_KINDS: tuple[str, ...] = (CLASSIFICATION, REGRESSION, CAUSAL_LM)
 
 # Chen et al. 2020 and Mosbach et al. 2020 group the tasks by training-set size at 10k examples.
 LARGE_TASK_MIN_TRAIN_SIZE = 10_000
@@ -43,18 +48,33 @@ class TaskSpec:
     # not the size of whatever data a run loads; 0 for own data, which has no nominal size.
     train_size: int
     label_key: str = "label"           # hub (own data: file) column name of the label
+    # The task's kind (TASK_KINDS): None derives it from label_list (classification, or regression
+    # without one); causal_lm is a supervised fine-tuning task of a decoder LM (sft_task).
+    problem: str | None = None
 
     def __post_init__(self) -> None:
         if self.main_metric not in self.metrics:
             raise ValueError(f"task {self.name!r}: main_metric {self.main_metric!r} is not in {self.metrics}")
+        if self.problem is not None and self.problem not in TASK_KINDS:
+            raise ValueError(f"task {self.name!r}: problem {self.problem!r} is not one of {TASK_KINDS}")
+
+    @property
+    def kind(self) -> str:
+        """classification, regression or causal_lm (TASK_KINDS)."""
+        if self.problem is not None:
+            return self.problem
+        return REGRESSION if self.label_list is None else CLASSIFICATION
 
     @property
     def is_regression(self) -> bool:
-        return self.label_list is None
+        return self.kind == REGRESSION
 
     @property
     def num_labels(self) -> int:
-        """Number of model outputs: 1 for regression, else the number of classes."""
+        """Number of model outputs of a sequence classifier: 1 for regression, else the number of
+        classes; 0 for a causal LM (it predicts tokens, not labels)."""
+        if self.kind == CAUSAL_LM:
+            return 0
         return 1 if self.label_list is None else len(self.label_list)
 
     @property
@@ -129,3 +149,16 @@ def own_data_task(name: str, *, text_columns: tuple[str, ...], label_column: str
     metrics = _OWN_REGRESSION_METRICS if labels is None else _OWN_CLASSIFICATION_METRICS
     return TaskSpec(name, name, tuple(text_columns), labels, tuple(eval_splits), metrics, metrics[0], 0,
                     label_key=label_column)
+
+
+# A supervised fine-tuning task's metrics, in report order. exact_match (greedy completions equal
+# to the reference, token for token) is the main one when the run scores generations
+# (evaluation.generation.exact_match); otherwise completion_loss is, which is lower-is-better
+# (metrics.LOWER_IS_BETTER).
+SFT_METRICS = ("exact_match", "completion_loss", "perplexity")
+
+
+def sft_task(name: str, *, eval_splits: tuple[str, ...], exact_match: bool) -> TaskSpec:
+    """The TaskSpec of a supervised fine-tuning data set of a causal LM (data.problem: causal_lm)."""
+    metrics = SFT_METRICS if exact_match else SFT_METRICS[1:]
+    return TaskSpec(name, name, (), None, tuple(eval_splits), metrics, metrics[0], 0, problem=CAUSAL_LM)

@@ -181,6 +181,9 @@ def _mlm_head(mlm_model: nn.Module, missing_keys: Sequence[str]) -> tuple[nn.Mod
 class ForgettingProbe:
     """θ*'s features and MLM loss on the probe text, kept to compare θ with at each measurement."""
 
+    # θ*'s side comes from the checkpoint, loaded here: nothing to capture from the run's model.
+    needs_reference = False
+
     def __init__(self, *, sentences: list[str], source: str, tokenizer: Any, model_name_or_path: str,
                  max_length: int, mask_seed: int, batch_size: int, rank: int, world_size: int,
                  device: torch.device, gather: Callable[[Any], list[Any]]):

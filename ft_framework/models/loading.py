@@ -1,8 +1,10 @@
 """Model loading, initialization modes, re-initialization of the top layers, and Mixout.
 
-- :func:`load_model_and_tokenizer` builds a sequence-classification model from a pretrained
-  checkpoint and captures θ* (the exact fp32 pretrained value of every parameter that came from
-  the checkpoint) before anything changes the weights.
+- :func:`load_model_and_tokenizer` builds the model a task kind asks for (:class:`ModelClass`: a
+  sequence classifier with a new head, or a causal LM whose every weight is pretrained) from a
+  pretrained checkpoint and captures θ* (the exact fp32 pretrained value of every parameter that
+  came from the checkpoint; tied weights, such as a decoder's embeddings and output layer, once)
+  before anything changes the weights.
 - ``init: random`` (RI, Chen et al. 2020 §4.1): θ* captured, then every pretrained weight is
   re-initialized with the model's own init; the new head stays as built.
 - :func:`reinit_top_layers` (Zhang et al. 2021 §5): the top L transformer layers and the pooler.
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LoadedModel",
+    "ModelClass",
+    "sequence_classifier",
     "MixoutLinear",
     "apply_dropout",
     "apply_mixout",
@@ -52,6 +56,23 @@ PYPI_PREFIX = "pypi:"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelClass:
+    """What a task kind loads: a transformers Auto class, the config values it sets on the
+    checkpoint's config, and whether a part absent from the checkpoint (a new head) is expected."""
+
+    auto_class: str                       # a transformers Auto class: AutoModelForSequenceClassification, ...
+    config_values: tuple[tuple[str, Any], ...] = ()
+    new_head: bool = True                 # False: every parameter comes from the checkpoint (a causal LM)
+
+
+def sequence_classifier(num_labels: int, is_regression: bool) -> ModelClass:
+    """A sequence classifier (or regressor: one output) with a new head on the checkpoint's encoder."""
+    return ModelClass("AutoModelForSequenceClassification",
+                      (("num_labels", 1 if is_regression else num_labels),
+                       ("problem_type", "regression" if is_regression else "single_label_classification")))
 
 
 @dataclass
@@ -120,10 +141,9 @@ def _model_dir_in_distribution(dist: metadata.Distribution) -> Path | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def load_model_and_tokenizer(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
-                             seed: int) -> LoadedModel:
+def load_model_and_tokenizer(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> LoadedModel:
     """Loads the model (see :func:`load_model`) and its tokenizer."""
-    loaded = load_model(cfg, task_num_labels=task_num_labels, is_regression=is_regression, seed=seed)
+    loaded = load_model(cfg, model_class=model_class, seed=seed)
     loaded.tokenizer = load_tokenizer(cfg.tokenizer or cfg.name_or_path)
     return loaded
 
@@ -137,8 +157,8 @@ def load_tokenizer(name_or_path: str) -> Any:
     return AutoTokenizer.from_pretrained(path, local_files_only=local_only)
 
 
-def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool, seed: int) -> LoadedModel:
-    """Builds a sequence-classification model from the checkpoint and applies cfg's init options.
+def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> LoadedModel:
+    """Builds `model_class`'s model from the checkpoint and applies cfg's init options.
 
     Order: load in fp32 → capture θ* → RI or re-init top L → Mixout → cast to cfg.dtype. All
     random initialization (the new head, RI, re-init) draws from a generator seeded with `seed`,
@@ -151,13 +171,13 @@ def load_model(cfg: "ModelConfig", *, task_num_labels: int, is_regression: bool,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            model, loading_info = _from_pretrained(path, cfg, task_num_labels, is_regression, local_only)
+            model, loading_info = _from_pretrained(path, cfg, model_class, local_only)
         except OSError as exc:  # the hub answered: no such model (or no access)
             if Path(path).is_dir():
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"model.name_or_path: {cfg.name_or_path!r} cannot be loaded from the hub ({first})") from exc
-        new_names = new_parameter_names(model, loading_info)
+        new_names = new_parameter_names(model, loading_info, expect_new=model_class.new_head)
         pretrained_state = capture_pretrained_state(model, exclude=new_names)
         reinitialized: list[str] = []
         if cfg.init == "random":
@@ -189,17 +209,15 @@ def apply_dropout(config: Any, dropout: float | None) -> None:
                 setattr(config, attr, dropout)
 
 
-def _from_pretrained(path: str, cfg: "ModelConfig", num_labels: int, is_regression: bool,
-                     local_files_only: bool = False):
-    """AutoModelForSequenceClassification.from_pretrained in fp32, with the loading report."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def _from_pretrained(path: str, cfg: "ModelConfig", model_class: ModelClass, local_files_only: bool = False):
+    """`model_class`'s from_pretrained in fp32, with the loading report."""
+    import transformers
 
-    config = AutoConfig.from_pretrained(
-        path, local_files_only=local_files_only, num_labels=1 if is_regression else num_labels,
-        problem_type="regression" if is_regression else "single_label_classification",
-    )
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=local_files_only,
+                                                     **dict(model_class.config_values))
     apply_dropout(config, cfg.dropout)
-    return AutoModelForSequenceClassification.from_pretrained(
+    auto_class = getattr(transformers, model_class.auto_class)
+    return auto_class.from_pretrained(
         path, config=config, local_files_only=local_files_only, output_loading_info=True, ignore_mismatched_sizes=True,
         **fp32_load_argument(),
     )
@@ -214,14 +232,19 @@ def fp32_load_argument() -> dict[str, torch.dtype]:
     return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
 
 
-def new_parameter_names(model: nn.Module, loading_info: dict[str, Any]) -> list[str]:
-    """Parameters not loaded from the checkpoint: missing keys and shape-mismatched keys."""
+def new_parameter_names(model: nn.Module, loading_info: dict[str, Any], expect_new: bool = True) -> list[str]:
+    """Parameters not loaded from the checkpoint: missing keys and shape-mismatched keys.
+    `expect_new`: a new head is expected (a classifier): its absence is warned about; a causal
+    LM's parameters all come from the checkpoint, and one that does not is warned about instead."""
     missing = set(loading_info.get("missing_keys") or ())
     # mismatched entries are (name, checkpoint shape, model shape)
     missing |= {m[0] if isinstance(m, (tuple, list)) else m for m in loading_info.get("mismatched_keys") or ()}
     names = [n for n, _ in model.named_parameters() if n in missing]
-    if not names:
+    if expect_new and not names:
         logger.warning("every parameter was found in the checkpoint: the model has no new head")
+    elif not expect_new and names:
+        logger.warning("parameters missing from the checkpoint, initialized at random and trained without θ*: %s",
+                       names[:8])
     return names
 
 

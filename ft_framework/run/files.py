@@ -12,6 +12,8 @@ A run's output directory (``logging.output_dir``)::
     checkpoints/best/       the best evaluation's checkpoint, same layout (evaluation.select_best: true)
     .export_checkpoint/     scratch: the final step's checkpoint, saved for the export and removed after
     interpolation.json      ft-interpolate's results, and its plot interpolation.png
+    forgetting_reference/   a causal LM's forgetting probe as θ* answered it before the first step
+                            (one safetensors file per rank that measured it), read again on resume
     overwritten-<timestamp>/  a previous run's files, moved aside by logging.overwrite=true
     .ft-train.lock(.json)   the one-writer lock rank 0 holds while the run lives, and who holds it
 
@@ -37,6 +39,7 @@ EXPORT_SCRATCH_DIR = ".export_checkpoint"  # the final step's checkpoint when no
 TRACKERS_FILE = "trackers.json"
 INTERPOLATION_FILE = "interpolation.json"
 INTERPOLATION_PLOT = "interpolation.png"
+FORGETTING_REFERENCE_DIR = "forgetting_reference"
 MOVED_ASIDE_PREFIX = "overwritten-"  # + a timestamp: the directory logging.overwrite moves a run into
 RUN_LOCK_FILE = ".ft-train.lock"  # held (flock) by rank 0 for the whole run: one writer per output directory
 RUN_LOCK_INFO_FILE = ".ft-train.lock.json"  # who holds it: host, pid, start time
@@ -103,6 +106,11 @@ class RunPaths:
     def best_checkpoint(self) -> Path:
         """The best evaluation's checkpoint (evaluation.select_best), in the sharded layout."""
         return self.checkpoints / BEST_CHECKPOINT
+
+    @property
+    def forgetting_reference(self) -> Path:
+        """θ*'s answers to a causal LM's forgetting probe, kept for the run's later measurements."""
+        return self.root / FORGETTING_REFERENCE_DIR
 
     @property
     def export_scratch(self) -> Path:

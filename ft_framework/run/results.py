@@ -1,5 +1,6 @@
-"""How a finished run's results.json reads to a person: the reported metrics against the
-majority-class baseline, and the verdict (ft-train prints it at the end)."""
+"""How a finished run's results.json reads to a person: the reported metrics against its baseline
+(the majority class, or a causal LM before fine-tuning), and the verdict (ft-train prints it at the
+end)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,24 @@ from typing import Any
 
 
 def format_results_table(results: dict[str, Any]) -> str:
-    """A plain-text table of the reported metrics against the majority-class baseline."""
+    """A plain-text table of the reported metrics against the run's baseline, and its forgetting."""
     reported = results[results["reported"]]
-    rows = [("split", "metric", "run", "majority baseline")]
+    baseline = results["baseline"]
+    rows = [("split", "metric", "run", baseline["name"])]
     for split, metrics in reported["metrics"].items():
-        base = results["majority_baseline"].get(split, {})
+        base = baseline["metrics"].get(split, {})
         for name, value in metrics.items():
             rows.append((split, name, f"{value:.4f}", f"{base.get(name, float('nan')):.4f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    verdict = "FAILED (at or below the majority baseline)" if results["failed"] else "ok (above the majority baseline)"
+    verdict = (f"FAILED (no better than the {baseline['name']})" if results["failed"]
+               else f"ok (better than the {baseline['name']})")
+    forgetting = reported.get("forgetting")
+    if forgetting:
+        lines.append("")
+        lines.append("forgetting on the probe text (0 at θ*): " + ", ".join(
+            f"{name} {value:.4f}" for name, value in forgetting.items()))
     lines.append("")
     lines.append(f"{results['task']}: {results['reported']} at step {reported['step']} of {results['steps']}, "
                  f"{results['main_metric']} on {results['selection_split']}: {verdict}")

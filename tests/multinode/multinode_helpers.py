@@ -177,7 +177,7 @@ def read_jsonl(path) -> list[dict]:
 
 # results.json keys that describe the run, not where or how long it ran.
 RESULT_KEYS = ("task", "main_metric", "selection_split", "steps", "final", "best", "reported",
-               "majority_baseline", "failed")
+               "baseline", "failed")
 
 
 def comparable_results(output_dir) -> dict:

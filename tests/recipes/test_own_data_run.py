@@ -55,13 +55,13 @@ def test_an_own_data_recipe_runs_through_ft_train(recipe, label_column, tiny_ber
     results = json.loads((out / "results.json").read_text())
     assert results["task"] == "reviews" and results["main_metric"] == "accuracy"
     assert results["train_examples"] == 32 and results["steps"] == 4
-    assert set(results["final"]["metrics"]) == set(results["majority_baseline"]) == {"validation"}
+    assert set(results["final"]["metrics"]) == set(results["baseline"]["metrics"]) == {"validation"}
     assert set(results["final"]["metrics"]["validation"]) == {"accuracy", "mcc"}
     # The baseline, computed here from the files themselves: the majority train label on dev.
     suffix = ".csv" if recipe.endswith("csv") else ".jsonl"
     expected = majority_accuracy(first_labels(REVIEWS / f"train{suffix}", label_column, 32),
                                  first_labels(REVIEWS / f"dev{suffix}", label_column, 40))
-    assert results["majority_baseline"]["validation"] == {"accuracy": pytest.approx(expected), "mcc": 0.0}
+    assert results["baseline"]["metrics"]["validation"] == {"accuracy": pytest.approx(expected), "mcc": 0.0}
     run_accuracy = results["final"]["metrics"]["validation"]["accuracy"]
     assert results["failed"] is (run_accuracy <= expected)
     evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "eval"]
@@ -96,7 +96,7 @@ def test_own_regression_data_reports_the_mean_baseline(tiny_bert_dir, tmp_path):
     assert results["task"] == "scores" and results["main_metric"] == "pearson"
     train_mean = np.mean(np.asarray([s for _, s in train], dtype=np.float32), dtype=np.float64)
     dev_scores = np.asarray([s for _, s in dev], dtype=np.float32).astype(np.float64)
-    assert results["majority_baseline"]["validation"] == {
+    assert results["baseline"]["metrics"]["validation"] == {
         "pearson": 0.0, "spearmanr": 0.0, "mse": pytest.approx(np.mean((dev_scores - train_mean) ** 2), rel=1e-6)}
     assert set(results["final"]["metrics"]["validation"]) == {"pearson", "spearmanr", "mse"}
 

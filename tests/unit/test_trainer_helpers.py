@@ -19,6 +19,6 @@ def test_results_table_shows_run_against_baseline():
     results = {"task": "rte", "reported": "final", "steps": 5, "main_metric": "accuracy",
                "selection_split": "validation", "failed": True,
                "final": {"step": 5, "metrics": {"validation": {"accuracy": 0.5}}},
-               "majority_baseline": {"validation": {"accuracy": 0.527}}}
+               "baseline": {"name": "majority class", "metrics": {"validation": {"accuracy": 0.527}}}}
     table = format_results_table(results)
     assert "0.5000" in table and "0.5270" in table and "FAILED" in table

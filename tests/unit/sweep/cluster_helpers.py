@@ -36,7 +36,7 @@ if not resume:
 final = {"step": 2, "metrics": {"validation": {"accuracy": 0.5 + 0.01 * seed}}}
 results = {"task": cfg["data"]["task"], "main_metric": "accuracy", "selection_split": "validation", "steps": 2,
            "final": final, "best": final, "reported": "final", "failed": False,
-           "majority_baseline": {"validation": {"accuracy": 0.5}}, "resumed": resume, "config": cfg}
+           "baseline": {"name": "majority class", "metrics": {"validation": {"accuracy": 0.5}}}, "resumed": resume, "config": cfg}
 json.dump(results, open(os.path.join(out, "results.json.tmp"), "w"))
 os.replace(os.path.join(out, "results.json.tmp"), os.path.join(out, "results.json"))
 """

@@ -48,7 +48,7 @@ with open(os.path.join(out, METRICS_FILE), "a") as f:
 final = {"step": 2, "metrics": {"validation": {"accuracy": score}}}
 results = {"task": task, "main_metric": "accuracy", "selection_split": "validation", "steps": 2,
            "final": final, "best": final, "reported": "final",
-           "majority_baseline": {"validation": {"accuracy": 0.52}}, "failed": score <= 0.52, "config": cfg}
+           "baseline": {"name": "majority class", "metrics": {"validation": {"accuracy": 0.52}}}, "failed": score <= 0.52, "config": cfg}
 json.dump(results, open(os.path.join(out, RESULTS_FILE + ".tmp"), "w"))
 os.replace(os.path.join(out, RESULTS_FILE + ".tmp"), os.path.join(out, RESULTS_FILE))
 """
@@ -76,7 +76,7 @@ def write_results(run_dir: Path, *, task: str, score: float, failed: bool, split
         metrics["test" + split[len("validation"):]] = {main: test_score}
     final = {"step": 4, "metrics": metrics}
     results = {"task": task, "main_metric": main, "selection_split": split, "steps": 4, "final": final,
-               "best": final, "reported": "final", "majority_baseline": {split: {main: 0.5}}, "failed": failed,
+               "best": final, "reported": "final", "baseline": {"name": "majority class", "metrics": {split: {main: 0.5}}}, "failed": failed,
                "config": config or {}}
     (run_dir / RESULTS_FILE).write_text(json.dumps(results))
     if curves:

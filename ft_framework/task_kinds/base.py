@@ -1,0 +1,158 @@
+"""What a kind of task owns, as one interface: its model class, its data and batch collation, its
+loss and its metrics (with the baseline a run is judged against and the forgetting probe). The
+trainer, the memory plan and the integrations call these and never branch on the kind, as they
+never branch on the backend (a Strategy hides that).
+
+    kind = build_task_kind(cfg)                          # task_kinds/__init__.py
+    loaded = load_model_and_tokenizer(cfg.model, model_class=kind.model_class, seed=...)
+    data = kind.load_data(loaded.tokenizer, run=RunContext(...))
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from ft_framework.data.tasks import TaskSpec
+from ft_framework.models.loading import ModelClass
+
+if TYPE_CHECKING:
+    from ft_framework.config import RunConfig
+
+__all__ = ["Baseline", "EvalContext", "LossNormalizer", "RunContext", "TaskKind", "to_device"]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a kind needs to know of the run's processes while it loads data or builds a probe."""
+
+    rank: int = 0
+    world_size: int = 1
+    is_main: bool = True
+    barrier: Callable[[], None] = lambda: None
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]
+    device: torch.device = torch.device("cpu")
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What an evaluation needs of the run: the strategy's forward (collective under sharding: every
+    rank calls it the same number of times) and the gather of each rank's share."""
+
+    forward: Callable[[dict[str, torch.Tensor]], Any]
+    device: torch.device
+    rank: int
+    world_size: int
+    gather: Callable[[Any], list[Any]]
+    batch_size: int
+    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """How the micro-batch losses of one optimizer step are scaled before backward: the step's
+    micro-batch count and world size, and (for a kind that counts its loss in units, a causal LM's
+    label tokens) the units of the whole step on every rank together."""
+
+    micro_batches: int
+    world_size: int
+    step_units: float | None = None
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What a run is judged against: what it is (`name`, e.g. "majority class") and its metrics per
+    evaluation split."""
+
+    name: str
+    metrics: dict[str, dict[str, float]]
+
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name, "metrics": self.metrics}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> "Baseline":
+        return cls(str(record["name"]), {split: dict(m) for split, m in record["metrics"].items()})
+
+
+class TaskKind(ABC):
+    """One kind of task (classification, regression, causal_lm); a subclass per module."""
+
+    name: str = "base"
+
+    def __init__(self, spec: TaskSpec, cfg: "RunConfig"):
+        self.spec = spec
+        self.cfg = cfg
+
+    # ---- model -------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def model_class(self) -> ModelClass:
+        """What models/loading.py loads for this kind."""
+
+    # ---- data --------------------------------------------------------------------------------
+    @abstractmethod
+    def load_data(self, tokenizer: Any, run: RunContext) -> Any:
+        """The run's tokenized data: an object with `train` (a Dataset whose items the collator
+        takes) and `eval` (split -> Dataset)."""
+
+    @abstractmethod
+    def collator(self, tokenizer: Any, model_config: Any) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        """Items of the datasets to one padded batch of tensors (`model_config`: the loaded model's,
+        for what a batch must know of it, such as a decoder's attention windows)."""
+
+    def describe_data(self, data: Any) -> dict[str, Any]:
+        """What results.json records about the data beyond its size ({} when nothing)."""
+        return {}
+
+    # ---- loss ----------------------------------------------------------------------------------
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the model's forward for a collated batch."""
+        return batch
+
+    def step_units(self, batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
+        """This rank's loss units in the step's micro-batches (summed over ranks by the caller),
+        or None when each micro-batch's loss is already its own mean."""
+        return None
+
+    @abstractmethod
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor],
+             normalizer: LossNormalizer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's own mean loss, for the log; the loss to back-propagate, scaled so that
+        the step's gradient is the mean over the whole step on every rank)."""
+
+    # ---- metrics -------------------------------------------------------------------------------
+    @abstractmethod
+    def evaluate(self, data: Any, ctx: EvalContext) -> dict[str, dict[str, Any]]:
+        """Metrics of every evaluation split (the task spec's metrics; every rank returns the
+        whole). Collective."""
+
+    @abstractmethod
+    def baseline(self, data: Any, evaluate: Callable[[], dict[str, dict[str, Any]]]) -> Baseline:
+        """The baseline of a fresh run, before its first step (`evaluate()` scores the model as it
+        is then, collectively)."""
+
+    def samples(self, data: Any, ctx: EvalContext) -> list[dict[str, Any]] | None:
+        """A few outputs a person can read (a causal LM's greedy generations for fixed prompts),
+        recorded at each evaluation; None: the kind has none."""
+        return None
+
+    # ---- forgetting ----------------------------------------------------------------------------
+    @abstractmethod
+    def build_probe(self, tokenizer: Any, run: RunContext) -> Any:
+        """The functional-forgetting probe (None when evaluation.forgetting is off): an object with
+        `capture_reference(forward)` when it needs the model before its first step (else
+        `needs_reference` False), `measure(forward)` and `describe()`."""
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A batch's tensors on `device`, inside dicts too (a packed batch's masks per layer type)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}
+    return value

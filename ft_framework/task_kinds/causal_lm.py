@@ -1,0 +1,237 @@
+"""Supervised fine-tuning of a decoder LM (data.problem: causal_lm): the pretrained causal LM as it
+is (AutoModelForCausalLM: every weight has a θ*, tied embeddings once), the SFT rows of data/sft.py
+padded or packed into batches, the next-token loss on the completion tokens (the label tokens),
+averaged over every label token of the optimizer step on every rank, and its metrics:
+
+- completion_loss: the mean next-token loss over the evaluation split's completion tokens, and its
+  perplexity exp(completion_loss);
+- exact_match (data.main_metric: exact_match): the fraction of rows whose greedy completion equals
+  the reference token for token, end-of-sequence token included;
+- a few greedy generations for the selection split's first prompts (evaluation.generation), and
+- forgetting on held-out text (models/lm_forgetting.py): the LM loss gained, the KL from θ*, the
+  CKA drift.
+
+A run is judged against the pretrained model itself: it is evaluated before the first step.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ft_framework import resources
+from ft_framework.data.sft import SFTCollator, SFTSettings, attention_windows, load_sft_data
+from ft_framework.data.sharding import eval_shard
+from ft_framework.errors import MissingPath, UserError
+from ft_framework.models.lm_forgetting import build_lm_probe
+from ft_framework.models.loading import ModelClass
+from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, RunContext, TaskKind, to_device
+
+__all__ = ["CausalLMKind", "DEFAULT_TOKEN_CACHE", "IGNORE_INDEX", "greedy_completions", "label_token_count",
+           "next_token_losses"]
+
+IGNORE_INDEX = -100  # a label that no loss counts (prompt tokens, padding): transformers' convention
+DEFAULT_TOKEN_CACHE = Path("~/.cache/ft_framework/tokens")
+# Keys of a collated batch that the model's forward takes (the labels stay with the loss).
+_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the summed next-token cross-entropy of the label tokens, their count): position t predicts
+    label t+1; IGNORE_INDEX labels count nothing. In fp32 whatever the logits' dtype."""
+    shifted = labels[:, 1:]
+    total = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total, int((shifted != IGNORE_INDEX).sum())
+
+
+def label_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens whose prediction the loss counts in a collated batch."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@torch.no_grad()
+def greedy_completions(forward: Callable[[dict[str, Any]], Any], prompts: Sequence[Sequence[int]],
+                       max_new_tokens: int, pad_id: int, device: torch.device) -> list[list[int]]:
+    """`max_new_tokens` greedy tokens after each prompt, for a batch of prompts (left-padded, with the
+    model's cache). Every call makes exactly `max_new_tokens` forwards whatever the model answers, so
+    that ranks of a sharded model stay in step (each forward is collective there)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        if len(prompt):
+            input_ids[i, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+            attention[i, width - len(prompt):] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    out = forward({"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": True})
+    # transformers 5 names the model's cache `cache` (its outputs say so), earlier ones `past_key_values`.
+    cache_key = "cache" if "cache" in out.keys() else "past_key_values"
+    token = out.logits[:, -1].argmax(-1)
+    generated = [token]
+    last = positions[:, -1:]
+    for step in range(1, max_new_tokens):
+        attention = torch.cat([attention, attention.new_ones((len(prompts), 1))], dim=1)
+        out = forward({"input_ids": token[:, None], "attention_mask": attention, "position_ids": last + step,
+                       cache_key: out[cache_key], "use_cache": True})
+        token = out.logits[:, -1].argmax(-1)
+        generated.append(token)
+    return torch.stack(generated, dim=1).cpu().tolist()
+
+
+class CausalLMKind(TaskKind):
+    name = "causal_lm"
+
+    @property
+    def model_class(self) -> ModelClass:
+        return ModelClass("AutoModelForCausalLM", new_head=False)
+
+    # ---- data --------------------------------------------------------------------------------
+    def _files(self) -> dict[str, Path]:
+        data = self.cfg.data
+        if data.files is not None:
+            return {split: Path(path).expanduser() for split, path in data.files.items()}
+        folder = resources.builtin_data_dir(data.builtin_name())
+        return {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
+
+    def _chat_template(self) -> str | None:
+        path = self.cfg.data.chat_template
+        if path is None:
+            return None
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise MissingPath(f"data.chat_template: {path} is not a file; give a Jinja chat template file, or null "
+                              "for the tokenizer's own template")
+        try:
+            return file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"data.chat_template: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+    def load_data(self, tokenizer: Any, run: RunContext) -> Any:
+        data = self.cfg.data
+        settings = SFTSettings(max_seq_length=data.max_seq_length, train_on_prompt=data.train_on_prompt,
+                               chat_template=self._chat_template(), packing=data.packing)
+        cache = Path(data.token_cache_dir).expanduser() if data.token_cache_dir else DEFAULT_TOKEN_CACHE.expanduser()
+        loaded = load_sft_data(self._files(), tokenizer, settings, cache_dir=cache, is_main=run.is_main,
+                               barrier=run.barrier, max_train_examples=data.max_train_examples,
+                               max_eval_examples=data.max_eval_examples, progress=run.progress)
+        self.pad_id = _pad_id(tokenizer)
+        self.tokenizer = tokenizer
+        if "exact_match" in self.spec.metrics:
+            for split, dataset in loaded.eval.items():
+                if any(dataset[i]["prompt_length"] == 0 for i in range(len(dataset))):
+                    raise UserError(f"data.main_metric: exact_match scores greedy completions of a prompt, and the "
+                                    f"{split} split has rows without one (text rows); give prompt/completion or "
+                                    "messages rows, or set data.main_metric: completion_loss")
+        return loaded
+
+    def collator(self, tokenizer: Any, model_config: Any) -> Callable:
+        # Packed rows attend within themselves through a 4D mask, which carries the sliding windows
+        # of the models whose layers slide (the model applies none to a mask it is given).
+        return SFTCollator(_pad_id(tokenizer), attention_windows=attention_windows(model_config))
+
+    def describe_data(self, data: Any) -> dict[str, Any]:
+        return {"sft": data.stats}
+
+    # ---- loss ----------------------------------------------------------------------------------
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in batch.items() if k in _MODEL_KEYS}
+
+    def step_units(self, batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
+        return float(sum(label_token_count(b) for b in batches))
+
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor],
+             normalizer: LossNormalizer) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count = next_token_losses(outputs.logits, batch["labels"].to(outputs.logits.device))
+        mean = total / max(count, 1)
+        # The data-parallel strategies average the ranks' gradients: a rank's token sum over the
+        # step's tokens on every rank, times the ranks, is the step's token mean once averaged.
+        return mean, total * (normalizer.world_size / normalizer.step_units)
+
+    # ---- metrics -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, data: Any, ctx: EvalContext) -> dict[str, dict[str, Any]]:
+        out = {}
+        for split, dataset in data.eval.items():
+            shard = eval_shard(len(dataset), ctx.rank, ctx.world_size)
+            total, count = 0.0, 0
+            rows = [dataset[i] for i in shard.padded]
+            for start in range(0, len(rows), ctx.batch_size):
+                chunk = rows[start:start + ctx.batch_size]
+                real = max(0, min(shard.num_real - start, len(chunk)))
+                batch = ctx.collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in chunk])
+                logits = ctx.forward(to_device(self.model_inputs(batch), ctx.device)).logits
+                if real:
+                    s, n = next_token_losses(logits[:real], batch["labels"][:real].to(logits.device))
+                    total, count = total + float(s), count + n
+            sums = ctx.gather((total, count))
+            loss = sum(s for s, _ in sums) / max(1, sum(n for _, n in sums))
+            metrics = {"completion_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+            if "exact_match" in self.spec.metrics:
+                metrics["exact_match"] = self._exact_match(dataset, shard, ctx)
+            out[split] = {name: metrics[name] for name in self.spec.metrics}
+        return out
+
+    def _exact_match(self, dataset: Any, shard: Any, ctx: EvalContext) -> float:
+        """Greedy completions of this rank's rows against their references, counted over every rank."""
+        # One length for every rank and batch: the longest reference of the split.
+        max_new = max(dataset[i]["completion_length"] for i in range(len(dataset)))
+        rows = [dataset[i] for i in shard.padded]
+        hits = 0
+        for start in range(0, len(rows), ctx.batch_size):
+            chunk = rows[start:start + ctx.batch_size]
+            real = max(0, min(shard.num_real - start, len(chunk)))
+            prompts = [r["input_ids"][:r["prompt_length"]] for r in chunk]
+            answers = greedy_completions(ctx.forward, prompts, max_new, self.pad_id, ctx.device)
+            for row, answer in zip(chunk[:real], answers[:real]):
+                reference = row["input_ids"][row["prompt_length"]:row["prompt_length"] + row["completion_length"]]
+                hits += answer[:len(reference)] == list(reference)
+        counts = ctx.gather((hits, shard.num_real))
+        return sum(h for h, _ in counts) / max(1, sum(n for _, n in counts))
+
+    def baseline(self, data: Any, evaluate: Callable[[], dict[str, dict[str, Any]]]) -> Baseline:
+        return Baseline("pretrained model", evaluate())
+
+    @torch.no_grad()
+    def samples(self, data: Any, ctx: EvalContext) -> list[dict[str, Any]] | None:
+        """Greedy answers to the selection split's first prompts: every rank generates the same ones
+        (a sharded model's forwards are collective)."""
+        wanted = self.cfg.evaluation.generation.samples
+        dataset = data.eval[self.spec.eval_splits[0]]
+        rows = [dataset[i] for i in range(min(wanted, len(dataset)))]
+        rows = [r for r in rows if r["prompt_length"] > 0]
+        if not rows:
+            return None
+        answers = greedy_completions(ctx.forward, [r["input_ids"][:r["prompt_length"]] for r in rows],
+                                     self.cfg.evaluation.generation.max_new_tokens, self.pad_id, ctx.device)
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for row, answer in zip(rows, answers):
+            cut = answer.index(eos) if eos in answer else len(answer)
+            end = row["prompt_length"] + row["completion_length"]
+            out.append({"prompt": self.tokenizer.decode(row["input_ids"][:row["prompt_length"]]),
+                        "reference": self.tokenizer.decode(row["input_ids"][row["prompt_length"]:end],
+                                                           skip_special_tokens=True),
+                        "generated": self.tokenizer.decode(answer[:cut], skip_special_tokens=True)})
+        return out
+
+    # ---- forgetting ----------------------------------------------------------------------------
+    def build_probe(self, tokenizer: Any, run: RunContext) -> Any:
+        return build_lm_probe(self.cfg.evaluation.forgetting, tokenizer=tokenizer,
+                              batch_size=self.cfg.evaluation.batch_size, rank=run.rank, world_size=run.world_size,
+                              device=run.device, gather=run.gather)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    """The padding token (never counted: attention and labels mask it), else the end-of-sequence
+    token, as decoders without a padding token are padded."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise UserError("the tokenizer has neither a padding nor an end-of-sequence token; a decoder's batches need "
+                        "one of them (model.tokenizer)")
+    return int(pad)

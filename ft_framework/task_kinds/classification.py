@@ -1,0 +1,70 @@
+"""Sequence classification and regression (GLUE, your own labelled texts): a pretrained encoder
+with a new head (AutoModelForSequenceClassification; one output for a regression), batches padded
+to their longest example, the model's own loss (cross-entropy, or MSE for a regression), the task
+spec's metrics against the majority class (a regression: the train mean), and the encoder's
+forgetting probe (models/forgetting.py). A regression is a classifier with one output: both kinds
+are this module; metrics.py reads which one from the spec."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+from ft_framework.data import load_task_data, make_collator
+from ft_framework.data.sharding import eval_shard, restore_order
+from ft_framework.metrics import compute_metrics, majority_baseline
+from ft_framework.models.forgetting import build_probe
+from ft_framework.models.loading import ModelClass, sequence_classifier
+from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, RunContext, TaskKind
+
+__all__ = ["SequenceClassificationKind"]
+
+
+class SequenceClassificationKind(TaskKind):
+    name = "classification"
+
+    @property
+    def model_class(self) -> ModelClass:
+        return sequence_classifier(self.spec.num_labels, self.spec.is_regression)
+
+    def load_data(self, tokenizer: Any, run: RunContext) -> Any:
+        return load_task_data(self.spec, tokenizer=tokenizer, **self.cfg.data.loader_arguments())
+
+    def collator(self, tokenizer: Any, model_config: Any) -> Callable:
+        return make_collator(tokenizer)
+
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor],
+             normalizer: LossNormalizer) -> tuple[torch.Tensor, torch.Tensor]:
+        # The model's own loss is the micro-batch's mean; micro-batches and ranks hold as many
+        # examples each, so the step's mean is the mean of the micro-batch means.
+        return outputs.loss, outputs.loss / normalizer.micro_batches
+
+    @torch.no_grad()
+    def evaluate(self, data: Any, ctx: EvalContext) -> dict[str, dict[str, Any]]:
+        out = {}
+        for split, dataset in data.eval.items():
+            # Same number of batches on every rank (sharded forwards are collective); the padding's
+            # logits are dropped below.
+            shard = eval_shard(len(dataset), ctx.rank, ctx.world_size)
+            loader = DataLoader([dataset[i] for i in shard.padded], batch_size=ctx.batch_size, collate_fn=ctx.collate)
+            preds = []
+            for batch in loader:
+                batch = {k: v.to(ctx.device) for k, v in batch.items() if k != "labels"}
+                preds.append(ctx.forward(batch).logits.float().cpu())
+            local = (torch.cat(preds) if preds else torch.empty(0))[:shard.num_real]
+            gathered = ctx.gather((shard.indices, local))
+            logits = torch.cat([t for _, t in gathered])[torch.tensor(restore_order([idx for idx, _ in gathered]))]
+            out[split] = compute_metrics(self.spec, logits.numpy(), data.eval_labels[split])
+        return out
+
+    def baseline(self, data: Any, evaluate: Callable[[], dict[str, dict[str, Any]]]) -> Baseline:
+        name = "train mean" if self.spec.is_regression else "majority class"
+        return Baseline(name, {split: majority_baseline(self.spec, data.train_labels, labels)
+                               for split, labels in data.eval_labels.items()})
+
+    def build_probe(self, tokenizer: Any, run: RunContext) -> Any:
+        return build_probe(self.cfg.evaluation.forgetting, model_name_or_path=self.cfg.model.name_or_path,
+                           tokenizer=tokenizer, batch_size=self.cfg.evaluation.batch_size, rank=run.rank,
+                           world_size=run.world_size, device=run.device, gather=run.gather)
