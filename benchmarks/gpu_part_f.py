@@ -23,6 +23,7 @@ The suite module is passed in (`suite`), so this file imports nothing of it.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import time
@@ -46,7 +47,15 @@ F_BUDGET_S = {"lean offload, overlapped (ours)": 70, "DeepSpeed ZeRO-2 offload, 
               "lean offload, serial (ours)": 50}
 F_ORDER = ("lean offload, overlapped (ours)", "DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam", "lean offload, serial (ours)")
 PLAN_MISS = 0.10  # a row whose plan misses its measurement by more than this gets a memory snapshot
-BUDGET_ENV = "GPU_SUITE_WORKER_BUDGET_S"  # the parent tells each worker its time limit
+# Seconds a worker keeps before its limit (its deadline counts from its launch: gpu_suite.DEADLINE_ENV)
+# to finish the probe in hand, write its row and let go of the GPU.
+DEADLINE_MARGIN_S = 20
+# Clipping that does not fire (every row reports its median gradient norm): random weights with
+# max_grad_norm 1 clip at every step, and a step after one that clipped does not speculate, so the
+# overlapped offload would be timed as a serial one. A fine-tuning run whose norms stay under its
+# limit speculates at every step; this limit measures that case, for DeepSpeed (which then
+# computes its norm and does not clip either) as for ours.
+F_MAX_GRAD_NORM = 1e9
 OUT_DIR_ENV = "GPU_SUITE_OUT_DIR"  # where a worker writes its memory snapshot
 # Targets of issue 35: our overlapped peak <= 0.6 x DeepSpeed's, samples/s >= DeepSpeed's, the
 # largest batch in 16 GB >= 1.5 x DeepSpeed's, every plan row within +-10%.
@@ -108,8 +117,29 @@ def top_lines_at_peak(events: Iterable[dict[str, Any]], top: int = 10) -> dict[s
 
 
 # ---- the worker ----------------------------------------------------------------------------------
+def worker_deadline(suite, default_budget_s: float) -> float:
+    """This worker's deadline on its perf_counter clock: the parent's wall-clock deadline
+    (suite.DEADLINE_ENV, set at launch, so the launcher's start and the imports count), else
+    `default_budget_s` from now."""
+    wall = os.environ.get(suite.DEADLINE_ENV)
+    left = float(wall) - time.time() if wall else default_budget_s
+    return time.perf_counter() + left
+
+
+def offload_counters(strategy) -> dict[str, Any]:
+    """What the offload says about its steps so far: speculated during backward, rolled back,
+    skipped, and the copy window's waits in the gradient hook (None for DeepSpeed's)."""
+    metrics = strategy.train_metrics() if hasattr(strategy, "speculated_steps") else {}
+    waits, wait_s = getattr(strategy, "copy_waits", (None, None))
+    return {"speculated_steps": metrics.get("offload_speculated_steps"), "rollbacks": metrics.get("offload_rollbacks"),
+            "skipped_steps": metrics.get("offload_skipped_steps"), "copy_waits": waits, "copy_wait_s": wait_s}
+
+
 def worker_f(suite, args, cuda: bool, device: str, tmp: Path) -> dict[str, Any]:
-    """One candidate (args.worker = f0/f1/f2) end to end; its row."""
+    """One candidate (args.worker = f0/f1/f2) end to end; its row, written to the rows file
+    (suite.emit) after every stage, so a kill keeps what was measured."""
+    import copy
+
     import torch
     from transformers import AlbertConfig
 
@@ -117,23 +147,34 @@ def worker_f(suite, args, cuda: bool, device: str, tmp: Path) -> dict[str, Any]:
     from ft_framework.strategies.memory_plan import plan_peak
 
     started = time.perf_counter()
-    budget = float(os.environ.get(BUDGET_ENV, "600"))
     name = candidate_of(args.worker)
+    deadline = worker_deadline(suite, F_BUDGET_S[name]) - DEADLINE_MARGIN_S
     section, optimizer_name, fused, _ = F_CANDIDATES[name]
     steps, warmup = args.steps or (2 if args.tiny else 3), args.warmup or 1
     row: dict[str, Any] = {"name": name, "batch": args.batch, "seq": args.seq, "steps": steps, "warmup": warmup,
-                           "model": "ALBERT-xxlarge" if not args.tiny else "ALBERT (tiny)", "cuda": cuda}
+                           "model": "ALBERT-xxlarge" if not args.tiny else "ALBERT (tiny)", "cuda": cuda,
+                           "max_grad_norm": F_MAX_GRAD_NORM, "stage": "started"}
+
+    def emit(stage: str) -> None:
+        row["stage"], row["seconds"] = stage, time.perf_counter() - started
+        suite.emit(args, "row", row)
+
     cfg = suite.write_min_config(tmp, section, "bf16", args.batch, device, seq=args.seq,
-                                 model={"fused_activations": fused})
+                                 model={"fused_activations": fused}, max_grad_norm=F_MAX_GRAD_NORM)
     arch = AlbertConfig(**(suite.ALBERT_TINY if args.tiny else suite.ALBERT_XXLARGE))
     try:
         plan = plan_peak(cfg, arch, world_size=1, num_labels=2, on_gpu=cuda)
         row.update(planned_gb=plan.live_bytes / 1e9, planned_peak_gb=plan.device_peak / 1e9)
     except Exception as exc:  # noqa: BLE001 - the plan's failure is a result of its own
         row["plan_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    emit("planned")
+    pristine: dict[str, Any] = {}
 
     def build():
-        model = suite.build_albert(args.tiny)
+        """The strategy around a copy of the model built once (no second random init of ALBERT)."""
+        if "model" not in pristine:
+            pristine["model"] = suite.build_albert(args.tiny)
+        model = copy.deepcopy(pristine["model"])
         row["numel"] = sum(p.numel() for p in model.parameters())
         row["activations"] = describe_fused(fuse_activations(model)) if fused else "unchanged (HF model as loaded)"
         return suite.setup_strategy(cfg, model, optimizer_name, True, args.tiny)
@@ -141,15 +182,22 @@ def worker_f(suite, args, cuda: bool, device: str, tmp: Path) -> dict[str, Any]:
     strategy = build()
     entry, strategy = suite.train_candidate(cfg, optimizer_name, args, batch=args.batch, offload=True, steps=steps,
                                             warmup=warmup, strategy=strategy)
-    row.update({k: entry.get(k) for k in ("iter_ms", "samples_per_s", "cpu_step_ms", "impl", "loss")})
+    row.update({k: entry.get(k) for k in ("iter_ms", "samples_per_s", "cpu_step_ms", "impl", "loss", "grad_norm")})
     row["measured_gb"], row["measured_reserved_gb"] = entry.get("peak_gpu_gb"), entry.get("peak_gpu_reserved_gb")
-    row["rollbacks"] = getattr(strategy, "rollbacks", None)
+    row.update(offload_counters(strategy), counted_steps=warmup + steps)
+    emit("measured")
     planned, measured = row.get("planned_gb"), row.get("measured_gb")
-    if cuda and planned and measured and abs(planned / measured - 1) > PLAN_MISS:
+    if cuda and planned and measured and abs(planned / measured - 1) > PLAN_MISS and time.perf_counter() < deadline:
         row["snapshot"] = _snapshot_one_step(suite, args, cfg, optimizer_name, strategy, name)
-    row["cap"] = _largest_batch(suite, args, cfg, optimizer_name, strategy, build, cuda,
-                                deadline=started + budget - 20)
-    row["seconds"] = time.perf_counter() - started
+        emit("snapshot")
+
+    def probed(cap: dict[str, Any]) -> None:
+        row["cap"] = cap
+        emit("cap")
+
+    row["cap"] = _largest_batch(suite, args, cfg, optimizer_name, strategy, build, cuda, deadline=deadline,
+                                on_probe=probed)
+    emit("done")
     return row
 
 
@@ -173,12 +221,15 @@ def _snapshot_one_step(suite, args, cfg, optimizer_name: str, strategy, name: st
 
 
 def _largest_batch(suite, args, cfg, optimizer_name: str, strategy, build, cuda: bool,
-                   deadline: float) -> dict[str, Any]:
-    """The largest batch under --cap-gb, doubling then bisecting (gpu_suite.largest_fitting_batch),
-    a fresh strategy after each OOM; stopped at `deadline` (then a lower bound)."""
+                   deadline: float, on_probe=lambda cap: None) -> dict[str, Any]:
+    """The largest batch under --cap-gb, doubling then bisecting (gpu_suite.largest_fitting_batch);
+    stopped at `deadline` (then a lower bound). After an out-of-memory probe our offload abandons
+    the half-done step and the same strategy probes on (its model and pinned masters stay); a
+    DeepSpeed engine is rebuilt (its buffers may be half-built), from the model built once.
+    `on_probe(result)` after every probe: the caller writes it down."""
     import torch
 
-    result: dict[str, Any] = {"cap_gb": args.cap_gb, "complete": True}
+    result: dict[str, Any] = {"cap_gb": args.cap_gb, "complete": True, "probes": []}
     if cuda:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(0).total_memory
@@ -190,6 +241,14 @@ def _largest_batch(suite, args, cfg, optimizer_name: str, strategy, build, cuda:
         if time.perf_counter() > deadline:
             result["complete"] = False
             return False
+        ok = _probe(batch)
+        result["probes"].append((batch, ok))
+        good = [b for b, fit in result["probes"] if fit]
+        result["largest_batch"] = max(good) if good else None
+        on_probe(result)
+        return ok
+
+    def _probe(batch: int) -> bool:
         try:
             if simulated is not None and batch > simulated:
                 raise torch.cuda.OutOfMemoryError(f"simulated: batch {batch} > {simulated}")
@@ -201,10 +260,17 @@ def _largest_batch(suite, args, cfg, optimizer_name: str, strategy, build, cuda:
         except Exception as exc:  # noqa: BLE001
             if not suite.is_oom(exc):
                 raise
-            if state["strategy"] is not None:  # half-way through a step: rebuilt for the next probe
-                suite.release(state["strategy"])
-                state["strategy"].close()
+            current = state["strategy"]
+            if current is not None and hasattr(current, "abandon_step"):
+                current.abandon_step()  # our offload: the same strategy goes on
+            elif current is not None:  # half-way through a DeepSpeed step: rebuilt for the next probe
+                suite.release(current)
+                current.close()
                 state["strategy"] = None
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
             return False
 
     try:
@@ -219,21 +285,37 @@ def _largest_batch(suite, args, cfg, optimizer_name: str, strategy, build, cuda:
 
 
 # ---- the parent's side ---------------------------------------------------------------------------
-def run_part_f(suite, args) -> dict[str, Any]:
-    """Each candidate in its own worker under its own time limit, most important first."""
+def run_part_f(suite, args, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each candidate in its own worker under its own time limit, most important first.
+    `progress` (the caller's, read if this process is stopped) holds the finished rows ("rows")
+    and the rows file of the worker running now ("running")."""
     import argparse
 
     os.environ[OUT_DIR_ENV] = str(Path(args.out).resolve().parent)
-    rows = []
+    progress = {} if progress is None else progress
+    rows = progress.setdefault("rows", [])
     for name in F_ORDER:
         budget = F_BUDGET_S[name] * (4 if args.tiny else 1)  # the CPU dry run is slower than a GPU
-        os.environ[BUDGET_ENV] = str(budget)
         limited = argparse.Namespace(**{**vars(args), "timeout": budget})
+        progress["running"] = (name, suite.worker_files(args, worker_kind(name))[1])
         result = suite.launch_worker(worker_kind(name), limited, F_CANDIDATES[name][3])
+        progress["running"] = None
         if "name" not in result:
             result = {"name": name, **result}
         rows.append(result)
         suite.log(f"f: {name}: {result.get('samples_per_s')} samples/s, peak {result.get('measured_gb')} GB")
+    return {"rows": rows}
+
+
+def partial_f(suite, progress: dict[str, Any]) -> dict[str, Any]:
+    """Part f's result when this process is stopped: the finished rows and what the running
+    worker had written of its row."""
+    rows = list(progress.get("rows", []))
+    running = progress.get("running")
+    if running:
+        name, rows_path = running
+        row = suite.rows_result(rows_path)
+        rows.append({"name": name, **row, "error": f"stopped at the part's time limit (stage {row.get('stage')})"})
     return {"rows": rows}
 
 
@@ -258,28 +340,36 @@ def format_f(r: dict[str, Any], table) -> str:
         return "\n".join(out + [f"failed: {r['error']}"])
     first = next((x for x in rows if x.get("batch")), {})
     out += [f"{first.get('model', 'ALBERT-xxlarge')}, batch {first.get('batch')}, seq {first.get('seq')}, bf16, "
-            f"max_grad_norm 1, one GPU; {first.get('steps')} timed steps after {first.get('warmup')} warm-up. Planned: "
+            f"max_grad_norm {first.get('max_grad_norm', F_MAX_GRAD_NORM):g} (clipping does not fire: each row's median "
+            f"gradient norm is below it), one GPU; {first.get('steps')} timed steps after {first.get('warmup')} warm-up. "
+            "Speculated / rolled back: of those steps, how many the overlapped offload stepped during backward and how "
+            "many of them it undid; hook waits: how often backward's thread waited in the gradient hook for room in "
+            "the copy window (copies_in_flight), and for how long in all. Planned: "
             "strategies/memory_plan.plan_peak before the model is built (live tensors; with the CUDA context and "
             "slack against max_memory_reserved). Largest batch: under a "
             f"{(first.get('cap') or {}).get('cap_gb', 16)} GB cap (set_per_process_memory_fraction).", ""]
     body = []
     for x in rows:
         if x.get("error") and not x.get("iter_ms"):
-            body.append([x.get("name"), "failed", "", "", "", "", "", "", "", str(x["error"])[:300]])
+            body.append([x.get("name"), "failed", "", "", "", "", "", "", "", "", "", str(x["error"])[:300]])
             continue
         cap = x.get("cap") or {}
         largest = cap.get("largest_batch")
         largest_text = "" if largest is None and not cap else (
             f"{largest}" + ("" if cap.get("complete", True) else " (at least: time limit)"))
+        speculation = ("" if x.get("rollbacks") is None else
+                       f"{_fmt(x.get('speculated_steps'))} / {x['rollbacks']} of {_fmt(x.get('counted_steps'))}")
+        waits = "" if x.get("copy_waits") is None else f"{x['copy_waits']} ({x.get('copy_wait_s') or 0.0:.3f} s)"
         body.append([x.get("name"), _fmt(x.get("samples_per_s"), 1), _fmt(x.get("measured_gb")),
                      _fmt(x.get("measured_reserved_gb")), _fmt(x.get("planned_gb")),
                      _vs(x.get("planned_gb"), x.get("measured_gb")),
                      _vs(x.get("planned_peak_gb"), x.get("measured_reserved_gb")),
-                     _fmt(x.get("rollbacks")), largest_text,
-                     "; ".join(s for s in (x.get("plan_error"), x.get("activations"), cap.get("error")) if s)])
+                     _fmt(x.get("grad_norm"), 3), speculation, waits, largest_text,
+                     "; ".join(s for s in (x.get("plan_error"), x.get("activations"), cap.get("error"),
+                                           x.get("error")) if s)])
     out.append(table(["candidate", "samples/s", "peak allocated GB", "peak reserved GB", "planned GB",
-                      "plan vs allocated", "plan (+context, slack) vs reserved", "rollbacks",
-                      "largest batch in cap", "note"], body))
+                      "plan vs allocated", "plan (+context, slack) vs reserved", "grad norm",
+                      "speculated / rolled back", "hook waits", "largest batch in cap", "note"], body))
     by_name = {x.get("name"): x for x in rows}
     ours = by_name.get("lean offload, overlapped (ours)") or {}
     ds = by_name.get("DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam") or {}

@@ -57,6 +57,7 @@ from ft_framework.distributed.rendezvous import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_part_f  # noqa: E402  part f (issue 35), in a file of its own
 from method_clock import MethodClock  # noqa: E402
+from row_log import RowLog, latest_by, read_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "a", "b", "c", "d", "e", "f")
@@ -106,10 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cap-gb", type=float, default=16.0, help="part b: GPU memory cap in GB (default 16)")
     p.add_argument("--max-batch", type=int, default=None, help="part b: upper end of the batch search (default 1024; tiny 64)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched worker / pytest (default 900)")
+    p.add_argument("--tests-k", default=None, metavar="EXPR", help="part tests: only the cases pytest -k EXPR selects")
     # internal: this file re-launched as a worker
     p.add_argument("--worker", choices=("b", "b_cap", "c_zero2", "c_fsdp", "d", "d_cap", "e", "f0", "f1", "f2"),
                    help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--rows-out", type=Path, help=argparse.SUPPRESS)  # the worker's rows as they come
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
 
@@ -248,18 +251,33 @@ def format_tests(r: dict[str, Any]) -> str:
 
 
 def format_a(r: dict[str, Any]) -> str:
-    if r.get("error"):
+    if r.get("error") and not r.get("candidates") and not r.get("bit_equality"):
         return f"## a. Optimizer step\n\nfailed: {r['error']}"
-    out = ["## a. Optimizer step", "",
-           f"{r['numel'] / 1e6:.0f} M fp32 parameters in {r['tensors']} tensors on {r['device']}; "
-           f"median of {r['steps']} steps after {r['warmup']} warm-up steps ({r['timer']}).", ""]
+    out = ["## a. Optimizer step", ""]
+    checks = r.get("bit_equality") or []
+    if checks:
+        out += ["Bit equality after 3 steps against the C++ kernel (scalar level, CPU): theta, m, v (and delta).", ""]
+        out.append(markdown_table(["rule", "state", "impl", "bit-equal"],
+                                  [[x["rule"], x["state"], x["impl"], x.get("error") or ("yes" if x["equal"] else "NO")]
+                                   for x in checks]))
+        equal = sum(1 for x in checks if x.get("equal"))
+        out += ["", f"{equal} of {len(checks)} bit-equal.", ""]
+    out += [f"{r['numel'] / 1e6:.0f} M fp32 parameters in {r['tensors']} tensors on {r['device']}; "
+            f"median of {r['steps']} steps after {r['warmup']} warm-up steps ({r['timer']} around opt.step: the "
+            f"host's work included); kernel ms: the GPU time of the step's kernels alone "
+            f"({r.get('kernel_timer', 'torch.profiler')}, per step).", ""]
     rows = []
     fused = next((c["median_ms"] for c in r["candidates"] if c["name"] == "torch AdamW fused" and c.get("median_ms")), None)
+    fused_kernel = next((c["kernel_ms"] for c in r["candidates"] if c["name"] == "torch AdamW fused" and c.get("kernel_ms")), None)
     for c in r["candidates"]:
         ratio = c["median_ms"] / fused if fused and c.get("median_ms") else None
+        kernel_ratio = c["kernel_ms"] / fused_kernel if fused_kernel and c.get("kernel_ms") else None
         rows.append([c["name"], fmt(c.get("median_ms"), 3), fmt(c.get("min_ms"), 3),
-                     fmt(ratio, 2) + ("x" if ratio else ""), c.get("note", "")])
-    out.append(markdown_table(["candidate", "median ms", "min ms", "vs fused AdamW", "note"], rows))
+                     fmt(ratio, 2) + ("x" if ratio else ""), fmt(c.get("kernel_ms"), 3),
+                     fmt(kernel_ratio, 2) + ("x" if kernel_ratio else ""), fmt(c.get("kernels_per_step"), 1),
+                     c.get("note", "")])
+    out.append(markdown_table(["candidate", "step median ms", "step min ms", "vs fused AdamW", "kernel ms",
+                               "kernels vs fused", "kernels/step", "note"], rows))
     targeted = [c for c in r["candidates"] if c.get("target")]
     for c in targeted:
         if c.get("median_ms") and fused:
@@ -271,14 +289,8 @@ def format_a(r: dict[str, Any]) -> str:
         ratio = ours / fused
         verdict = "meets" if ratio <= TARGET_RATIO else "MISSES"
         out += ["", f"RecAdam / fused AdamW = {ratio:.2f}x: {verdict} the {TARGET_RATIO}x target."]
-    checks = r.get("bit_equality") or []
-    if checks:
-        out += ["", "Bit equality after 3 steps against the C++ kernel (scalar level, CPU): theta, m, v (and delta).", ""]
-        out.append(markdown_table(["rule", "state", "impl", "bit-equal"],
-                                  [[x["rule"], x["state"], x["impl"], x.get("error") or ("yes" if x["equal"] else "NO")]
-                                   for x in checks]))
-        equal = sum(1 for x in checks if x.get("equal"))
-        out += ["", f"{equal} of {len(checks)} bit-equal."]
+    if r.get("error"):
+        out += ["", f"stopped: {r['error']}"]
     return "\n".join(out)
 
 
@@ -417,7 +429,11 @@ def is_oom(exc: BaseException) -> bool:
 # ==================================================================================================
 # Part a: the optimizer step
 # ==================================================================================================
-def part_a(args) -> dict[str, Any]:
+def part_a(args, on_row: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """The rows in the order that keeps the most of a short window: the bit-equality checks first
+    (small tensors, the result that must hold), then the cheap timings, the torch.compile variants
+    last (their compilation can take minutes). `on_row(result)` runs after every row, with the
+    result so far: the parent writes its report then, so a kill keeps every finished row."""
     import torch
 
     from ft_framework.optim import build_optimizer
@@ -429,11 +445,18 @@ def part_a(args) -> dict[str, Any]:
     steps, warmup = args.steps or 20, args.warmup or 5
     sizes = chunk_sizes(args.a_params, args.a_tensors)
     timer = Timer(cuda)
-    gen = torch.Generator(device=device).manual_seed(0)
-    grads = [torch.randn(n, device=device, generator=gen).mul_(1e-3) for n in sizes]
     result: dict[str, Any] = {"numel": sum(sizes), "tensors": len(sizes), "device": str(torch.cuda.get_device_name() if cuda else "cpu"),
                               "steps": steps, "warmup": warmup, "timer": "CUDA events" if cuda else "perf_counter",
-                              "candidates": []}
+                              "kernel_timer": "torch.profiler (CUDA kernels)" if cuda else "none on the CPU",
+                              "candidates": [], "bit_equality": []}
+    on_row(result)
+    for row in check_bits_against_cpu(device, interpret=not cuda):
+        result["bit_equality"].append(row)
+        on_row(result)
+        log(f"a: bits {row}")
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(n, device=device, generator=gen).mul_(1e-3) for n in sizes]
 
     def fresh_params():
         g = torch.Generator(device=device).manual_seed(1)
@@ -461,13 +484,15 @@ def part_a(args) -> dict[str, Any]:
             sync()
             times = [timer.time(step) for _ in range(steps)]
             entry.update(median_ms=median(times), min_ms=min(times))
+            entry.update(kernel_time(step, cuda))
             if entry["first_call_s"] > 5:
                 entry["note"] = (note + f" first call {entry['first_call_s']} s (compilation)").strip()
         except Exception as exc:  # noqa: BLE001 - reported in the table
             entry["note"] = (note + f" not measured: {type(exc).__name__}: {str(exc)[:200]}").strip()
             log(f"a: {name} failed: {exc}")
         result["candidates"].append(entry)
-        log(f"a: {name}: {entry.get('median_ms')}")
+        on_row(result)
+        log(f"a: {name}: {entry.get('median_ms')} ms (kernels {entry.get('kernel_ms')} ms)")
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -483,12 +508,16 @@ def part_a(args) -> dict[str, Any]:
         state = "compact" if compact else "fp32"
         measure(f"RecAdam (ours, impl=triton), {state}", plain(lambda ps, c=compact: recadam(ps, "triton", c)),
                 "one launch per step, the exact program", target)
+    measure("torch AdamW fused", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, fused=True)))
+    for compact in (False, True):
+        state = "compact" if compact else "fp32"
         measure(f"RecAdam (ours, impl=torch), {state}", plain(lambda ps, c=compact: recadam(ps, "torch", c)),
                 "torch._foreach_* ops, the exact program")
-    measure("torch AdamW fused", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, fused=True)))
     measure("torch AdamW foreach", plain(lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.01, foreach=True)))
-    if not args.no_compile:
+    if not args.no_compile:  # last: compiling can take longer than the rest together
         result["candidates"].append(compiled_opt_step(recadam, fresh_params, timer, steps))
+        on_row(result)
+        log(f"a: {result['candidates'][-1]['name']}: {result['candidates'][-1].get('note')}")
 
         def compiled_kernel():
             from ft_framework.optim.torch_step import foreach_step
@@ -511,8 +540,25 @@ def part_a(args) -> dict[str, Any]:
         measure("RecAdam math, torch.compile, coefficients as a tensor", lambda: compiled_tensor_coefficients(recadam(fresh_params())),
                 "each step's coefficients copied into a device tensor (lr changes never recompile); inductor's own "
                 "rounding (FMA contraction): not the exact program")
-    result["bit_equality"] = check_bits_against_cpu(device, interpret=not cuda)
     return result
+
+
+def kernel_time(step: Callable[[], Any], cuda: bool, repeats: int = 3) -> dict[str, Any]:
+    """The GPU time of the kernels one `step` launches (torch.profiler's CUDA activity, summed over
+    every kernel and copy of `repeats` steps, per step) and how many it launches: the step's time
+    less what the host spends around them (Python, checks, the launch itself). None on the CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not cuda:
+        return {"kernel_ms": None, "kernels_per_step": None}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        sync()
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    total_us = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) for e in events)
+    return {"kernel_ms": total_us / 1e3 / repeats, "kernels_per_step": sum(e.count for e in events) / repeats}
 
 
 def compiled_tensor_coefficients(opt) -> Callable[[], Any]:
@@ -563,9 +609,10 @@ BIT_CHECK_RULES = {
 }
 
 
-def check_bits_against_cpu(device, interpret: bool) -> list[dict[str, Any]]:
+def check_bits_against_cpu(device, interpret: bool):
     """3 steps of every rule, fp32 and compact state, on `device` with impl triton and torch, against
-    the C++ kernel's scalar level on the CPU: whether every stored bit (theta, m, v, delta) is equal.
+    the C++ kernel's scalar level on the CPU: whether every stored bit (theta, m, v, delta) is equal,
+    one row at a time as each check ends (a generator).
     Tensors of 1, 7, 65537 and 3 elements (a chunk boundary inside one). On the dry run the Triton
     program runs in the interpreter."""
     import torch
@@ -591,7 +638,6 @@ def check_bits_against_cpu(device, interpret: bool) -> list[dict[str, Any]]:
     def bits(t):
         return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
-    rows = []
     level = cpu_kernel.simd_level()
     cpu_kernel.set_simd_level("scalar")
     try:
@@ -605,11 +651,9 @@ def check_bits_against_cpu(device, interpret: bool) -> list[dict[str, Any]]:
                         row["equal"] = all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want))
                     except Exception as exc:  # noqa: BLE001 - reported in the table
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-                    rows.append(row)
-                    log(f"a: bits {row}")
+                    yield row
     finally:
         cpu_kernel.set_simd_level(level)
-    return rows
 
 
 def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> dict[str, Any]:
@@ -642,7 +686,6 @@ def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> d
                          note=f"compiled once ({graphs[-1]} graphs), first call {seconds[0]:.1f} s")
     except Exception as exc:  # noqa: BLE001
         entry["note"] = f"not measured: {type(exc).__name__}: {str(exc)[:200]}"
-    log(f"a: {entry['name']}: {entry.get('median_ms')} {entry.get('note')}")
     return entry
 
 
@@ -650,7 +693,7 @@ def compiled_opt_step(make_recadam, fresh_params, timer: Timer, steps: int) -> d
 # Parts b and c: workers under a launcher (world size 1)
 # ==================================================================================================
 def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch: int, device: str,
-                     seq: int | None = None, model: dict[str, Any] | None = None):
+                     seq: int | None = None, model: dict[str, Any] | None = None, max_grad_norm: float = 1.0):
     """A RunConfig through the public loader (its model/data sections are not used here)."""
     import yaml
 
@@ -663,7 +706,7 @@ def write_min_config(tmp: Path, strategy: dict[str, Any], precision: str, batch:
            "data": {"task": "sst2", "source": "builtin:quickstart", **({"max_seq_length": seq} if seq else {})},
            "schedule": {"name": "constant", "warmup_steps": 0},
            "training": {"max_steps": 10, "per_device_batch_size": batch, "precision": precision,
-                        "device": device, "max_grad_norm": 1.0},
+                        "device": device, "max_grad_norm": max_grad_norm},
            "strategy": strategy,
            "logging": {"output_dir": str(tmp / "out"), "progress_bar": False}}
     path = tmp / f"bench_{os.getpid()}.yaml"
@@ -731,10 +774,12 @@ def setup_strategy(cfg, model, optimizer_name: str, offload: bool, tiny: bool):
 
 def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool, steps: int, warmup: int,
                     strategy=None) -> tuple[dict[str, Any], Any]:
-    """Builds (unless given) and times `steps` iterations (forward, backward, clip_and_step)."""
+    """Builds (unless given) and times `steps` iterations (forward, backward, clip_and_step at the
+    config's training.max_grad_norm); the median gradient norm is in the entry."""
     import torch
 
     cuda = torch.cuda.is_available() and not args.tiny
+    max_grad_norm = cfg.training.max_grad_norm
     entry: dict[str, Any] = {"name": optimizer_name, "batch": batch}
     if strategy is None:
         model = build_albert(args.tiny)
@@ -750,7 +795,7 @@ def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool
     data = make_batch(batch, args.seq, vocab, strategy.device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    iters, step_ms, cpu_ms = [], [], []
+    iters, step_ms, cpu_ms, norms = [], [], [], []
     for i in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
@@ -760,7 +805,7 @@ def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool
         sync()
         t1 = time.perf_counter()
         clock.take()
-        strategy.clip_and_step(1.0)
+        norm = strategy.clip_and_step(max_grad_norm)
         sync()
         t2 = time.perf_counter()
         cpu = clock.take() * 1e3
@@ -768,10 +813,12 @@ def train_candidate(cfg, optimizer_name: str, args, *, batch: int, offload: bool
             iters.append((t2 - t0) * 1e3)
             step_ms.append((t2 - t1) * 1e3)
             cpu_ms.append(cpu)
+            norms.append(float(norm))
     it = median(iters)
     entry.update(iter_ms=it, step_ms=median(step_ms), cpu_step_ms=median(cpu_ms) if offload else None,
                  cpu_share=(median(cpu_ms) / it) if offload and it else None,
-                 samples_per_s=batch / it * 1e3 if it else None, loss=float(loss.detach().float()))
+                 samples_per_s=batch / it * 1e3 if it else None, loss=float(loss.detach().float()),
+                 grad_norm=median(norms))
     if cuda:
         entry["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
         entry["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
@@ -793,6 +840,25 @@ def release(strategy) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def emit(args, key: str, value: Any) -> None:
+    """A worker's finished row, on disk at once (--rows-out): `key` names the list of the worker's
+    result it belongs to, or "row" for a worker whose result is one row written again as it grows
+    (part f); the parent rebuilds the result from these when the worker did not end (rows_result)."""
+    if args.rows_out is not None:
+        RowLog(args.rows_out).append({"key": key, "value": value})
+
+
+def rows_result(path: Path) -> dict[str, Any]:
+    """A worker's result rebuilt from its rows (emit): lists in order, the last "row" merged."""
+    data: dict[str, Any] = {}
+    for record in read_rows(path):
+        if record.get("key") == "row":
+            data.update(record.get("value") or {})
+        else:
+            data.setdefault(record.get("key"), []).append(record.get("value"))
+    return data
 
 
 def worker(args) -> dict[str, Any]:
@@ -847,6 +913,7 @@ def worker(args) -> dict[str, Any]:
             if cuda:
                 torch.cuda.empty_cache()
         out["candidates"].append(entry)
+        emit(args, "candidates", entry)
         log(f"{args.worker}: {name}: {entry.get('iter_ms')} ms/iter")
     if args.worker == "b_cap":
         out.update(batch_search(cfg, args, steps=2, cuda=cuda))
@@ -893,6 +960,7 @@ def worker_d(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) 
         except Exception as exc:  # noqa: BLE001 - reported in the table
             entry = {"name": name, "error": failure(exc, cuda), "iter_ms": None}
         out["candidates"].append(entry)
+        emit(args, "candidates", entry)
         log(f"{args.worker}: {name}: {entry.get('iter_ms')} ms/iter")
     return out
 
@@ -953,6 +1021,7 @@ def worker_e(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) 
         except Exception as exc:  # noqa: BLE001 - reported in the table
             entry["error"] = failure(exc, cuda)
         out["cases"].append(entry)
+        emit(args, "cases", entry)
         log(f"e: {name}: planned {entry.get('planned_gb')} GB, measured {entry.get('measured_gb')} GB")
     return out
 
@@ -1041,9 +1110,25 @@ def stop_workers_and_exit(signum, frame) -> None:
     raise SystemExit(124)
 
 
+# A worker's wall-clock deadline (time.time()), set by the parent at launch: its time limit counts
+# from before the launcher and the imports, which the worker cannot see from inside.
+DEADLINE_ENV = "GPU_SUITE_WORKER_DEADLINE"
+
+
+def worker_files(args, kind: str) -> tuple[Path, Path]:
+    """Where worker `kind` streams its output and appends its rows: beside the report (--out), so a
+    kill of the worker, or of this process, leaves both."""
+    out = Path(args.out)
+    return out.with_name(f"{out.stem}_{kind}.log"), out.with_name(f"{out.stem}_{kind}.rows.jsonl")
+
+
 def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
-    """Runs this file as a --worker under `launcher` (deepspeed / torchrun), world size 1."""
+    """Runs this file as a --worker under `launcher` (deepspeed / torchrun), world size 1, within
+    args.timeout seconds. Its output streams to a log file and its rows to a rows file as they come
+    (worker_files); when it ends without its result, the result is rebuilt from its rows."""
     out_json = Path(tempfile.mkdtemp(prefix="gpu_suite_w_")) / f"{kind}.json"
+    log_path, rows_path = worker_files(args, kind)
+    rows_path.unlink(missing_ok=True)
     script = str(Path(__file__).resolve())
     port = str(free_port())
     if launcher == "deepspeed":
@@ -1052,8 +1137,9 @@ def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
         cmd = [*prefix, "--num_gpus", "1", "--master_port", port, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", port, script]
-    cmd += ["--worker", kind, "--worker-out", str(out_json), "--batch", str(args.batch), "--seq", str(args.seq),
-            "--cap-gb", str(args.cap_gb), "--max-batch", str(args.max_batch)]
+    cmd += ["--worker", kind, "--worker-out", str(out_json), "--rows-out", str(rows_path), "--out", str(args.out),
+            "--batch", str(args.batch), "--seq", str(args.seq), "--cap-gb", str(args.cap_gb),
+            "--max-batch", str(args.max_batch)]
     for flag, value in (("--steps", args.steps), ("--warmup", args.warmup)):
         if value is not None:
             cmd += [flag, str(value)]
@@ -1061,54 +1147,74 @@ def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
         cmd.append("--tiny")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env[DEADLINE_ENV] = repr(time.time() + args.timeout)
     if args.tiny:
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
-    log(f"launching {kind}: {shlex.join(cmd)}")
+    log(f"launching {kind} (limit {args.timeout} s, output {log_path}): {shlex.join(cmd)}")
     t0 = time.perf_counter()
-    # A session of its own: at the time limit the whole tree goes (the launcher's worker and a
-    # JIT compiler under it too), so no orphan holds GPU memory while the next part measures.
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    RUNNING_WORKERS.add(proc.pid)
-    try:
-        stdout, stderr = proc.communicate(timeout=args.timeout)
-        tail = (stdout + stderr)[-3000:]
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        tail, rc = f"timeout after {args.timeout}s: {(stdout + stderr)[-2000:]}", -1
-    finally:
-        RUNNING_WORKERS.discard(proc.pid)
+    with open(log_path, "w", buffering=1) as log_file:
+        # A session of its own: at the time limit the whole tree goes (the launcher's worker and a
+        # JIT compiler under it too), so no orphan holds GPU memory while the next part measures.
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        RUNNING_WORKERS.add(proc.pid)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+            note = ""
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc, note = -1, f"timeout after {args.timeout}s: "
+        finally:
+            RUNNING_WORKERS.discard(proc.pid)
+    tail = note + log_path.read_text(errors="replace")[-3000:]
     log(f"{kind}: exit {rc} after {time.perf_counter() - t0:.0f} s")
     if out_json.is_file():
         data = json.loads(out_json.read_text())
         if rc != 0:
             data.setdefault("error", f"worker exit code {rc}: {tail[-600:]}")
         return data
-    return {"error": f"worker exit code {rc}, no result; log tail: {tail[-1500:]}", "candidates": []}
+    data = rows_result(rows_path)
+    data["error"] = f"worker exit code {rc}, ended before its result (its finished rows are kept); log tail: {tail[-1500:]}"
+    data.setdefault("candidates", [])
+    return data
 
 
 # ==================================================================================================
 # The tests part
 # ==================================================================================================
-def part_tests(args) -> dict[str, Any]:
+def part_tests(args, log_path: Path) -> dict[str, Any]:
+    """`pytest tests/gpu` (with --tests-k, only those cases), its output streamed to `log_path` as it
+    comes and each launch's output beside it (FT_GPU_TESTS_LOG_DIR)."""
     import re
 
     cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-ra", "-q", "-p", "no:cacheprovider"]
-    env = dict(os.environ)
+    if args.tests_k:
+        cmd += ["-k", args.tests_k]
+    env = dict(os.environ, FT_GPU_TESTS_LOG_DIR=str(log_path.parent), PYTHONUNBUFFERED="1")
     if args.tiny:
         env.update(FT_GPU_TESTS_DEVICE="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-        text, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text, rc = f"TIMEOUT after {args.timeout}s\n{exc.stdout or ''}", -1
+    with open(log_path, "w", buffering=1) as log_file:
+        # A session of its own, which its launches share: a time limit ends them all.
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        RUNNING_WORKERS.add(proc.pid)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            log_file.write(f"\nTIMEOUT after {args.timeout}s\n")
+            rc = -1
+        finally:
+            RUNNING_WORKERS.discard(proc.pid)
+    text = log_path.read_text(errors="replace")
     result = {"command": ("FT_GPU_TESTS_DEVICE=cpu " if args.tiny else "") + shlex.join(cmd[2:]).replace("pytest", "python -m pytest", 1),
-              "returncode": rc, "seconds": time.perf_counter() - t0, "log": text}
+              "returncode": rc, "seconds": time.perf_counter() - t0, "log": str(log_path)}
+    last = [line for line in text.splitlines() if line.strip()][-1:] or [""]
     for key in ("passed", "failed", "skipped", "errors", "error"):
-        m = re.search(rf"(\d+) {key}\b", text.splitlines()[-1] if text.strip() else "")
+        m = re.search(rf"(\d+) {key}\b", last[0])
         if m:
             result["errors" if key == "error" else key] = int(m.group(1))
     lines = text.splitlines()
@@ -1140,66 +1246,120 @@ def main(argv: list[str] | None = None) -> int:
     v = versions()
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    sections: list[str] = []
+    sections: dict[str, str] = {}
     raw: dict[str, Any] = {"versions": v, "command": command}
+    # The part running now and what it has finished, read if this process is stopped (SIGTERM at a
+    # part's time limit: stop_workers_and_exit raises SystemExit here) to write the report it had.
+    running: dict[str, Any] = {"part": None, "workers": [], "f": {}}
 
     def write() -> str:
         footer = f"\n_Total wall time: {time.perf_counter() - started:.0f} s._\n"
-        text = build_report(report_header(v, command, args.tiny), sections) + footer
+        text = build_report(report_header(v, command, args.tiny), list(sections.values())) + footer
         out_path.write_text(text)
         out_path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
         return text
 
-    if "tests" in args.only:
-        log("tests: pytest tests/gpu")
-        r = part_tests(args)
-        out_path.with_name(out_path.stem + "_tests.log").write_text(r.pop("log"))
-        raw["tests"] = r
-        sections.append(format_tests(r))
+    def run_worker(kind: str, launcher: str) -> dict[str, Any]:
+        running["workers"].append(kind)
+        return launch_worker(kind, args, launcher)
+
+    def start(part: str) -> None:
+        running.update(part=part, workers=[])
+        log(f"{part}: started")
+
+    try:
+        if "tests" in args.only:
+            start("tests")
+            r = part_tests(args, out_path.with_name(out_path.stem + "_tests.log"))
+            raw["tests"] = r
+            sections["tests"] = format_tests(r)
+            write()
+        if "a" in args.only:
+            start("a")
+
+            def on_row(result: dict[str, Any]) -> None:
+                raw["a"] = result
+                sections["a"] = format_a(result)
+                write()
+                log(f"a: {len(result['bit_equality']) + len(result['candidates'])} rows on disk")
+            try:
+                part_a(args, on_row)
+            except Exception as exc:  # noqa: BLE001 - the rows before it stay
+                log(f"a: failed: {exc}")
+                on_row(dict(raw.get("a") or {"candidates": [], "bit_equality": []},
+                            error=f"{type(exc).__name__}: {exc}"))
+        if "b" in args.only:
+            start("b")
+            b = run_worker("b", "deepspeed")
+            b_cap = run_worker("b_cap", "deepspeed")
+            raw["b"], raw["b_cap"] = b, b_cap
+            sections["b"] = format_b(b, b_cap)
+            write()
+        if "c" in args.only:
+            start("c")
+            c = {"DeepSpeed ZeRO-2": run_worker("c_zero2", "deepspeed"),
+                 "FSDP2 (bf16 mixed precision)": run_worker("c_fsdp", "torchrun")}
+            raw["c"] = c
+            sections["c"] = format_c(c)
+            write()
+        if "d" in args.only:
+            start("d")
+            d = run_worker("d", "deepspeed")
+            # A --tiny run has no GPU memory to cap: the capped run would repeat the one above.
+            d_cap = None if args.tiny else run_worker("d_cap", "deepspeed")
+            raw["d"], raw["d_cap"] = d, d_cap
+            sections["d"] = format_d(d, d_cap)
+            write()
+        if "e" in args.only:
+            start("e")
+            e = run_worker("e", "deepspeed")
+            raw["e"] = e
+            sections["e"] = format_e(e)
+            write()
+        if "f" in args.only:
+            start("f")
+            f = gpu_part_f.run_part_f(sys.modules[__name__], args, running["f"])
+            raw["f"] = f
+            sections["f"] = gpu_part_f.format_f(f, markdown_table)
+            write()
+        running["part"] = None
+    except SystemExit:
+        write_stopped_part(running, raw, sections, args)
         write()
-    if "a" in args.only:
-        log("a: optimizer step")
-        try:
-            r = part_a(args)
-        except Exception as exc:  # noqa: BLE001
-            r = {"error": f"{type(exc).__name__}: {exc}"}
-        raw["a"] = r
-        sections.append(format_a(r))
-        write()
-    if "b" in args.only:
-        b = launch_worker("b", args, "deepspeed")
-        b_cap = launch_worker("b_cap", args, "deepspeed")
-        raw["b"], raw["b_cap"] = b, b_cap
-        sections.append(format_b(b, b_cap))
-        write()
-    if "c" in args.only:
-        c = {"DeepSpeed ZeRO-2": launch_worker("c_zero2", args, "deepspeed"),
-             "FSDP2 (bf16 mixed precision)": launch_worker("c_fsdp", args, "torchrun")}
-        raw["c"] = c
-        sections.append(format_c(c))
-        write()
-    if "d" in args.only:
-        d = launch_worker("d", args, "deepspeed")
-        # A --tiny run has no GPU memory to cap: the capped run would repeat the one above.
-        d_cap = None if args.tiny else launch_worker("d_cap", args, "deepspeed")
-        raw["d"], raw["d_cap"] = d, d_cap
-        sections.append(format_d(d, d_cap))
-        write()
-    if "e" in args.only:
-        e = launch_worker("e", args, "deepspeed")
-        raw["e"] = e
-        sections.append(format_e(e))
-        write()
-    if "f" in args.only:
-        f = gpu_part_f.run_part_f(sys.modules[__name__], args)
-        raw["f"] = f
-        sections.append(gpu_part_f.format_f(f, markdown_table))
-        write()
+        log(f"stopped in part {running['part']}: {out_path} holds every row it finished")
+        raise
     text = write()
     print(text)
     log(f"wrote {out_path} (and {out_path.with_suffix('.json')})")
     failed_tests = raw.get("tests", {}).get("returncode", 0) not in (0, None)
     return 1 if failed_tests else 0
+
+
+def write_stopped_part(running: dict[str, Any], raw: dict[str, Any], sections: dict[str, str], args) -> None:
+    """The section of the part that was stopped, from what it had written down: part a's rows are
+    in already (written as they came); part f's finished rows and the running worker's row;
+    another part's workers' rows files, listed row by row."""
+    part = running.get("part")
+    if part is None or part == "a":
+        return
+    if part == "f":
+        raw["f"] = gpu_part_f.partial_f(sys.modules[__name__], running["f"])
+        sections["f"] = gpu_part_f.format_f(raw["f"], markdown_table)
+        return
+    lines = [f"## {part}: stopped at its time limit", ""]
+    if part == "tests":
+        log_path = Path(args.out).with_name(Path(args.out).stem + "_tests.log")
+        tail = log_path.read_text(errors="replace")[-3000:] if log_path.is_file() else ""
+        lines += [f"pytest's output so far: `{log_path}`; it ends:", "", "```", tail.strip(), "```"]
+    for kind in running.get("workers", []):
+        rows = rows_result(worker_files(args, kind)[1])
+        raw.setdefault("stopped", {})[kind] = rows
+        lines += [f"worker {kind}: rows finished before the stop:", ""]
+        for key, value in rows.items():
+            for row in value if isinstance(value, list) else [value]:
+                lines.append(f"- {key}: `{json.dumps(row, default=str)[:600]}`")
+        lines.append("")
+    sections[part] = "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,8 @@ def test_part_f_table_and_targets():
     ours = {"name": "lean offload, overlapped (ours)", "batch": 32, "seq": 128, "steps": 3, "warmup": 1,
             "model": "ALBERT-xxlarge", "samples_per_s": 60.0, "measured_gb": 7.0, "measured_reserved_gb": 8.0,
             "planned_gb": 7.2, "planned_peak_gb": 8.1, "rollbacks": 2, "cap": {"cap_gb": 16, "largest_batch": 96},
+            "speculated_steps": 4, "counted_steps": 4, "copy_waits": 3, "copy_wait_s": 0.012, "grad_norm": 12.5,
+            "max_grad_norm": 1e9,
             "activations": "12 gelu_new module(s) -> fused tanh GELU"}
     ds = {"name": "DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam", "batch": 32, "samples_per_s": 50.0,
           "measured_gb": 14.0, "measured_reserved_gb": 15.0, "planned_gb": 11.0, "planned_peak_gb": 12.0,
@@ -243,6 +246,7 @@ def test_part_f_table_and_targets():
     assert "largest batch: ours / DeepSpeed = 2.40 (target >= 1.5: met)" in text
     assert "f_snapshot_DeepSpeed_f2.pickle" in text and "| /m/modeling_albert.py:10 (forward) | 9.000 | 36" in text
     assert "| lean offload, serial (ours) | failed" in text and "timeout" in text
+    assert "| 12.500 | 4 / 2 of 4 | 3 (0.012 s) |" in text and "max_grad_norm 1e+09" in text
 
 
 @pytest.mark.slow
@@ -257,8 +261,50 @@ def test_part_f_tiny_smoke_run(tmp_path):
         assert not r.get("error") and not r.get("plan_error") and r["iter_ms"] > 0 and r["planned_gb"] > 0, r
         assert r["cap"]["largest_batch"] == 16 and r["cap"]["complete"], r
         assert ("fused tanh GELU" in r["activations"]) == ("ours" in name), r
-    assert rows["lean offload, overlapped (ours)"]["rollbacks"] is not None
+    ours = rows["lean offload, overlapped (ours)"]
+    # clipping that does not fire: every step of the overlapped offload speculated, none rolled back
+    assert ours["grad_norm"] < ours["max_grad_norm"] and ours["rollbacks"] == 0, ours
+    assert ours["speculated_steps"] == ours["counted_steps"] > 0, ours
+    assert rows["DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam"]["speculated_steps"] is None
     assert "## f. The device-lean offload" in (tmp_path / "f.md").read_text()
+    part_f = load_benchmark("gpu_part_f")
+    for name in rows:  # each worker's rows file ends with its finished row
+        rows_file = tmp_path / f"f_{part_f.worker_kind(name)}.rows.jsonl"
+        last = [json.loads(line) for line in rows_file.read_text().splitlines()][-1]
+        assert last["value"]["stage"] == "done" and last["value"]["iter_ms"] == rows[name]["iter_ms"]
+
+
+@pytest.mark.slow
+def test_part_f_stopped_by_its_time_limit_keeps_the_running_workers_measured_row(tmp_path):
+    """SIGTERM to part f (what `timeout` sends at benchmarks/gpu_run_next.sh's limit) once its
+    first worker has measured batch 32, during its batch search: the worker's whole process group
+    goes, and the report holds the row with its samples/s and peak as measured, marked stopped."""
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "part_f.md"
+    rows_file = tmp_path / "part_f_f0.rows.jsonl"
+    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", "f",
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            cwd=REPO)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            if rows_file.is_file() and '"stage": "measured"' in rows_file.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "part f ended before its first worker measured"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 124
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    raw = json.loads(out.with_suffix(".json").read_text())["f"]
+    row = raw["rows"][0]
+    assert row["name"] == "lean offload, overlapped (ours)" and row["iter_ms"] > 0 and row["samples_per_s"] > 0
+    assert "stopped at the part's time limit" in row["error"]
+    report = re.sub(r" +", " ", out.read_text())
+    assert f"| lean offload, overlapped (ours) | {row['samples_per_s']:.1f} " in report
 
 
 def test_the_next_gpu_run_script_parses_and_runs_f_then_a_with_limits():
@@ -283,3 +329,41 @@ def test_k_selects_the_cases_the_launches_run(selection):
     plan = next(line for line in out.stdout.splitlines() if line.startswith("gpu launches:"))
     expected = "python: single_offload_lean" if selection[1] == "single_offload_lean" else "deepspeed: zero2_offload"
     assert plan == f"gpu launches: {expected}", plan
+
+
+@pytest.mark.slow
+def test_part_a_checks_bits_first_and_a_kill_keeps_every_finished_row(tmp_path):
+    """Part a's dry run, SIGKILLed at a random moment after its first rows: the rows come in the
+    order that keeps the most of a short window (every bit-equality check before any timing,
+    the torch.compile variants last), and every row the run said it had written is in its report
+    and its JSON on disk."""
+    import random
+    import signal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "part_a.md"
+    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", "a",
+                             "--steps", "1", "--warmup", "1", "--out", str(out)], stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    kill_after = random.Random().randint(1, 12)
+    seen = 0
+    try:
+        for line in proc.stderr:
+            m = re.search(r"\] a: (\d+) rows on disk", line)
+            if m:
+                seen = int(m.group(1))
+                if seen >= kill_after:
+                    break
+        time.sleep(random.Random().uniform(0, 0.5))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert seen >= kill_after, f"the dry run ended before {kill_after} rows ({seen})"
+    raw = json.loads(out.with_suffix(".json").read_text())["a"]
+    rows = len(raw["bit_equality"]) + len(raw["candidates"])
+    assert rows >= seen
+    assert raw["bit_equality"] and all(x.get("equal") for x in raw["bit_equality"]), raw["bit_equality"]
+    assert not raw["candidates"] or len(raw["bit_equality"]) == 16  # every check before the first timing
+    report = out.read_text()
+    assert report.count("| yes") == len(raw["bit_equality"])
+
