@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ft_framework.errors import UserError
 from ft_framework.run.allocator import set_host_allocator_policy
-from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, report_failure
+from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, print_user_error, report_failure
 from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, RunPaths
 from ft_framework.run.results import format_results_table
 
@@ -138,8 +138,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
             spec.runner = type(spec.runner).model_validate({**spec.runner.model_dump(), **updates})
         planned = plan_sweep(spec, args.overrides, args.output_dir)
     except (ConfigError, ValueError) as exc:
-        print(f"ft-sweep: {exc}", file=sys.stderr)
-        return 2
+        return print_user_error("ft-sweep", exc)
     store, runs = planned
     if args.dry_run:
         try:
@@ -151,8 +150,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         result = run_sweep(spec, args.overrides, output_dir=store.root, runner=make_runner(spec.runner),
                            progress=not args.no_progress, planned=planned)
     except (SweepLockedError, UserError) as exc:  # UserError: the slurm runner's (sbatch missing, failing)
-        print(f"ft-sweep: {exc}", file=sys.stderr)
-        return 2
+        return print_user_error("ft-sweep", exc)
     except KeyboardInterrupt as exc:
         print(f"\nft-sweep: interrupted; finished runs are kept in {store.root}. Run the same command again "
               "to run the rest.", file=sys.stderr)
@@ -194,12 +192,8 @@ def report_main(argv: list[str] | None = None) -> int:
         report = build_report(args.directory, bootstrap_samples=args.bootstrap_samples,
                               forgetting_measure=args.forgetting_measure, reference_method=args.reference_method,
                               matched_fraction=args.matched_fraction)
-    except FileNotFoundError as exc:
-        print(f"ft-report: {exc}", file=sys.stderr)
-        return 2
-    except UserError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    except (FileNotFoundError, UserError) as exc:
+        return print_user_error("ft-report", exc)
     print(report.markdown())
     out_dir = Path(args.out or args.directory)
     written = report.write(out_dir) + ([] if args.no_plots else write_plots(report, out_dir / REPORT_PLOTS_DIR))
@@ -236,8 +230,7 @@ def interpolate_main(argv: list[str] | None = None) -> int:
         out = run_interpolation(args.run_dir, args.alphas, device=args.device, theta_star=args.theta_star,
                                 plot=not args.no_plot)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"ft-interpolate: {exc}", file=sys.stderr)
-        return 2
+        return print_user_error("ft-interpolate", exc)
     print(format_table(out))
     print(f"\nwrote {out['run_dir']}/interpolation.json" + ("" if args.no_plot else " and interpolation.png"))
     return 0
@@ -281,8 +274,7 @@ def export_main(argv: list[str] | None = None) -> int:
                               replace="always" if args.overwrite else "never")
             print(f"exported {checkpoint} to {args.out}")
     except UserError as exc:
-        print(f"ft-export: error: {exc}", file=sys.stderr)
-        return 2
+        return print_user_error("ft-export", exc)
     return 0
 
 

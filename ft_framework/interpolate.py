@@ -53,7 +53,8 @@ from ft_framework.metrics import compute_metrics
 from ft_framework.models.forgetting import FORGETTING_MEASURES, build_probe
 from ft_framework.models.loading import load_model, load_tokenizer
 from ft_framework.models.lora import apply_lora, merged_copy
-from ft_framework.path_containment import links_leading_out
+from ft_framework.models.hub import NO_REMOTE_CODE
+from ft_framework.user_files import open_binary, read_json, refused_entries
 from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
                                     LATEST_FILE, RunPaths)
 from ft_framework.run.tracking import log_artifacts_to_run
@@ -96,7 +97,7 @@ def load_run(run_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     path = RunPaths(run_dir).results
     if not path.is_file():
         raise InterpolationError(f"{run_dir} has no results.json: not a finished run's output directory")
-    results = json.loads(path.read_text())
+    results = read_json(path, root=run_dir, entry="results.json")  # a regular file, bounded, an object
     data = results.get("config")
     if not isinstance(data, dict):
         raise InterpolationError(f"{path} holds no config")
@@ -113,7 +114,8 @@ def _load_tensors(path: Path) -> Any:
     """A torch file read as data (weights_only: tensors, containers, numbers, strings); a file that
     would need unpickling of anything else (code) is refused in one line."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open_binary(path, root=path.parent) as f:  # a regular file inside its checkpoint
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise InterpolationError(f"{path} holds objects other than tensors and plain data, which are never "
                                  "unpickled (they could run code): it is not a file ft_framework wrote") from exc
@@ -139,9 +141,9 @@ def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
 
 
 def _refuse_links_out(directory: Path) -> Path:
-    """`directory` when no symlink in it leads out of it (path_containment.py): checked before
-    anything in it is opened."""
-    escaped = links_leading_out(directory) if Path(directory).is_dir() else []
+    """`directory` when no symlink in it leads out of it (path_containment.py) and nothing in it is a
+    named pipe or a device (user_files.py): checked before anything in it is opened."""
+    escaped = refused_entries(directory) if Path(directory).is_dir() else []
     if escaped:
         raise InterpolationError(f"{directory}: {escaped[0]}")
     return directory
@@ -213,7 +215,7 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
         _refuse_links_out(Path(exported))
         from transformers import AutoModelForSequenceClassification
 
-        loaded = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32)
+        loaded = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32, **NO_REMOTE_CODE)
         return loaded.state_dict(), None, f"export {exported}"
     if reported == "best":
         best = _refuse_links_out(paths.best_checkpoint)
@@ -226,7 +228,13 @@ def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], mode
             directory = _refuse_links_out(resolve_latest(paths.latest_checkpoint))
         except CheckpointError as exc:
             raise InterpolationError(str(exc)) from exc
-        step = int(json.loads((directory / COMPLETE_MARKER).read_text()).get("step", -1))
+        try:  # a regular file inside the checkpoint (a named pipe there would block the read)
+            marker = read_json(directory / COMPLETE_MARKER, root=directory, entry=f"the {COMPLETE_MARKER} marker")
+        except UserError as exc:
+            raise InterpolationError(f"checkpoint {directory}: {exc}") from exc
+        step = marker.get("step", -1)
+        if type(step) is not int:
+            raise InterpolationError(f"checkpoint {directory}: its {COMPLETE_MARKER} marker records no step")
         if step == results.get("steps"):
             state, anchors = _checkpoint_model_state(directory)
             return _plain_state(state, cfg, model), anchors, str(directory)

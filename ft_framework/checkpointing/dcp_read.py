@@ -24,9 +24,11 @@ Python; the objects it admits include torch's private `_StorageInfo`, `_MEM_FORM
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import io
+import math
 import pathlib
 import pickle
 import re
@@ -36,12 +38,19 @@ from typing import Any
 import torch
 
 from ft_framework.checkpointing.manifest import CheckpointFormatError
+from ft_framework.errors import UserError, quoted, shortened
 from ft_framework.path_containment import NameOutsideError, resolve_inside
+from ft_framework.user_files import MissingFile, file_size, open_binary, read_bytes
 
-__all__ = ["DCP_METADATA", "checkpoint_reader", "read_bytes_as_data", "read_metadata", "read_whole_checkpoint"]
+__all__ = ["DCP_METADATA", "check_claimed_bytes", "checkpoint_reader", "read_bytes_as_data", "read_metadata",
+           "read_whole_checkpoint"]
 
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint indexes a checkpoint's chunks in
 CHECKED_TORCH = "2.13"      # the torch version whose private names below were read and checked
+# The most bytes a `.metadata` may hold: a saved chunk's entry is about 100 bytes, so this is about
+# 2.5 million chunks (a model of 400 tensors in 5 fields saved by 1,000 ranks has 2 million). Python's
+# own unpickler, which reads it (see _MetadataUnpickler), reads about 6 MB/s on a 2-core Xeon.
+METADATA_LIMIT = 256 << 20
 
 
 def _import(module: str, name: str) -> Any:
@@ -90,8 +99,33 @@ class _RefusedGlobal(pickle.UnpicklingError):
         self.qualified = f"{module}.{name}"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves only the allow-listed globals; refuses any other before it is imported or called."""
+class _RefusedBuild(pickle.UnpicklingError):
+    """A BUILD (or an append, or an item set) on what is not a plain instance of an allowed class."""
+
+    def __init__(self, opcode: str, target: Any):
+        kind = type(target)
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        what = f"the class {target.__module__}.{target.__qualname__}" if isinstance(target, type) else (
+            f"a {name}" if not callable(target) else f"the callable {getattr(target, '__qualname__', name)}")
+        super().__init__(f"{opcode} on {what}")
+        self.opcode, self.what = opcode, what
+
+
+@functools.cache
+def _built_classes() -> frozenset[type]:
+    """The classes whose instances a `.metadata` may set the state of (BUILD): the allowed classes."""
+    return frozenset(v for v in _metadata_globals().values() if isinstance(v, type))
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Resolves only the allow-listed globals, refusing any other before it is imported or called;
+    and sets state (BUILD) only on an instance of an allowed class, items only on a list, dict or
+    set, as torch's weights-only unpickler does. A BUILD on an allowed class itself (not an
+    instance) would rewrite that class for the rest of the process (`PurePosixPath.name`, say,
+    making every later containment check void), so it is refused before anything changes. The pure
+    Python unpickler, whose opcodes can be overridden (the C one's cannot): a `.metadata` is small."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         found = _metadata_globals().get((module, name))
@@ -99,9 +133,54 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise _RefusedGlobal(module, name)
         return found
 
+    def load_build(self) -> None:
+        state, target = self.stack[-1], self.stack[-2]
+        if type(target) not in _built_classes():
+            raise _RefusedBuild("BUILD", target)
+        if hasattr(target, "__setstate__"):  # TensorProperties: its own __setstate__ checks its tuple
+            self.stack.pop()
+            target.__setstate__(state)
+            return
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise _RefusedBuild("BUILD with slot state", target)
+        self.stack.pop()
+        target.__dict__.update(state)
+
+    def _into(self, opcode: str, kinds: tuple[type, ...], target: Any) -> None:
+        if type(target) not in kinds:
+            raise _RefusedBuild(opcode, target)
+
+    def load_append(self) -> None:
+        self._into("APPEND", (list,), self.stack[-2])
+        super().load_append()
+
+    def load_appends(self) -> None:
+        self._into("APPENDS", (list,), self.metastack[-1][-1])
+        super().load_appends()
+
+    def load_setitem(self) -> None:
+        self._into("SETITEM", (dict,), self.stack[-3])
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        self._into("SETITEMS", (dict,), self.metastack[-1][-1])
+        super().load_setitems()
+
+    def load_additems(self) -> None:
+        self._into("ADDITEMS", (set,), self.metastack[-1][-1])
+        super().load_additems()
+
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+
 
 def _checked(metadata: Any, path: Path) -> Any:
-    """`metadata` when it is DCP's Metadata with plain data files beside `path`, else a one-line refusal."""
+    """`metadata` when it is DCP's Metadata with plain data files beside `path`, each a regular file,
+    and tensor sizes that are sizes; else a one-line refusal."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
     storage_info = _torch_internals()["_StorageInfo"]
@@ -116,13 +195,60 @@ def _checked(metadata: Any, path: Path) -> Any:
             and v.relative_path not in ("", ".", "..") and Path(v.relative_path).name == v.relative_path
             for v in metadata.storage_data.values()):
         problem = "names data files outside the checkpoint directory"
+    elif _claimed_tensor_bytes(metadata.state_dict_metadata) is None:
+        problem = "gives a tensor a size that is no list of non-negative numbers, or a dtype that is not torch's"
     if problem is not None:
-        raise CheckpointFormatError(f"checkpoint {path.parent}: {path.name} {problem}: it was not written by "
-                                    "torch.distributed.checkpoint, or it was tampered with; resume from an earlier "
-                                    "checkpoint")
+        raise _refusal(path, problem)
     for relative_path in sorted({v.relative_path for v in metadata.storage_data.values()}):
-        _inside(path.parent, relative_path, f"{path.name}'s data file")  # a symlink to elsewhere: refused
+        _data_file_size(path.parent, relative_path, path)
     return metadata
+
+
+def _data_file_size(directory: Path, relative_path: str, index: Path) -> int:
+    """The size of a data file `index` names, once it is a regular file inside `directory`."""
+    data_file = _inside(directory, relative_path, f"{index.name}'s data file")  # a symlink to elsewhere: refused
+    try:
+        return file_size(data_file, root=directory, entry=f"{index.name}'s data file")
+    except MissingFile:
+        raise _refusal(index, f"names the data file {quoted(relative_path)}, which is missing") from None
+    except UserError as exc:  # a named pipe, a device: never opened for reading
+        raise CheckpointFormatError(f"checkpoint {directory}: {exc}; resume from an earlier checkpoint") from exc
+
+
+def check_claimed_bytes(metadata: Any, directory: Path) -> None:
+    """Refuses (one line) a Metadata whose tensors hold more bytes than its data files: called before
+    a reader allocates tensors of the sizes it claims (a 128 TiB claim in a planted `.metadata` is
+    refused here, not met by the allocator)."""
+    directory = Path(directory)
+    claimed = _claimed_tensor_bytes(metadata.state_dict_metadata)
+    stored = sum(_data_file_size(directory, name, directory / DCP_METADATA)
+                 for name in sorted({v.relative_path for v in metadata.storage_data.values()}))
+    if claimed > stored:
+        raise CheckpointFormatError(f"checkpoint {directory}: {DCP_METADATA} claims {claimed} bytes of tensors, but its "
+                                    f"data files hold {stored} bytes (truncated, or tampered with): refused before "
+                                    "anything of that size is allocated; resume from an earlier checkpoint")
+
+
+def _claimed_tensor_bytes(entries: dict[str, Any]) -> int | None:
+    """The bytes of every tensor `entries` describes (their sizes times their dtypes' widths), or
+    None when a size or dtype is no size or dtype."""
+    total = 0
+    for md in entries.values():
+        size = getattr(md, "size", None)
+        if size is None:  # bytes, not a tensor
+            continue
+        dtype = getattr(getattr(md, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not isinstance(size, (tuple, list)) or not all(
+                type(n) is int and n >= 0 for n in size):
+            return None
+        total += math.prod(size) * dtype.itemsize
+    return total
+
+
+def _refusal(path: Path, problem: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"checkpoint {path.parent}: {path.name} {problem}: it was not written by "
+                                 "torch.distributed.checkpoint, or it was tampered with; resume from an earlier "
+                                 "checkpoint")
 
 
 def _inside(directory: Path, name: str, entry: str) -> Path:
@@ -134,24 +260,62 @@ def _inside(directory: Path, name: str, entry: str) -> Path:
 
 def read_metadata(path: Path) -> Any:
     """DCP's Metadata from the file `path`, read as data; CheckpointFormatError (one line) for a file
-    that names anything but DCP's metadata classes, or cannot be read."""
+    that names anything but DCP's metadata classes, is no regular file inside its directory, is
+    larger than METADATA_LIMIT, or cannot be read."""
     path = _inside(Path(path).parent, Path(path).name, "DCP's index")
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        data = read_bytes(path, root=path.parent, limit=METADATA_LIMIT, entry="DCP's index")
+    except MissingFile as exc:
+        raise CheckpointFormatError(f"checkpoint {path.parent} has no {path.name}: it is incomplete or not a "
+                                    "checkpoint") from exc
+    except UserError as exc:
+        raise CheckpointFormatError(f"checkpoint {path.parent}: {exc}; resume from an earlier checkpoint") from exc
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except _RefusedGlobal as exc:
         raise CheckpointFormatError(
             f"checkpoint {path.parent}: {path.name} refers to {exc.qualified}, which is not one of "
             "torch.distributed.checkpoint's metadata classes; it is never unpickled (it could run code): the file "
             "was not written by torch.distributed.checkpoint, or it was tampered with; resume from an earlier "
             "checkpoint") from exc
-    except FileNotFoundError as exc:
-        raise CheckpointFormatError(f"checkpoint {path.parent} has no {path.name}: it is incomplete or not a "
-                                    "checkpoint") from exc
+    except _RefusedBuild as exc:
+        raise CheckpointFormatError(
+            f"checkpoint {path.parent}: {path.name} sets the state of {exc.what} ({exc.opcode}), which is not an "
+            "instance of torch.distributed.checkpoint's metadata classes; refused before anything was changed (it "
+            "could rewrite a class for the whole process): the file was not written by torch.distributed.checkpoint, "
+            "or it was tampered with; resume from an earlier checkpoint") from exc
+    except RecursionError as exc:
+        raise _refusal(path, "nests its objects too deep to read") from exc
     except Exception as exc:  # truncated or corrupted: pickle raises many kinds
         raise CheckpointFormatError(f"checkpoint {path.parent}: {path.name} cannot be read "
-                                    f"({type(exc).__name__}: {exc}); resume from an earlier checkpoint") from exc
+                                    f"({type(exc).__name__}: {shortened(str(exc))}); resume from an earlier "
+                                    "checkpoint") from exc
     return _checked(metadata, path)
+
+
+class _ContainedFileSystem:
+    """DCP's FileSystem with every stream it reads opened through user_files: a regular file inside
+    the checkpoint directory, never a named pipe or a link leading out (checked on the descriptor)."""
+
+    def __init__(self, root: Path):
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        self.root = Path(root)
+        self._fs = FileSystem()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | Path, mode: str):
+        if mode != "rb":
+            raise ValueError(f"a checkpoint is only read here, not opened with mode {mode!r}")
+        try:
+            stream = open_binary(Path(path), root=self.root, entry="a data file")
+        except UserError as exc:
+            raise CheckpointFormatError(f"checkpoint {self.root}: {exc}") from exc
+        with stream:
+            yield stream
 
 
 @functools.cache
@@ -161,7 +325,12 @@ def _reader_class():
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        """DCP's file reader with `.metadata` read as data (`read_metadata` of this module)."""
+        """DCP's file reader with `.metadata` read as data (`read_metadata` of this module), and every
+        data file opened as a regular file inside the checkpoint (`_ContainedFileSystem`)."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.fs = _ContainedFileSystem(Path(self.path))
 
         def read_metadata(self, *args: Any, **kwargs: Any):
             rank = kwargs.get("rank")
@@ -207,7 +376,9 @@ def read_whole_checkpoint(directory: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = checkpoint_reader(directory)
-    reader.read_metadata()  # a refusal in one line here, not wrapped in DCP's per-rank exception
+    # A refusal in one line here, not wrapped in DCP's per-rank exception; and no tensor is allocated
+    # (DCP's planner allocates each one the index claims) before the data files are known to hold them.
+    check_claimed_bytes(reader.read_metadata(), directory)
     state: dict[str, Any] = {}
     try:
         internals["_load_state_dict"](state, storage_reader=reader, planner=WholeLoadPlanner(), no_dist=True)

@@ -51,7 +51,7 @@ import torch
 from ft_framework.optim.base import check_loaded_anchors
 from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _no_dist, _own_storage, _planners,
                                               _quiet_dcp)
-from ft_framework.checkpointing.dcp_read import checkpoint_reader
+from ft_framework.checkpointing.dcp_read import check_claimed_bytes, checkpoint_reader
 from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, DELTA, EXTRA_PREFIX, MASTER, Fragment,
                                                   ParamInfo, ShardedCheckpointable, buffer_key, checkpoint_fields,
                                                   fragment_key, param_key)
@@ -250,7 +250,9 @@ def read_fields(directory: Path, fields: Iterable[str] | None = None,
     directory = Path(directory)
     manifest = read_manifest(directory)
     reader = checkpoint_reader(directory)
-    saved = checkpoint_fields(reader.read_metadata())
+    metadata = reader.read_metadata()
+    check_claimed_bytes(metadata, directory)  # before a tensor of a claimed size is allocated
+    saved = checkpoint_fields(metadata)
     wanted_fields = set(fields) if fields is not None else None
     wanted_names = set(names) if names is not None else None
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -289,7 +291,9 @@ def read_buffers(directory: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     reader = checkpoint_reader(directory)
-    available = reader.read_metadata().state_dict_metadata
+    metadata = reader.read_metadata()
+    check_claimed_bytes(metadata, directory)  # before a tensor of a claimed size is allocated
+    available = metadata.state_dict_metadata
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for key, md in available.items() if key.startswith(BUFFER_PREFIX)}
     if state:

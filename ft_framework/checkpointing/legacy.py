@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from ft_framework.run.files import COMPLETE_MARKER, TRAINER_STATE_FILE
+from ft_framework.user_files import open_binary, read_bytes, refused_entries
 from ft_framework.checkpointing.dcp_read import read_whole_checkpoint
 from ft_framework.checkpointing.fragments import MASTER, STEP, Fragment, ParamInfo
 from ft_framework.checkpointing.layout import save_sharded
+from ft_framework.checkpointing.manifest import CheckpointFormatError
 from ft_framework.checkpointing.old_formats import (CONVERTER, DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER,
                                                     legacy_kind)
 
@@ -38,8 +39,15 @@ CARRIED_FILES = (TRAINER_STATE_FILE, COMPLETE_MARKER)
 
 
 # ---- reading the old formats (full state, one process) -------------------------------------------
+def _load(directory: Path, name: str):
+    """A torch file of the old checkpoint, read as data (weights_only) from a regular file inside it
+    (user_files.py: never a link leading out, never a named pipe)."""
+    with open_binary(directory / name, root=directory, entry="the old checkpoint's file") as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def _read_deepspeed(directory: Path) -> tuple[dict, dict]:
-    saved = torch.load(directory / DEEPSPEED_CONSOLIDATED, map_location="cpu", weights_only=True)
+    saved = _load(directory, DEEPSPEED_CONSOLIDATED)
     if saved.get("format") != "ft_framework.consolidated_optimizer/1":
         raise ValueError(f"{directory / DEEPSPEED_CONSOLIDATED} is not an ft_framework consolidated optimizer file")
     step = torch.tensor(float(saved["step"]))
@@ -65,9 +73,9 @@ def _read_fsdp(directory: Path) -> tuple[dict, dict]:
 
 
 def _read_single(directory: Path) -> tuple[dict, dict]:
-    model = torch.load(directory / SINGLE_MODEL, map_location="cpu", weights_only=True)
+    model = _load(directory, SINGLE_MODEL)
     try:  # data only: a pickle of anything but tensors, containers and numbers is refused, never run
-        optim = torch.load(directory / SINGLE_OPTIMIZER, map_location="cpu", weights_only=True)["optimizer"]
+        optim = _load(directory, SINGLE_OPTIMIZER)["optimizer"]
     except pickle.UnpicklingError as exc:
         raise ValueError(f"{directory / SINGLE_OPTIMIZER} holds objects besides tensors and plain data, which are "
                          "never unpickled (they could run code)") from exc
@@ -132,6 +140,9 @@ class _WholeState:
 def convert(old: Path, new: Path) -> Path:
     """Writes the old-format checkpoint `old` in the sharded layout into `new` (one process)."""
     old, new = Path(old), Path(new)
+    refused = refused_entries(old) if old.is_dir() else []  # before anything in it is opened
+    if refused:
+        raise CheckpointFormatError(f"checkpoint {old}: {refused[0]}")
     kind = legacy_kind(old)
     if kind is None:
         raise ValueError(f"{old} is not a checkpoint in an old ft_framework format")
@@ -140,9 +151,9 @@ def convert(old: Path, new: Path) -> Path:
         raise FileExistsError(f"{new} exists and is not empty")
     new.mkdir(parents=True, exist_ok=True)
     save_sharded(new, _WholeState(params, kind), buffers=list(buffers.items()))
-    for name in CARRIED_FILES:
+    for name in CARRIED_FILES:  # read as a regular file inside `old`, written as a new file
         if (old / name).is_file():
-            shutil.copy2(old / name, new / name)
+            (new / name).write_bytes(read_bytes(old / name, root=old, limit=None, entry="the old checkpoint's file"))
     return new
 
 

@@ -21,11 +21,16 @@ from ft_framework.checkpointing.dcp_read import DCP_METADATA, read_metadata
 from ft_framework.checkpointing.manifest import (MANIFEST_FILE, CheckpointFormatError, check_files, file_records,
                                                  record_files)
 from ft_framework.errors import UserError, quoted
-from ft_framework.path_containment import NameOutsideError, links_leading_out, resolve_inside
+from ft_framework.path_containment import NameOutsideError, resolve_inside
+from ft_framework.user_files import read_text, refused_entries
 from ft_framework.run.files import (BEST_CHECKPOINT, CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER,
                                     LATEST_FILE, TRAINER_STATE_FILE, checkpoint_name)
 
 logger = logging.getLogger(__name__)
+
+
+# The most bytes of a `latest` pointer: it holds one directory name.
+LATEST_LIMIT = 4096
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -63,7 +68,11 @@ def resolve_latest(path: str | Path) -> Path:
             f"{path} {'does not exist' if not path.exists() else 'is not a checkpoint'}: pass a run's output "
             f"directory, its {CHECKPOINTS_DIR}/ directory, the {CHECKPOINTS_DIR}/{LATEST_FILE} pointer file, or a "
             f"checkpoint directory ({CHECKPOINTS_DIR}/{CHECKPOINT_PREFIX}N)")
-    name = pointer.read_text().strip()
+    try:  # a regular file inside its directory, and short: it holds one name
+        name = read_text(pointer, root=pointer.parent, limit=LATEST_LIMIT, entry=f"the {LATEST_FILE} pointer").strip()
+    except UserError as exc:
+        raise CheckpointError(f"{exc}; pass a checkpoint directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) "
+                              "instead") from exc
     if not name:
         raise CheckpointError(f"{pointer} is empty; pass a checkpoint directory ({pointer.parent}/{CHECKPOINT_PREFIX}N) "
                               "instead")
@@ -84,9 +93,10 @@ FULL_DISK_BYTES = 16 << 20
 
 
 def _metadata_problems(directory: Path) -> list[str]:
-    """What reading the checkpoint's DCP index as data refuses (empty: it reads). A directory of
-    the sharded layout only: an old format's reader says what it is."""
-    if not (directory / MANIFEST_FILE).is_file() or not (directory / DCP_METADATA).is_file():
+    """What reading the checkpoint's DCP index as data refuses (empty: it reads), a missing one or
+    one that is no regular file included. A directory of the sharded layout only: an old format's
+    reader says what it is."""
+    if not (directory / MANIFEST_FILE).is_file():
         return []
     try:
         read_metadata(directory / DCP_METADATA)
@@ -255,7 +265,7 @@ class CheckpointManager:
             resolve_inside(self.root, directory.name, entry="the checkpoint directory")
         except NameOutsideError as exc:
             return [str(exc)]
-        return links_leading_out(directory) if directory.is_dir() else []
+        return refused_entries(directory) if directory.is_dir() else []
 
     def latest_complete(self) -> Path | None:
         """checkpoint.resume_from 'auto': the newest complete checkpoint (the `latest` pointer's,
@@ -297,7 +307,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint.resume_from: {directory} is not a complete checkpoint: it does not "
                                   "exist; use 'latest' (the newest checkpoint in logging.output_dir) or a checkpoint "
                                   "directory")
-        leads_out = links_leading_out(directory)  # before anything in it is looked at
+        leads_out = refused_entries(directory)  # before anything in it is looked at
         if leads_out:
             raise CheckpointError(f"checkpoint {directory}: {leads_out[0]}; resume from another checkpoint "
                                   "(checkpoint.resume_from=<its directory>, or auto)")

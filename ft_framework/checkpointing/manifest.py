@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import xxhash
 
-from ft_framework.errors import UserError
-from ft_framework.path_containment import NameOutsideError, links_leading_out, resolve_inside
+from ft_framework.errors import UserError, quoted
+from ft_framework.path_containment import NameOutsideError, resolve_inside
+from ft_framework.user_files import MissingFile, file_size, open_binary, read_json, refused_entries
 from ft_framework.checkpointing.fragments import ParamInfo
 from ft_framework.checkpointing.old_formats import legacy_format_error
 
@@ -23,9 +24,14 @@ MANIFEST_FILE = "ft_checkpoint.json"
 MODEL_SUBDIR = "model"           # config.json (+ tokenizer files) of the model, for export
 
 __all__ = ["FORMAT", "MANIFEST_FILE", "MODEL_SUBDIR", "CheckpointFormatError", "check_files", "describe_model",
-           "file_records", "read_manifest", "record_files", "write_manifest"]
+           "file_records", "MAX_RECORDED_FILES", "read_manifest", "record_files", "write_manifest"]
 
 DIGEST = "xxh3_64"  # the checksum of each file the manifest records
+# The most files a manifest may record: a checkpoint holds a data file per saving rank and a dozen
+# others, so this is 65,000 ranks. Each recorded file costs a containment walk and a stat (about 90
+# microseconds: the bound keeps a planted manifest's check under 6 seconds).
+MAX_RECORDED_FILES = 65_536
+MAX_LISTED_PROBLEMS = 5  # the damaged files an error names one by one (then "and N more")
 _WINDOW = 64 << 20  # bytes mapped at a time while checksumming (a multiple of the page size)
 
 
@@ -106,9 +112,12 @@ def _jsonable(obj: Any) -> Any:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest, or a CheckpointFormatError saying what the directory is instead."""
+    """The manifest, or a CheckpointFormatError saying what the directory is instead. Nothing in the
+    directory is opened before `refused_entries` passes it (no symlink leading out, no named pipe or
+    device anywhere in it), and the manifest itself is read through user_files (a regular file of at
+    most WHOLE_FILE_LIMIT bytes, a JSON object nested at most NESTING_LIMIT deep)."""
     directory = Path(directory)
-    escaped = links_leading_out(directory)  # before anything in it is opened (the manifest included)
+    escaped = refused_entries(directory)  # before anything in it is opened (the manifest included)
     if escaped:
         raise CheckpointFormatError(f"checkpoint {directory}: {escaped[0]}")
     path = directory / MANIFEST_FILE
@@ -118,23 +127,43 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             raise CheckpointFormatError(legacy)
         raise CheckpointFormatError(f"{directory} is not an ft_framework checkpoint (no {MANIFEST_FILE})")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        manifest = read_json(path, root=directory, entry="the manifest")
+    except UserError as exc:
         raise CheckpointFormatError(f"checkpoint {directory}: {MANIFEST_FILE} cannot be read ({exc}); "
                                     "resume from an earlier checkpoint") from exc
     if manifest.get("format") != FORMAT:
-        raise CheckpointFormatError(f"checkpoint {directory} has format {manifest.get('format')!r}; this "
+        raise CheckpointFormatError(f"checkpoint {directory} has format {quoted(manifest.get('format'))}; this "
                                     f"version of ft_framework reads {FORMAT!r}")
+    problem = _shape_problem(manifest)
+    if problem:
+        raise CheckpointFormatError(f"checkpoint {directory}: {MANIFEST_FILE} {problem}: it was not written by "
+                                    "ft_framework, or it was tampered with; resume from an earlier checkpoint")
     return manifest
 
 
+def _shape_problem(manifest: dict[str, Any]) -> str | None:
+    """What in a manifest of this format is not what ft_framework writes (None: nothing)."""
+    params = manifest.get("params")
+    if not isinstance(params, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+            and all(type(n) is int and n >= 0 for n in entry["shape"]) and isinstance(entry.get("dtype"), str)
+            for entry in params.values()):
+        return "has no params entry mapping each parameter to its shape and dtype"
+    if not isinstance(manifest.get("files") or {}, dict):
+        return "has a files entry that is not a mapping of names to sizes"
+    if not isinstance(manifest.get("model") or {}, dict) or not isinstance(manifest.get("saved_by") or {}, dict):
+        return "has a model or saved_by entry that is not a mapping"
+    return None
+
+
 # ---- each file's size and checksum ----------------------------------------------------------------
-def _digest(path: Path) -> str:
+def _digest(path: Path, root: Path | None = None) -> str:
     """xxh3_64 of the file's bytes, read through populated read-only mappings of _WINDOW bytes at a
     time: no copy into Python buffers, and at most one window mapped (crc32 over read() chunks ran
-    at 2-3 GB/s and cost about a fifth of a BERT-base save; docs/benchmarks.md)."""
+    at 2-3 GB/s and cost about a fifth of a BERT-base save; docs/benchmarks.md). `root`: the
+    checkpoint a file read back from it must be a regular file inside (user_files.py)."""
     digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
+    with open_binary(path, root=root) if root is not None else open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         for offset in range(0, size, _WINDOW):
             with mmap.mmap(f.fileno(), min(_WINDOW, size - offset), offset=offset, prot=mmap.PROT_READ,
@@ -171,39 +200,56 @@ def record_files(directory: Path, records: dict[str, dict[str, Any]]) -> None:
 def check_files(directory: Path, *, checksums: bool = False) -> list[str]:
     """What is wrong with the checkpoint's files, one entry per damaged file (empty: intact): a file
     missing, of another size than the manifest records, or (`checksums`) whose bytes changed; a
-    symlink leading out of the directory, or a recorded name that does (path_containment.py), before
-    anything is sized, hashed or opened. A checkpoint whose manifest records no files (converted
-    from an old format) passes."""
+    symlink leading out of the directory, a named pipe or device in it, or a recorded name that
+    leads out (path_containment.py), before anything is sized, hashed or opened. A checkpoint whose
+    manifest records no files (converted from an old format) passes. At most MAX_LISTED_PROBLEMS
+    entries and one saying how many more; a manifest recording more than MAX_RECORDED_FILES files
+    is refused before any of them is looked at."""
     directory = Path(directory)
-    escaped = links_leading_out(directory)
+    escaped = refused_entries(directory)
     if escaped:
-        return escaped
+        return _bounded(escaped)
     if not (directory / MANIFEST_FILE).is_file():  # not this layout: its reader says what it is
         return []
     try:
-        manifest = json.loads((directory / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        return [f"{directory / MANIFEST_FILE} cannot be read ({type(exc).__name__})"]
+        manifest = read_json(directory / MANIFEST_FILE, root=directory, entry="the manifest")
+    except UserError as exc:
+        return [str(exc)]
     problems = []
     files = manifest.get("files") or {}
     if not isinstance(files, dict):
         return [f"{directory / MANIFEST_FILE}: its files entry is not a mapping of names to sizes"]
+    if len(files) > MAX_RECORDED_FILES:
+        return [f"{directory / MANIFEST_FILE} records {len(files)} files, more than the {MAX_RECORDED_FILES} a "
+                "checkpoint of ft_framework holds: not checked (it was not written by ft_framework, or it was "
+                "tampered with)"]
     for name, want in files.items():
         try:
             path = resolve_inside(directory, name, entry=f"{MANIFEST_FILE}'s file")
         except NameOutsideError as exc:
             problems.append(str(exc))
             continue
-        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
-            problems.append(f"{directory / MANIFEST_FILE}: the entry of {name} records no size")
+        if not isinstance(want, dict) or type(want.get("size")) is not int:
+            problems.append(f"{directory / MANIFEST_FILE}: the entry of {quoted(name)} records no size")
             continue
-        if not path.is_file():
+        try:
+            size = file_size(path, root=directory, entry=f"{MANIFEST_FILE}'s file")
+        except MissingFile:
             problems.append(f"{path} is missing")
             continue
-        size = path.stat().st_size
+        except UserError as exc:  # a named pipe or a device put there after the walk above
+            problems.append(str(exc))
+            continue
         if size != want["size"]:
             problems.append(f"{path} has {size} bytes, the manifest records {want['size']} (truncated or replaced)")
-        elif checksums and DIGEST in want and (got := _digest(path)) != want[DIGEST]:
+        elif checksums and DIGEST in want and (got := _digest(path, root=directory)) != want[DIGEST]:
             problems.append(f"{path} has changed since it was saved ({DIGEST} {got}, the manifest records "
-                            f"{want[DIGEST]})")
-    return problems
+                            f"{quoted(want[DIGEST])})")
+    return _bounded(problems)
+
+
+def _bounded(problems: list[str]) -> list[str]:
+    """The first MAX_LISTED_PROBLEMS of `problems`, and one entry saying how many more there are."""
+    if len(problems) <= MAX_LISTED_PROBLEMS:
+        return problems
+    return problems[:MAX_LISTED_PROBLEMS] + [f"and {len(problems) - MAX_LISTED_PROBLEMS} more"]

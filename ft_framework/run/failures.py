@@ -40,8 +40,8 @@ from ft_framework.distributed.liveness import GONE
 from ft_framework.distributed.peer_failures import STORE_GONE, announce_failure, failed_peers, silent_peers
 from ft_framework.errors import UserError
 
-__all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "is_peer_failure", "report_failure",
-           "same_on_every_rank"]
+__all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "error_line", "is_peer_failure",
+           "print_user_error", "report_failure", "same_on_every_rank"]
 
 EXIT_OK = 0
 EXIT_CRASH = 1
@@ -79,13 +79,25 @@ def _rank_and_world() -> tuple[int, int]:
         return 0, 1
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     """The message on one line: a multi-line one (several config keys) joins its lines with "; "."""
     lines = [" ".join(line.split()) for line in str(exc).strip().splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
     head, rest = lines[0], lines[1:]
     return head + (" " if head.endswith(":") else "; ") + "; ".join(rest) if rest else head
+
+
+def error_line(prog: str, error: BaseException | str) -> str:
+    """How every command line of ours shows an error the user can fix, the form argparse uses for its
+    own: ``PROG: error: MESSAGE``, on one line (a message of several lines joined with "; ")."""
+    return f"{prog}: error: {_one_line(error)}"
+
+
+def print_user_error(prog: str, error: BaseException | str, stream: TextIO | None = None) -> int:
+    """Prints `error` as `error_line` does and returns the exit code of a user error (2)."""
+    print(error_line(prog, error), file=stream or sys.stderr, flush=True)
+    return EXIT_USER_ERROR
 
 
 def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_on_every_rank: bool = False,
@@ -95,7 +107,7 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
     `same_on_every_rank`: the error came from a step every rank runs alike (loading the config)."""
     stream = stream or sys.stderr
     rank, world = _rank_and_world()
-    tag = f"{prog}: " if world <= 1 else f"{prog} (rank {rank}): "
+    tag = prog if world <= 1 else f"{prog} (rank {rank})"
     if isinstance(exc, UserError):  # ConfigError is one too
         alike = same_on_every_rank or getattr(exc, _SAME_ON_EVERY_RANK, False)
         if world > 1 and not alike:  # this rank's own problem: the others read it from the board
@@ -103,12 +115,12 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
         if debug:
             traceback.print_exception(exc, file=stream)
         if rank == 0 or not alike or debug:
-            print(f"{tag}error: {_one_line(exc)}", file=stream, flush=True)
+            print(error_line(tag, exc), file=stream, flush=True)
         return EXIT_USER_ERROR
     with _sigterm_held(world > 1):
         line = _lost_peer_line(exc, rank) if world > 1 and not debug else None
         if line is not None:
-            print(f"{tag}{line}", file=stream, flush=True)
+            print(f"{tag}: {line}", file=stream, flush=True)
             return EXIT_CRASH
         if world > 1:
             announce_failure(rank, _peer_summary(exc))
