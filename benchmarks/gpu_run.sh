@@ -12,6 +12,7 @@
 # On the development machine (with an index), fill the wheel directory first:
 #
 #   bash benchmarks/gpu_run.sh prepare [DIR]   # default DIR=wheels; PYVERS="3.10 3.11 3.12 3.13"
+#   bash benchmarks/gpu_run.sh check           # does ./wheels hold everything for this Python? (one line)
 #
 # Environment: FT_WHEELS (wheel dir, default wheels), PYTHON (default python3), OUT.
 set -euo pipefail
@@ -21,26 +22,53 @@ WHEELS=${FT_WHEELS:-wheels}
 # Versions the suite was written against (the dev machine's): keep them in step with it.
 DEEPSPEED_SPEC=${FT_DEEPSPEED_SPEC:-deepspeed==0.19.8}
 PYDANTIC_SPEC=${FT_PYDANTIC_SPEC:-pydantic>=2,<3}
-# deepspeed's requirements besides torch/numpy/packaging/tqdm (transformers brings those), pydantic's.
-PURE_DEPS=(hjson py-cpuinfo einops nvidia-ml-py annotated-types typing-inspection typing-extensions)
-BINARY_DEPS=(pydantic-core msgpack psutil)
-# The GPU tests' runner, in case the machine has no pytest (installing one it has changes nothing).
-TEST_DEPS=(pytest iniconfig pluggy pygments)
+# What the GPU machine lacks, in install groups: a group that fails (a wheel missing) leaves the
+# others installed, and each says so in one line. The machine has CUDA torch (with its triton),
+# transformers, numpy, pyyaml, scipy, pybind11, scikit-build-core, cmake and ninja;
+# benchmarks/gpu_rehearsal.sh builds a CPU venv of that and installs these from the wheels alone.
+CONFIG_WHEELS=("$PYDANTIC_SPEC" pydantic-core annotated-types typing-inspection typing-extensions)  # load_config
+# deepspeed and its requirements besides torch/numpy/packaging/tqdm/pydantic (ninja: its JIT ops build with it)
+DEEPSPEED_WHEELS=("$DEEPSPEED_SPEC" hjson py-cpuinfo einops nvidia-ml-py msgpack psutil ninja)
+TEST_WHEELS=(pytest iniconfig pluggy pygments packaging)  # the GPU tests' runner
+OTHER_WHEELS=(xxhash)                                      # run fingerprints (ft_framework.run)
+# The ones with compiled code: fetched for every Python the GPU machine might have (PYVERS).
+BINARY=(pydantic-core msgpack psutil xxhash ninja)
+PLATFORMS=(manylinux_2_5_x86_64 manylinux1_x86_64 manylinux_2_12_x86_64 manylinux2010_x86_64
+           manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_28_x86_64)
+ALL_WHEELS=("${CONFIG_WHEELS[@]}" "${DEEPSPEED_WHEELS[@]}" "${TEST_WHEELS[@]}" "${OTHER_WHEELS[@]}")
+CARRY_HINT="on a machine with a package index run 'bash benchmarks/gpu_run.sh prepare wheels', then carry the folder: run(..., carry=[\"wheels\"])"
+
+# `gpu_run.sh check`: whether $WHEELS holds a wheel of every package above for this machine's
+# Python (pip resolves each against the folder alone and installs nothing). One line either way.
+check_wheels() {
+  if [ ! -d "$WHEELS" ]; then
+    echo "wheels: no folder $WHEELS here (git-ignored: a copy of the checkout leaves it behind); $CARRY_HINT"
+    return 2
+  fi
+  local out
+  if out=$("$PY" -m pip install --dry-run --ignore-installed --no-deps --no-index --find-links "$WHEELS" \
+             -q "${ALL_WHEELS[@]}" 2>&1); then
+    echo "wheels: $WHEELS holds all ${#ALL_WHEELS[@]} packages for Python $("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  else
+    echo "wheels: $WHEELS is incomplete for this Python ($(echo "$out" | grep -m1 -E 'No matching distribution|ERROR' | sed 's/^ERROR: //')); $CARRY_HINT"
+    return 2
+  fi
+}
 
 if [ "${1:-}" = "prepare" ]; then
   WHEELS=${2:-$WHEELS}
   mkdir -p "$WHEELS"
+  rm -f "$WHEELS"/*.whl  # one version of each: a fresh set
   # deepspeed is an sdist on PyPI: build it into a pure-python wheel here (ops are JIT-built on
   # the GPU machine when used; DS_BUILD_OPS=0), without its dependencies.
-  DS_BUILD_OPS=0 "$PY" -m pip wheel --no-deps --no-build-isolation -w "$WHEELS" "$DEEPSPEED_SPEC"
-  "$PY" -m pip download --no-deps --only-binary=:all: -d "$WHEELS" "$PYDANTIC_SPEC" "${PURE_DEPS[@]}" "${TEST_DEPS[@]}"
-  # Compiled wheels for every Python the GPU machine might have (its version is not known here).
-  for v in ${PYVERS:-3.10 3.11 3.12 3.13}; do
-    "$PY" -m pip download --no-deps --only-binary=:all: -d "$WHEELS" --python-version "$v" \
-      --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux_2_28_x86_64 "${BINARY_DEPS[@]}" "$PYDANTIC_SPEC"
+  DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" "$DEEPSPEED_SPEC"
+  pure=()
+  for spec in "${ALL_WHEELS[@]}"; do
+    case " ${BINARY[*]} " in *" $spec "*) ;; *) [[ $spec == deepspeed* ]] || pure+=("$spec") ;; esac
   done
-  # pydantic pins pydantic-core exactly: fetch the pinned one for each Python as well.
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${pure[@]}"
+  # Compiled wheels for every Python the GPU machine might have (3.12 when last seen there);
+  # pydantic pins pydantic-core exactly: the pinned one.
   core=$("$PY" - "$WHEELS" <<'EOF'
 import re, sys, zipfile, pathlib
 w = sorted(pathlib.Path(sys.argv[1]).glob("pydantic-2*.whl"))[-1]
@@ -48,13 +76,19 @@ meta = zipfile.ZipFile(w).read(next(n for n in zipfile.ZipFile(w).namelist() if 
 print(re.search(r"Requires-Dist: pydantic-core\s*\(?==\s*([\w.]+)", meta).group(1))
 EOF
 )
+  plat=(); for p in "${PLATFORMS[@]}"; do plat+=(--platform "$p"); done
+  binary=("${BINARY[@]/#pydantic-core/pydantic-core==$core}")
   for v in ${PYVERS:-3.10 3.11 3.12 3.13}; do
-    "$PY" -m pip download --no-deps --only-binary=:all: -d "$WHEELS" --python-version "$v" \
-      --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-      "pydantic-core==$core"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" --python-version "$v" \
+      --implementation cp "${plat[@]}" "${binary[@]}"
   done
   du -sh "$WHEELS"; ls "$WHEELS"
-  exit 0
+  check_wheels
+  exit $?
+fi
+if [ "${1:-}" = "check" ]; then
+  check_wheels
+  exit $?
 fi
 
 # `gpu_run.sh install`: steps 1 and 2 only (benchmarks/gpu_run_next.sh runs the parts itself).
@@ -65,12 +99,22 @@ mkdir -p "$OUT_DIR"
 echo "== python: $("$PY" -c 'import sys; print(sys.version.split()[0])'), torch: $("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())')"
 nvidia-smi -L 2>/dev/null || true
 
-# 1. what the machine lacks, from the carried wheels only (no index is reachable there)
+# 1. what the machine lacks, from the carried wheels only (no index is reachable there), a group at
+#    a time: a group that fails says so and the rest still install (pip's output: $OUT_DIR/pip_<group>.log)
+install_group() {  # install_group NAME SPEC...
+  local name=$1; shift
+  if "$PY" -m pip install --no-index --find-links "$WHEELS" --no-build-isolation "$@" > "$OUT_DIR/pip_$name.log" 2>&1; then
+    echo "== wheels: $name installed ($*)"
+  else
+    echo "== wheels: $name FAILED: $(grep -m1 'ERROR' "$OUT_DIR/pip_$name.log" | sed 's/^ERROR: //') ($OUT_DIR/pip_$name.log)"
+  fi
+}
+check_wheels || true
 if [ -d "$WHEELS" ]; then
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-build-isolation \
-    "$PYDANTIC_SPEC" "$DEEPSPEED_SPEC" "${PURE_DEPS[@]}" "${BINARY_DEPS[@]}" "${TEST_DEPS[@]}"
-else
-  echo "warning: no wheel directory $WHEELS: the DeepSpeed tests and benchmarks will be skipped/fail" >&2
+  install_group config "${CONFIG_WHEELS[@]}"
+  install_group deepspeed "${DEEPSPEED_WHEELS[@]}"
+  install_group tests "${TEST_WHEELS[@]}"
+  install_group other "${OTHER_WHEELS[@]}"
 fi
 
 # 2. our package and its C++ kernel, built against this machine's torch (kept: FT_TORCH_SPEC empty);
