@@ -67,8 +67,9 @@ class TrainState:
     examples_per_round: int = 0    # examples one micro-batch index covers on all ranks together
     evals: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
-    window_loss: float = 0.0       # running sums for the next log line
-    window_micro_batches: int = 0
+    window_loss: float = 0.0       # running sums for the next log line: this rank's summed loss,
+    window_micro_batches: int = 0  # its micro-batches
+    window_units: float = 0.0      # and the units the loss sums over (examples, a decoder's label tokens)
     train_seconds: float = 0.0
     # Config changes accepted on resume (fingerprint.py): {"step", "key", "old", "new", "allowed_by"}.
     config_changes: list[dict[str, Any]] = field(default_factory=list)
@@ -216,7 +217,13 @@ class Trainer:
                 prepare_masks(self.optimizer)  # targets of the checkpoint's masks: no second Fisher pass
             self._resume(self._resume_point)
             if getattr(self.forgetting, "needs_reference", False):
-                self.forgetting.load_reference(self.paths.forgetting_reference)
+                # θ*'s answers as the run that wrote the checkpoint saved them (its output directory:
+                # <run>/checkpoints/<checkpoint>), kept in this run's directory too for its own resumes.
+                saved_by = RunPaths(self._resume_point.directory.parent.parent).forgetting_reference
+                self.forgetting.load_reference(saved_by)
+                if saved_by.resolve() != self.paths.forgetting_reference.resolve():
+                    self.forgetting.save_reference(self.paths.forgetting_reference,
+                                                   is_main=self.strategy.is_main_process, barrier=self.strategy.barrier)
         else:
             if getattr(self.forgetting, "needs_reference", False):
                 # θ* is the model as it is now, before its first step (collective).
@@ -245,9 +252,9 @@ class Trainer:
         def micro_step(indices: list[int]) -> None:
             batch = self.collate([self.data.train[i] for i in indices])
             out = self._forward(batch)
-            _, loss = self.kind.loss(out, batch, LossNormalizer(micro_batches=1, world_size=self.strategy.world_size,
-                                                                step_units=self._step_units([batch])))
-            self.strategy.backward(loss)
+            loss = self.kind.loss(out, batch, LossNormalizer(micro_batches=1, world_size=self.strategy.world_size,
+                                                             step_units=self._step_units([batch])))
+            self.strategy.backward(loss.backward)
             self.strategy.step_unclipped()
             if progress is not None:
                 progress.update(1)
@@ -362,9 +369,10 @@ class Trainer:
                 for micro, batch in enumerate(step_batches):
                     last = micro == accum - 1
                     out = self._forward(batch, last_micro_batch=last)
-                    logged, loss = self.kind.loss(out, batch, normalizer)
-                    self.strategy.backward(loss, last_micro_batch=last)
-                    st.window_loss += float(logged.detach())
+                    loss = self.kind.loss(out, batch, normalizer)
+                    self.strategy.backward(loss.backward, last_micro_batch=last)
+                    st.window_loss += loss.total
+                    st.window_units += loss.units
                     st.window_micro_batches += 1
                 grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
                 st.step += 1
@@ -416,8 +424,10 @@ class Trainer:
 
     def _log_train(self, grad_norm: float, progress) -> None:
         st = self.state
-        loss = st.window_loss / max(1, st.window_micro_batches)
-        st.window_loss, st.window_micro_batches = 0.0, 0
+        # The mean over every rank's units since the last line (collective: every rank logs here).
+        sums = self.strategy.gather_objects((st.window_loss, st.window_units))
+        loss = sum(total for total, _ in sums) / max(sum(units for _, units in sums), 1.0)
+        st.window_loss, st.window_units, st.window_micro_batches = 0.0, 0.0, 0
         record = {"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss,
                   "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
         lambdas = self.strategy.current_lambdas()

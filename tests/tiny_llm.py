@@ -76,3 +76,48 @@ def build_tiny_llm_dir(path: Path, model_type: str = "llama", seed: int = 0) -> 
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     return path
+
+
+def write_sft_rows(directory: Path, *, train_rows: int = 48, eval_rows: int = 12, seed: int = 0) -> dict[str, str]:
+    """prompt/completion JSON lines of a small copying task (rows of several lengths, so that ranks
+    hold different numbers of label tokens): {"train": path, "validation": path}."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ["cat", "dog", "sun", "tree", "blue", "red", "fish", "bird", "moon", "stone", "river"]
+
+    def row() -> dict:
+        picked = [rng.choice(words) for _ in range(rng.randint(1, 4))]
+        return {"prompt": "Reverse: " + " ".join(picked) + "\n", "completion": " ".join(reversed(picked))}
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, count in (("train", train_rows), ("validation", eval_rows)):
+        path = directory / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(row()) + "\n" for _ in range(count)))
+        files[split] = str(path)
+    return files
+
+
+def write_sft_run_config(path, model_dir, output_dir, files: dict[str, str], **sections):
+    """A short supervised fine-tuning run of a tiny decoder on `files`; `sections` update the defaults."""
+    import yaml
+
+    cfg = {
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"problem": "causal_lm", "source": "files", "files": dict(files), "max_seq_length": 64,
+                 "token_cache_dir": str(Path(output_dir).parent / "token_cache")},
+        "optimizer": {"name": "recadam", "hparams": {"lr": 3e-3, "anneal_k": 0.5, "anneal_t0": 5,
+                                                      "pretrain_cof": 100.0}},
+        "schedule": {"name": "linear", "warmup_steps": 1},
+        "training": {"max_steps": 6, "per_device_batch_size": 8, "seed": 1, "data_seed": 2, "device": "cpu"},
+        "evaluation": {"num_evals": 2, "batch_size": 8, "forgetting": {"num_sentences": 7},
+                       "generation": {"samples": 2, "max_new_tokens": 8}},
+        "logging": {"output_dir": str(output_dir), "log_every_steps": 1, "progress_bar": False},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    Path(path).write_text(yaml.safe_dump(cfg))
+    return path

@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING
 
 from ft_framework.data.tasks import CAUSAL_LM, TaskSpec
 from ft_framework.models.loading import ModelClass
-from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, RunContext, TaskKind, to_device
+from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
+                                         TaskKind, to_device)
 from ft_framework.task_kinds.causal_lm import CausalLMKind
 from ft_framework.task_kinds.classification import SequenceClassificationKind
 
 if TYPE_CHECKING:
     from ft_framework.config import RunConfig
 
-__all__ = ["Baseline", "EvalContext", "LossNormalizer", "RunContext", "TASK_KIND_CLASSES", "TaskKind",
+__all__ = ["Baseline", "EvalContext", "LossNormalizer", "MicroBatchLoss", "RunContext", "TASK_KIND_CLASSES", "TaskKind",
            "build_task_kind", "model_class_of", "to_device"]
 
 # A regression is a classifier with one output: the same module (metrics.py reads which from the spec).

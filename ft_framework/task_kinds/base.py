@@ -22,7 +22,7 @@ from ft_framework.models.loading import ModelClass
 if TYPE_CHECKING:
     from ft_framework.config import RunConfig
 
-__all__ = ["Baseline", "EvalContext", "LossNormalizer", "RunContext", "TaskKind", "to_device"]
+__all__ = ["Baseline", "EvalContext", "LossNormalizer", "MicroBatchLoss", "RunContext", "TaskKind", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,17 @@ class LossNormalizer:
     micro_batches: int
     world_size: int
     step_units: float | None = None
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """One micro-batch's loss: what backward receives (scaled by the step's LossNormalizer), and for
+    the log its summed loss over its `units` (examples, or a causal LM's label tokens), so that the
+    logged loss is the mean over every rank's units whatever the strategy."""
+
+    backward: torch.Tensor
+    total: float
+    units: float
 
 
 @dataclass(frozen=True)
@@ -120,10 +131,9 @@ class TaskKind(ABC):
         return None
 
     @abstractmethod
-    def loss(self, outputs: Any, batch: dict[str, torch.Tensor],
-             normalizer: LossNormalizer) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the micro-batch's own mean loss, for the log; the loss to back-propagate, scaled so that
-        the step's gradient is the mean over the whole step on every rank)."""
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor], normalizer: LossNormalizer) -> MicroBatchLoss:
+        """The loss to back-propagate, scaled so that the step's gradient is the mean over the whole
+        step on every rank, and the micro-batch's summed loss and units for the log."""
 
     # ---- metrics -------------------------------------------------------------------------------
     @abstractmethod

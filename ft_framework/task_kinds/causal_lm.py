@@ -29,7 +29,8 @@ from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.lm_forgetting import build_lm_probe
 from ft_framework.models.loading import ModelClass
-from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, RunContext, TaskKind, to_device
+from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
+                                         TaskKind, to_device)
 
 __all__ = ["CausalLMKind", "DEFAULT_TOKEN_CACHE", "IGNORE_INDEX", "greedy_completions", "label_token_count",
            "next_token_losses"]
@@ -145,13 +146,12 @@ class CausalLMKind(TaskKind):
     def step_units(self, batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
         return float(sum(label_token_count(b) for b in batches))
 
-    def loss(self, outputs: Any, batch: dict[str, torch.Tensor],
-             normalizer: LossNormalizer) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor], normalizer: LossNormalizer) -> MicroBatchLoss:
         total, count = next_token_losses(outputs.logits, batch["labels"].to(outputs.logits.device))
-        mean = total / max(count, 1)
         # The data-parallel strategies average the ranks' gradients: a rank's token sum over the
         # step's tokens on every rank, times the ranks, is the step's token mean once averaged.
-        return mean, total * (normalizer.world_size / normalizer.step_units)
+        return MicroBatchLoss(total * (normalizer.world_size / normalizer.step_units), float(total.detach()),
+                              float(count))
 
     # ---- metrics -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -17,7 +17,7 @@ from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.metrics import compute_metrics, majority_baseline
 from ft_framework.models.forgetting import build_probe
 from ft_framework.models.loading import ModelClass, sequence_classifier
-from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, RunContext, TaskKind
+from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext, TaskKind
 
 __all__ = ["SequenceClassificationKind"]
 
@@ -35,11 +35,12 @@ class SequenceClassificationKind(TaskKind):
     def collator(self, tokenizer: Any, model_config: Any) -> Callable:
         return make_collator(tokenizer)
 
-    def loss(self, outputs: Any, batch: dict[str, torch.Tensor],
-             normalizer: LossNormalizer) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, outputs: Any, batch: dict[str, torch.Tensor], normalizer: LossNormalizer) -> MicroBatchLoss:
         # The model's own loss is the micro-batch's mean; micro-batches and ranks hold as many
         # examples each, so the step's mean is the mean of the micro-batch means.
-        return outputs.loss, outputs.loss / normalizer.micro_batches
+        examples = len(batch["labels"])
+        return MicroBatchLoss(outputs.loss / normalizer.micro_batches, float(outputs.loss.detach()) * examples,
+                              float(examples))
 
     @torch.no_grad()
     def evaluate(self, data: Any, ctx: EvalContext) -> dict[str, dict[str, Any]]:
