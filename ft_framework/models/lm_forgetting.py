@@ -181,7 +181,7 @@ class LMForgettingProbe:
             mask = self.attention_mask[rows]
             width = int(mask.sum(1).max())
             batch = {"input_ids": self.input_ids[rows, :width].to(self.device),
-                     "attention_mask": mask[:, :width].to(self.device), "output_hidden_states": True}
+                     "attention_mask": mask[:, :width].to(self.device), "output_hidden_states": True, "use_cache": False}
             out = forward(batch)
             hidden = [h.double() for h in out.hidden_states[1:]]
             logits = out.logits.float()

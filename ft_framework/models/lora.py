@@ -52,6 +52,10 @@ DEFAULT_TARGET_MODULES: dict[str, list[str]] = {
     "llama": ["q_proj", "v_proj"],
     "mistral": ["q_proj", "v_proj"],
     "qwen2": ["q_proj", "v_proj"],
+    "qwen3": ["q_proj", "v_proj"],
+    "gemma2": ["q_proj", "v_proj"],
+    "gemma3_text": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj"],  # query, key and value in one Linear
 }
 
 

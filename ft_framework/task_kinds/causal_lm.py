@@ -140,8 +140,10 @@ class CausalLMKind(TaskKind):
         return {"sft": data.stats}
 
     # ---- loss ----------------------------------------------------------------------------------
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in batch.items() if k in _MODEL_KEYS}
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        # No key/value cache outside generation: it would hold every layer's keys for nothing, and a
+        # block recomputed by activation checkpointing would append its keys to it a second time.
+        return {**{k: v for k, v in batch.items() if k in _MODEL_KEYS}, "use_cache": False}
 
     def step_units(self, batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
         return float(sum(label_token_count(b) for b in batches))
