@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.errors import UserError
+from ft_framework.user_files import MissingFile, open_binary, read_json, refused_entries
 from ft_framework.models.forgetting import (CKA_DRIFT_LAST, CKA_DRIFT_MEAN, DEFAULT_PROBE_SOURCE, MIN_PROBE_SENTENCES,
                                             debiased_linear_cka, default_probe_sentences, read_probe_file)
 
@@ -123,30 +124,39 @@ class LMForgettingProbe:
         barrier()
 
     def load_reference(self, directory: Path) -> None:
-        """This rank's share of θ*'s answers, saved by the run's first attempt on any number of ranks."""
-        from safetensors import safe_open
+        """This rank's share of θ*'s answers, saved by the run's first attempt on any number of ranks.
+        The files are data a user hands us (user_files.py): regular files inside `directory`, the
+        tensors read by safetensors (no pickle)."""
+        from safetensors.torch import load as load_tensors
 
-        meta = directory / _META_FILE
-        files = sorted(directory.glob("rank*.safetensors")) if directory.is_dir() else []
-        if not meta.is_file() or not files:
-            raise UserError(f"{directory}: θ*'s answers to the forgetting probe are missing (the run wrote them before "
-                            "its first step); a resumed run cannot measure forgetting without them: start the run "
-                            "fresh, or set evaluation.forgetting.enabled=false")
-        saved = json.loads(meta.read_text())
+        missing = UserError(f"{directory}: θ*'s answers to the forgetting probe are missing (the run wrote them "
+                            "before its first step); a resumed run cannot measure forgetting without them: start "
+                            "the run fresh, or set evaluation.forgetting.enabled=false")
+        if not directory.is_dir() or refused_entries(directory):
+            raise missing
+        files = sorted(p.name for p in directory.glob("rank*.safetensors"))
+        try:
+            saved = read_json(directory / _META_FILE, root=directory, entry="the probe's description")
+        except MissingFile:
+            raise missing from None
+        if not files:
+            raise missing
         if saved != self._identity():
             raise UserError(f"{directory}/{_META_FILE}: the saved forgetting probe ({saved.get('source')}, "
                             f"{saved.get('sentences')} sentences, max_length {saved.get('max_length')}) is not this "
                             "run's probe; keep evaluation.forgetting as the run started, or start fresh")
         wanted = set(self.shard.indices)
         found: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as reader:
-                for key in reader.keys():
-                    index, _, what = key.partition(".")
-                    if what == "features" and int(index) in wanted:
-                        i = int(index)
-                        found[i] = (reader.get_tensor(f"{i}.features"), reader.get_tensor(f"{i}.logprobs"),
-                                    reader.get_tensor(f"{i}.loss"))
+        for name in files:
+            with open_binary(directory / name, root=directory, entry="a rank's share of θ*'s answers") as f:
+                try:
+                    tensors = load_tensors(f.read())
+                except Exception as exc:  # safetensors' own error: the file is damaged
+                    raise UserError(f"{directory / name}: not a readable safetensors file ({exc}); start the run "
+                                    "fresh, or set evaluation.forgetting.enabled=false") from None
+            for i in wanted:
+                if all(f"{i}.{what}" in tensors for what in ("features", "logprobs", "loss")):
+                    found[i] = (tensors[f"{i}.features"], tensors[f"{i}.logprobs"], tensors[f"{i}.loss"])
         missing = sorted(wanted - set(found))
         if missing:
             raise UserError(f"{directory}: θ*'s answers to probe sentence(s) {missing[:5]} are missing; start the run "

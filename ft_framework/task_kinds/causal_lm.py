@@ -28,6 +28,7 @@ from ft_framework.data.sft import SFTCollator, SFTSettings, attention_windows, l
 from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.lm_forgetting import build_lm_probe
+from ft_framework.user_files import read_text
 from ft_framework.models.loading import ModelClass
 from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
                                          TaskKind, to_device)
@@ -105,13 +106,13 @@ class CausalLMKind(TaskKind):
         if path is None:
             return None
         file = Path(path).expanduser()
-        if not file.is_file():
+        if not file.exists():
             raise MissingPath(f"data.chat_template: {path} is not a file; give a Jinja chat template file, or null "
                               "for the tokenizer's own template")
         try:
-            return file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise UserError(f"data.chat_template: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            return read_text(file, entry="data.chat_template")
+        except UserError as exc:
+            raise UserError(f"data.chat_template: {exc}") from None
 
     def load_data(self, tokenizer: Any, run: RunContext) -> Any:
         data = self.cfg.data

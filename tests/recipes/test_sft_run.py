@@ -135,3 +135,28 @@ def test_a_missing_chat_template_file_is_one_line(setup, tmp_path):
                                   data={"chat_template": str(tmp_path / "absent.jinja")})
     with pytest.raises(UserError, match="data.chat_template: .*absent.jinja is not a file"):
         fit(config)
+
+
+@pytest.mark.parametrize("tamper", ["fifo", "missing", "garbage"])
+def test_a_resume_refuses_a_tampered_probe_reference_in_one_line(setup, tmp_path, tamper):
+    """θ*'s saved answers are data a user hands us: a named pipe is refused, not waited on."""
+    import os
+    import signal
+
+    config = write_sft_run_config(tmp_path / "run.yaml", setup["model"], tmp_path / "run", setup["files"],
+                                  checkpoint={"every_steps": 2})
+    assert Trainer(load_config(config)).fit(stop_after_step=2) == {"stopped_at_step": 2}
+    share = tmp_path / "run" / "forgetting_reference" / "rank0.safetensors"
+    share.unlink()
+    if tamper == "fifo":
+        os.mkfifo(share)
+    elif tamper == "garbage":
+        share.write_bytes(b"\x00" * 64)
+    signal.alarm(60)
+    try:
+        with pytest.raises(UserError) as refused:
+            fit(config, ["checkpoint.resume_from=latest"])
+    finally:
+        signal.alarm(0)
+    assert "forgetting" in str(refused.value) or "named pipe" in str(refused.value)
+    assert "\n" not in str(refused.value)
