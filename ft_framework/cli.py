@@ -145,6 +145,8 @@ def sweep_main(argv: list[str] | None = None) -> int:
             print(format_plan(store, runs), flush=True)
         except BrokenPipeError:  # ft-sweep --dry-run | head
             sys.stdout = None
+        except UserError as exc:  # a run's status.json in the store that cannot be read
+            return print_user_error("ft-sweep", exc)
         return 0
     try:
         result = run_sweep(spec, args.overrides, output_dir=store.root, runner=make_runner(spec.runner),

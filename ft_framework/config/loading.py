@@ -6,14 +6,17 @@ validated into a RunConfig, with errors as ConfigError messages that name the ke
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import warnings
 from copy import deepcopy
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pydantic import ValidationError
 
-from ft_framework.errors import quoted, shortened
+from ft_framework.distributed.slurm_env import check_step_tasks
+from ft_framework.errors import UserError, quoted, shortened
 from ft_framework.models.hub import looks_like_path
 from ft_framework.run.fingerprint import check_allow_list
 
@@ -23,6 +26,9 @@ from ft_framework.config.overrides import (apply_overrides, normalized_task_over
 from ft_framework.config.schema import FILES_SOURCE, RunConfig
 
 __all__ = ["validate_config", "load_config"]
+
+# Triton's own switch that runs a kernel in its interpreter, on CPU tensors (the tests' way of running it).
+TRITON_INTERPRETER = "TRITON_INTERPRET"
 
 
 def validate_config(data: dict[str, Any], *, pinned: Sequence[str] = (), where: str = "") -> RunConfig:
@@ -86,6 +92,40 @@ def _check_paths(cfg: RunConfig) -> None:
                               "config.json and the weights; a hub id looks like org/name)")
 
 
+def _check_machine(cfg: RunConfig, env: Mapping[str, str]) -> None:
+    """What the config asks of the machine the run starts on, checked before anything loads: one task
+    of an srun step of several under strategy single (distributed/slurm_env.py), and the Triton step
+    where it cannot run (it needs the triton package and CUDA tensors, bar triton's interpreter)."""
+    try:
+        check_step_tasks(env, distributed=cfg.strategy.name != "single")
+    except UserError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.optimizer.impl != "triton":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise ConfigError("optimizer.impl: 'triton' needs the triton package, which is not installed (pip install "
+                          "triton); use 'torch' or 'auto'")
+    if env.get(TRITON_INTERPRETER, "0") == "1":  # triton's interpreter runs the kernel on CPU tensors
+        return
+    if getattr(cfg.strategy, "offload_optimizer", None) is not None:
+        where = "the offloaded optimizer steps on the CPU (strategy.offload_optimizer)"
+    elif cfg.training.device == "cpu":
+        where = "this run's device is the CPU (training.device: cpu)"
+    elif cfg.training.device == "auto" and not _cuda_available():
+        where = "this machine has no CUDA device (training.device: auto picks the CPU)"
+    else:
+        return
+    raise ConfigError(f"optimizer.impl: 'triton' steps CUDA tensors, but {where}; use 'torch' or 'auto'")
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device: asked only for impl triton on device auto (importing torch
+    takes seconds; the run imports it next anyway)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> RunConfig:
     """Reads a YAML config, applies `key.sub=value` overrides, merges task_overrides and validates.
 
@@ -95,6 +135,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths:
     overrides = list(overrides)
     data = apply_overrides(read_yaml(path), overrides)
     cfg = validate_config(data, pinned=overrides, where=f"({path})")
-    if check_paths:
+    if check_paths:  # against the machine the run starts on (ft-plan plans for another: it passes False)
         _check_paths(cfg)
+        _check_machine(cfg, os.environ)
     return cfg

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Sequence
 import yaml
 
 from ft_framework.data.tasks import GLUE_TASK_NAMES
-from ft_framework.errors import did_you_mean, quoted, shortened
+from ft_framework.errors import UserError, did_you_mean, quoted, shortened
+from ft_framework.user_files import MissingFile, read_text
 
 from ft_framework.config.errors import ConfigError
 from ft_framework.config.yaml_loader import ALIAS_NODE_LIMIT, AliasLimit, DuplicateKey, load_yaml, marks_text
@@ -44,13 +45,16 @@ def yaml_error_text(err: yaml.YAMLError, of: str = "") -> str:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Reads a YAML mapping (numbers like 2e-5 are floats; see yaml_loader for what is refused)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    with path.open() as f:
-        try:
-            data = load_yaml(f)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: {yaml_error_text(e)}") from None
+    try:  # a regular file (never a named pipe), UTF-8, bounded: user_files.py
+        text = read_text(path)
+    except MissingFile:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        data = load_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {yaml_error_text(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -1,10 +1,15 @@
 """The YAML reader for configs and override values, safe against what a hostile or careless file
-holds: a key given twice in one mapping is refused (naming it and both places), and aliases may
-add at most ALIAS_NODE_LIMIT nodes to a document, counted while the document is composed, before
-anything is constructed or expanded (a "billion laughs" bomb stops after a few of its aliases).
-It builds on PyYAML's SafeLoader: plain data only, never objects.
+holds: a key given twice in one mapping is refused (naming it and both places), aliases may add at
+most ALIAS_NODE_LIMIT nodes to a document, counted while the document is composed, before anything
+is constructed or expanded (a "billion laughs" bomb stops after a few of its aliases), and no value
+nests deeper than user_files.NESTING_LIMIT (3000 nested `[` would exhaust Python's recursion in
+PyYAML's composer). It builds on PyYAML's SafeLoader: plain data only, never objects.
 
-    data = load_yaml(text)          # raises DuplicateKey / AliasLimit / yaml.YAMLError
+Duplicate keys are looked for in every mapping of the document as written, before anything is
+constructed: PyYAML flattens a merge (`<<: *base`) into the mapping in place when it constructs it,
+and a key that overrides a merged one is YAML's merge semantics, not a duplicate.
+
+    data = load_yaml(text)          # raises DuplicateKey / AliasLimit / NestingLimit / yaml.YAMLError
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from typing import IO, Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-__all__ = ["ALIAS_NODE_LIMIT", "AliasLimit", "DuplicateKey", "load_yaml", "marks_text"]
+from ft_framework.user_files import NESTING_LIMIT
+
+__all__ = ["ALIAS_NODE_LIMIT", "AliasLimit", "DuplicateKey", "NestingLimit", "load_yaml", "marks_text"]
 
 # The most nodes that aliases may add to one document, each alias counting every node of what it
 # repeats. A config that reuses a block a few times stays far below; the 9x9 bomb passes it at its
@@ -41,6 +48,14 @@ class AliasLimit(yaml.YAMLError):
         self.anchor, self.mark, self.recursive = anchor, mark, recursive
 
 
+class NestingLimit(yaml.MarkedYAMLError):
+    """A value nests deeper than NESTING_LIMIT levels; `problem_mark` is where the level past it opens."""
+
+    def __init__(self, mark: yaml.Mark):
+        super().__init__(problem=f"nested deeper than {NESTING_LIMIT} levels (a config nests a few): refused",
+                         problem_mark=mark)
+
+
 def marks_text(first: yaml.Mark, second: yaml.Mark) -> str:
     """``lines 4 and 7``, or ``line 4, columns 3 and 12`` when both are on one line (1-based)."""
     if first.line != second.line:
@@ -56,7 +71,7 @@ class _ConfigLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._expanded_size: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
         self._alias_nodes = 0
-        self._mapping_paths: dict[int, str] = {}
+        self._depth = 0
 
     # --- composing: the alias bound -----------------------------------------------------------
     def compose_node(self, parent: Node | None, index: Any) -> Node:
@@ -70,7 +85,13 @@ class _ConfigLoader(yaml.SafeLoader):
             if self._alias_nodes > ALIAS_NODE_LIMIT:
                 raise AliasLimit(event.anchor, event.start_mark, recursive=False)
             return node
-        node = super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > NESTING_LIMIT:
+            raise NestingLimit(self.peek_event().start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
         if isinstance(node, SequenceNode):
             children = node.value
         elif isinstance(node, MappingNode):
@@ -80,27 +101,42 @@ class _ConfigLoader(yaml.SafeLoader):
         self._expanded_size[id(node)] = 1 + sum(self._expanded_size[id(child)] for child in children)
         return node
 
-    # --- constructing: duplicate keys ---------------------------------------------------------
+    # --- constructing: duplicate keys, looked for before anything is constructed ------------------
     def construct_document(self, node: Node) -> Any:
-        self._mapping_paths = _mapping_paths(node)
+        self._refuse_duplicate_keys(node)
         return super().construct_document(node)
 
-    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, MappingNode):
-            seen: dict[Any, Node] = {}
-            for key_node, _ in node.value:  # before merge keys (<<) are flattened in: those may repeat
-                if key_node.tag == _MERGE_TAG:
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node)
-                except TypeError:  # an unhashable key: SafeLoader's own error says so
-                    continue
-                if first is not key_node:
-                    prefix = self._mapping_paths.get(id(node), "")
-                    raise DuplicateKey(f"{prefix}{key}", first.start_mark, key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
+    def _refuse_duplicate_keys(self, root: Node) -> None:
+        """Raises DuplicateKey for the first mapping of the document, in document order, that gives a key
+        twice, named by its dotted path (a node shared through an alias: the path where it is defined).
+        Every mapping as written: PyYAML rewrites one holding a merge (`<<`) in place once it constructs
+        it, and a key overriding a merged one is no duplicate. Each node once, without recursion."""
+        pending: list[tuple[Node, str]] = [(root, "")]
+        visited: set[int] = set()
+        while pending:
+            node, prefix = pending.pop()
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+            if isinstance(node, MappingNode):
+                seen: dict[Any, Node] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == _MERGE_TAG:
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.setdefault(key, key_node)
+                    except TypeError:  # an unhashable key: SafeLoader's own error says so
+                        continue
+                    if first is not key_node:
+                        raise DuplicateKey(f"{prefix}{key}", first.start_mark, key_node.start_mark)
+                children = [(value, f"{prefix}{key.value if isinstance(key, ScalarNode) else '?'}.")
+                            for key, value in node.value]
+            elif isinstance(node, SequenceNode):
+                children = [(child, prefix) for child in node.value]
+            else:
+                children = []
+            pending.extend(reversed(children))  # the first child is taken next: document order
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
         try:
@@ -124,27 +160,6 @@ _ConfigLoader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
-
-
-def _mapping_paths(root: Node) -> dict[int, str]:
-    """id(mapping node) -> the dotted key path in front of its keys (``"optimizer.hparams."``), each
-    node visited once (a shared node keeps its first path; the alias bound held, so this is small)."""
-    paths: dict[int, str] = {}
-    stack: list[tuple[Node, str]] = [(root, "")]
-    visited: set[int] = set()
-    while stack:
-        node, prefix = stack.pop()
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        if isinstance(node, MappingNode):
-            paths[id(node)] = prefix
-            for key_node, value_node in node.value:
-                name = key_node.value if isinstance(key_node, ScalarNode) else "?"
-                stack.append((value_node, f"{prefix}{name}."))
-        elif isinstance(node, SequenceNode):
-            stack.extend((child, prefix) for child in node.value)
-    return paths
 
 
 def load_yaml(source: str | IO[str]) -> Any:

@@ -19,7 +19,8 @@ from typing import Mapping
 
 from ft_framework.errors import UserError
 
-__all__ = ["expand_hostlist", "slurm_launch_env", "slurm_job_record", "adopt_slurm_launch", "port_for_job", "PORT_BASE", "PORT_SPAN"]
+__all__ = ["expand_hostlist", "slurm_launch_env", "slurm_job_record", "adopt_slurm_launch", "port_for_job", "PORT_BASE", "PORT_SPAN",
+           "check_step_tasks"]
 
 # The rendezvous port of job J: PORT_BASE + J mod PORT_SPAN, below Linux's ephemeral range (32768+),
 # so two jobs sharing a node differ unless their ids are PORT_SPAN apart.
@@ -113,6 +114,25 @@ def slurm_launch_env(env: Mapping[str, str]) -> dict[str, str] | None:
     port = env.get("MASTER_PORT") or str(port_for_job(env["SLURM_JOB_ID"]))
     return {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"], "LOCAL_RANK": env["SLURM_LOCALID"],
             "MASTER_ADDR": addr, "MASTER_PORT": port}
+
+
+def check_step_tasks(env: Mapping[str, str], *, distributed: bool) -> None:
+    """Refuses (one line) a task of an srun step of several tasks (no launcher) whose run is not
+    distributed: each task would train the same run alone, a second writer of one output directory.
+    Under a distributed strategy the step's tasks are its ranks (slurm_launch_env); with one task,
+    or a launcher's RANK set, there is nothing to refuse."""
+    if distributed or "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return
+    name = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    try:
+        tasks = int(env.get(name) or 1)
+    except ValueError:
+        raise UserError(f"srun started this process but {name}={env.get(name)!r} is not a number of tasks") from None
+    if tasks > 1:
+        raise UserError(f"this process is task {env['SLURM_PROCID']} of an srun step of {tasks} tasks ({name}), but "
+                        "strategy.name is single: every task would train the same run, each one more writer of its "
+                        "output; use a distributed strategy (strategy.name: ddp, fsdp or deepspeed: the step's tasks "
+                        "are its ranks), or start one task (srun -n1)")
 
 
 def adopt_slurm_launch() -> bool:

@@ -30,12 +30,13 @@ from typing import Any, Iterator, Sequence
 import yaml
 
 from ft_framework.path_containment import resolve_inside
+from ft_framework.user_files import MissingFile, UserFileError, read_json, read_text
 from ft_framework.run.files import (INDEX_FILE, LOCK_FILE, RESULTS_FILE, RUN_CONFIG_FILE, RUN_INFO_FILE,
                                     RUNS_SUBDIR, STATUS_FILE, SWEEP_FILE, RunPaths)
 
 from ft_framework.sweep.grid import PlannedRun
 
-__all__ = ["DONE_STATES", "STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso"]
+__all__ = ["DONE_STATES", "STATES", "SweepStore", "SweepLockedError", "atomic_write_text", "now_iso", "read_store_json"]
 
 STATES = ("pending", "running", "finished", "failed", "interrupted", "diverged")
 # States a run ends in for good: a re-run of the sweep skips them.
@@ -65,11 +66,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_store_json(path: Path, root: Path) -> dict[str, Any] | None:
+    """A JSON object of a sweep store (a run's status.json, results.json, run.json; the index), read as
+    a file a user hands us (user_files.py): a regular file inside `root`, at most WHOLE_FILE_LIMIT
+    bytes, an object nested at most NESTING_LIMIT deep. None when it does not exist; anything else
+    that is wrong with it is refused in one line naming it (UserFileError)."""
     try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return read_json(path, root=root)
+    except MissingFile:
         return None
+
+
+def _is_run_entry(entry: Any) -> bool:
+    """A run's entry of the index (or its run.json): a mapping with its id and method as text."""
+    return isinstance(entry, dict) and isinstance(entry.get("id"), str) and isinstance(entry.get("method"), str)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -101,7 +111,8 @@ class SweepStore:
         return self.runs_dir / run_id
 
     def read_status(self, run_id: str) -> dict[str, Any]:
-        return _read_json(self.run_dir(run_id) / STATUS_FILE) or {"state": "pending", "attempts": 0}
+        return (read_store_json(self.run_dir(run_id) / STATUS_FILE, self.run_dir(run_id))
+                or {"state": "pending", "attempts": 0})
 
     def write_status(self, run_id: str, **fields: Any) -> dict[str, Any]:
         """Merges `fields` into the run's status.json (atomically) and returns the new status."""
@@ -112,10 +123,10 @@ class SweepStore:
         return status
 
     def read_results(self, run_id: str) -> dict[str, Any] | None:
-        return _read_json(self.run_dir(run_id) / RESULTS_FILE)
+        return read_store_json(self.run_dir(run_id) / RESULTS_FILE, self.run_dir(run_id))
 
     def read_run_info(self, run_id: str) -> dict[str, Any] | None:
-        return _read_json(self.run_dir(run_id) / RUN_INFO_FILE)
+        return read_store_json(self.run_dir(run_id) / RUN_INFO_FILE, self.run_dir(run_id))
 
     def is_finished(self, run_id: str) -> bool:
         return (self.read_status(run_id).get("state") == "finished"
@@ -159,12 +170,12 @@ class SweepStore:
             directory = self.run_dir(run.run_id)
             directory.mkdir(parents=True, exist_ok=True)
             info = run.describe()
-            if _read_json(directory / RUN_INFO_FILE) != info:
+            if read_store_json(directory / RUN_INFO_FILE, directory) != info:
                 atomic_write_text(directory / RUN_INFO_FILE, json.dumps(info, indent=2))
             if not self.is_done(run.run_id):
                 text = yaml.safe_dump(run.config.to_dict(), sort_keys=False)
                 config_path = directory / RUN_CONFIG_FILE
-                if not config_path.is_file() or config_path.read_text() != text:
+                if not config_path.is_file() or read_text(config_path, root=directory) != text:
                     atomic_write_text(config_path, text)
             if not (directory / STATUS_FILE).is_file():
                 self.write_status(run.run_id, state="pending", attempts=0)
@@ -180,12 +191,12 @@ class SweepStore:
         if status.get("slurm_job_id"):
             return  # a SLURM job runs it, outliving any sweep: the SLURM runner asks squeue (sweep/slurm_runner.py)
         pid = status.get("pid")
-        if (pid and status.get("host") == socket.gethostname() and _pid_alive(int(pid))
-                and str(self.run_dir(run_id)) in _cmdline(int(pid))):
+        if (type(pid) is int and pid > 0 and status.get("host") == socket.gethostname() and _pid_alive(pid)
+                and str(self.run_dir(run_id)) in _cmdline(pid)):
             # Normally dead with its sweep (PR_SET_PDEATHSIG); make sure before running it again
             # (the command line names the run's directory, so a recycled pid is left alone).
             try:
-                os.killpg(int(pid), 9)
+                os.killpg(pid, 9)
             except (ProcessLookupError, PermissionError):
                 pass
         results = self.read_results(run_id)
@@ -233,7 +244,7 @@ class SweepStore:
         return counts
 
     def read_index(self) -> dict[str, Any] | None:
-        return _read_json(self.root / INDEX_FILE)
+        return read_store_json(self.root / INDEX_FILE, self.root)
 
     def list_runs(self) -> list[dict[str, Any]]:
         """Index entries of the store (from index.json, else from the run directories). Each entry's
@@ -242,7 +253,10 @@ class SweepStore:
         (NameOutsideError) before anything there is read."""
         index = self.read_index()
         if index is not None:
-            entries = index["runs"]
+            entries = index.get("runs")
+            if not isinstance(entries, list) or not all(_is_run_entry(entry) for entry in entries):
+                raise UserFileError(f"{self.root / INDEX_FILE}: its runs entry is not a list of runs, each with its id "
+                                    "and method (it was not written by ft-sweep, or it was tampered with)")
             for entry in entries:
                 entry.setdefault("dir", f"{RUNS_SUBDIR}/{entry.get('id')}")
                 resolve_inside(self.root, entry["dir"], entry=f"{INDEX_FILE}'s run directory")
@@ -254,6 +268,9 @@ class SweepStore:
             info = self.read_run_info(directory.name)
             if info is None:
                 continue
+            if not _is_run_entry(info):
+                raise UserFileError(f"{directory / RUN_INFO_FILE}: not the record of a run, with its id and method (it "
+                                    "was not written by ft-sweep, or it was tampered with)")
             entries.append({**info, "state": self.read_status(directory.name).get("state", "pending"),
                             "dir": f"{RUNS_SUBDIR}/{directory.name}"})
         return entries
