@@ -134,7 +134,8 @@ class RowTokenizer:
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """The tokens of each text, the tokenizer's special tokens added (as TRL tokenizes a string)."""
-        return self.tokenizer(texts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        out = self.tokenizer(texts, return_attention_mask=False, return_token_type_ids=False, verbose=False)
+        return out["input_ids"]
 
     def _with_eos(self, text: str, where: str) -> str:
         eos = self.tokenizer.eos_token
@@ -158,7 +159,7 @@ class RowTokenizer:
             return self._marked_messages(rows)
         texts, spans = zip(*(self._turn_spans(row) for row in rows))
         encoded = self.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True,
-                                 return_attention_mask=False, return_token_type_ids=False)
+                                 return_attention_mask=False, return_token_type_ids=False, verbose=False)
         masks = [_overlap_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), row_spans)
                  for offsets, row_spans in zip(encoded["offset_mapping"], spans)]
         return encoded["input_ids"], masks
@@ -174,7 +175,9 @@ class RowTokenizer:
 
     def _marked_messages(self, rows: Sequence[SFTRow]) -> tuple[list[list[int]], list[np.ndarray]]:
         """The template's own assistant masks (its generation blocks), as TRL takes them."""
-        kwargs = dict(tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        # verbose=False: a row longer than the model's context is cut afterwards, not an error to warn of
+        kwargs = dict(tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                      tokenizer_kwargs={"verbose": False})
         try:
             out = self.tokenizer.apply_chat_template([list(row.messages) for row in rows], chat_template=self.template,
                                                      **kwargs)

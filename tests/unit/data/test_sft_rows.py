@@ -67,7 +67,8 @@ def test_a_hub_directory_gives_each_split_its_own_files(tmp_path):
     hub = tmp_path / "hub"
     (hub / "data").mkdir(parents=True)
     for name, prompts in (("train-00000-of-00001", ["a", "b"]), ("validation-00000-of-00001", ["c"])):
-        pq.write_table(pa.table({"prompt": prompts, "completion": ["x"] * len(prompts)}), hub / "data" / f"{name}.parquet")
+        table = pa.table({"prompt": prompts, "completion": ["x"] * len(prompts)})
+        pq.write_table(table, hub / "data" / f"{name}.parquet")
     assert [r.prompt for r in rows_of(hub, "train")] == ["a", "b"]
     assert [r.prompt for r in rows_of(hub, "validation")] == ["c"]
     assert source_files(hub, "validation") == [hub / "data" / "validation-00000-of-00001.parquet"]
@@ -94,7 +95,8 @@ BAD_JSONL = [
     ({"messages": [{"role": "user", "content": "hi"}]}, r":1: the conversation has no assistant message"),
     ({"messages": CHAT[:2] + [{"role": "robot", "content": "4"}]},
      r":1: messages\[2\] has an unknown role 'robot'; valid: system, user, assistant, tool$"),
-    ({"messages": [{"role": "assistant", "content": 4}]}, r":1: messages\[0\]: `content` holds int 4, expected a string"),
+    ({"messages": [{"role": "assistant", "content": 4}]},
+     r":1: messages\[0\]: `content` holds int 4, expected a string"),
     ({"messages": [{"role": "assistant"}]}, r":1: messages\[0\] has no `content`"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]},
      r":1: messages\[0\] has the key 'tool_calls'; a message holds `role` and `content` only$"),
