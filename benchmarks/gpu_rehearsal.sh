@@ -7,8 +7,8 @@
 #
 # 1. A fresh venv holding only what the GPU machine has and we use: torch (CPU 2.13.0 here; CUDA
 #    there), transformers, pybind11, scikit-build-core, cmake, ninja, and from its image scipy and
-#    the triton its torch ships with (3.6.0 when last seen there). Nothing else: pydantic,
-#    DeepSpeed, pytest and the rest must come from the carried wheels.
+#    Triton (the newest here, for the interpreter; the machine's 3.6.0 compiles in step 3). Nothing
+#    else: pydantic, DeepSpeed, pytest and the rest must come from the carried wheels.
 # 2. benchmarks/gpu_run.sh install with that venv's python: the wheels' check, their install by
 #    group with --no-index, our package built against this torch (as on the GPU machine).
 # 3. The Triton kernel compiled for sm_90 by the GPU machine's Triton version (its PTX tests) and
@@ -25,8 +25,16 @@ OUT_DIR=${OUT:-$REPO/rehearsal_out}
 VENV=${REHEARSAL_VENV:-$(mktemp -d)/venv}
 BASE_PY=${PYTHON:-python3}
 TORCH_SPEC=${FT_REHEARSAL_TORCH:-torch==2.13.0}
-TRITON_SPEC=${FT_REHEARSAL_TRITON:-triton==3.6.0}
+# The GPU machine's Triton (3.6.0 when last seen) compiles the kernel in step 3; the venv holds the
+# newest for the dry run's interpreter (Triton 3.6's interpreter cannot run the kernel's loop:
+# its scalar loads are 1-element arrays, which range() refuses; the GPU compiles, never interprets).
+GPU_TRITON_SPEC=${FT_REHEARSAL_TRITON:-triton==3.6.0}
 mkdir -p "$OUT_DIR"
+# DeepSpeedCPUAdam's JIT build lands here, not in the user's torch extension cache (which the
+# machine's own environment shares: a build against this venv's torch would replace its op)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(dirname "$VENV")/torch_extensions}
+# A CPU rehearsal: DeepSpeed's CPU accelerator, the GPU tests' cases on the CPU (gloo), one thread each
+export DS_ACCELERATOR=cpu FT_GPU_TESTS_DEVICE=cpu OMP_NUM_THREADS=1
 LOG=$OUT_DIR/rehearsal.log
 : > "$LOG"
 START=$(date +%s)
@@ -41,7 +49,10 @@ check() {  # check DESCRIPTION COMMAND...
 # 1. the GPU machine's packages, nothing more
 "$BASE_PY" -m venv "$VENV" >> "$LOG" 2>&1
 PY=$VENV/bin/python
-"$PY" -m pip install -q "$TORCH_SPEC" transformers pybind11 scikit-build-core cmake ninja scipy "$TRITON_SPEC" >> "$LOG" 2>&1
+"$PY" -m pip install -q "$TORCH_SPEC" transformers pybind11 scikit-build-core cmake ninja scipy "triton>=3.4" >> "$LOG" 2>&1
+# A newer transformers than the GPU machine's brings pydantic along (through typer): out again, so
+# that only the carried wheels can bring what the machine lacks.
+"$PY" -m pip uninstall -y -q pydantic pydantic-core annotated-types typing-inspection >> "$LOG" 2>&1
 check "venv with only the GPU machine's packages ($("$PY" -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")' 2>/dev/null))" \
   "$PY" -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('pydantic', 'deepspeed', 'pytest', 'xxhash')))"
 step "venv built"
@@ -52,18 +63,26 @@ check "gpu_run.sh install: every wheel group installed from wheels/ alone, packa
 check "the package loads its config (pydantic) and its C++ kernel" \
   "$PY" -c "import deepspeed, pydantic; from ft_framework.optim import cpu; from ft_framework.config import load_config; print(cpu.simd_level())"
 step "installed"
+# DeepSpeedCPUAdam's op, built here first: this host compiles it in minutes on 2 cores, which the
+# window's budget (FT_TOTAL, from the window's start) would take from part a; the window's own build
+# step then finds it built, as on a GPU host that compiles it in seconds. Its time is in the log.
+check "DeepSpeedCPUAdam's op built (JIT, outside the window)" \
+  "$PY" -c "import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])"
+step "DeepSpeedCPUAdam built"
 
 # 3. the Triton kernel as the GPU machine's Triton compiles it (no device needed to compile)
-check "Triton kernel source and PTX for sm_90 ($("$PY" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null))" \
-  "$PY" -m pytest -q -p no:cacheprovider tests/unit/optim/test_triton_kernel_source.py \
+GPU_TRITON=$(dirname "$VENV")/gpu_triton
+"$PY" -m pip install -q --no-deps --target "$GPU_TRITON" "$GPU_TRITON_SPEC" >> "$LOG" 2>&1
+check "Triton kernel source and PTX for sm_90 ($(PYTHONPATH=$GPU_TRITON "$PY" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null))" \
+  env PYTHONPATH="$GPU_TRITON" "$PY" -m pytest -q -p no:cacheprovider tests/unit/optim/test_triton_kernel_source.py \
   tests/unit/optim/test_triton_step.py -k "source or scan or compiled_kernel or aligned"
 step "Triton checked"
 
 # 4. the window's script itself, every part its CPU dry run, under the script's own limits
 WINDOW_OUT=$OUT_DIR/window
 rm -rf "$WINDOW_OUT" "$OUT_DIR/work"
-OUT="$WINDOW_OUT" FT_WORK="$OUT_DIR/work" PYTHON="$PY" FT_SUITE_ARGS=--tiny FT_GPU_TESTS_DEVICE=cpu \
-  DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 bash benchmarks/gpu_run_next.sh > "$OUT_DIR/window.txt" 2>&1
+OUT="$WINDOW_OUT" FT_WORK="$OUT_DIR/work" PYTHON="$PY" FT_SUITE_ARGS=--tiny \
+  bash benchmarks/gpu_run_next.sh > "$OUT_DIR/window.txt" 2>&1
 echo "gpu_run_next.sh exit $?" >> "$OUT_DIR/window.txt"
 step "gpu_run_next.sh ran"
 W=$OUT_DIR/work
