@@ -53,8 +53,7 @@ from ft_framework.metrics import compute_metrics
 from ft_framework.models.forgetting import FORGETTING_MEASURES, build_probe
 from ft_framework.models.loading import load_model, load_tokenizer
 from ft_framework.models.lora import apply_lora, merged_copy
-from ft_framework.models.hub import NO_REMOTE_CODE
-from ft_framework.user_files import open_binary, read_json, refused_entries
+from ft_framework.user_files import NO_REMOTE_CODE, open_binary, read_json, refused_entries
 from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
                                     LATEST_FILE, RunPaths)
 from ft_framework.run.tracking import log_artifacts_to_run

@@ -40,12 +40,17 @@ from typing import Any, BinaryIO
 from ft_framework.errors import MissingPath, UserError, quoted
 from ft_framework.path_containment import NameOutsideError, links_leading_out, real_path_inside, resolve_inside
 
-__all__ = ["MissingFile", "NESTING_LIMIT", "UserFileError", "WHOLE_FILE_LIMIT", "check_nesting", "file_size",
-           "open_binary", "read_bytes", "read_json", "read_text", "refused_entries", "text_stream"]
+__all__ = ["MissingFile", "NESTING_LIMIT", "NO_REMOTE_CODE", "UserFileError", "WHOLE_FILE_LIMIT", "check_nesting",
+           "file_size", "open_binary", "read_bytes", "read_json", "read_text", "refused_entries", "text_stream"]
 
 # The most bytes of a file read whole (a status or results record, a manifest, a config): far above
 # any that ft_framework writes (a manifest of 10,000 ranks is about 2 MB), far below what fills memory.
 WHOLE_FILE_LIMIT = 64 << 20
+# The keyword arguments every from_pretrained of ours passes (models, configs, tokenizers, GGUF files):
+# a model directory a user hands us is data too, so a model's own code (a config.json's auto_map) is
+# never run, and transformers never stops to ask whether to run it (its default, None, prompts "run the
+# custom code? [y/N]" when it does not know the model type). Here, below every layer that loads a model.
+NO_REMOTE_CODE: dict[str, bool] = {"trust_remote_code": False}
 # The deepest a JSON or YAML value a user hands us may nest (ours nest at most 6 or 7 levels);
 # Python's parsers and every walk over the value then stay far from the interpreter's recursion limit.
 NESTING_LIMIT = 100

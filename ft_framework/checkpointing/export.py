@@ -38,14 +38,13 @@ import torch
 from torch import nn
 
 from ft_framework.errors import UserError, quoted, shortened
-from ft_framework.models.hub import NO_REMOTE_CODE
 from ft_framework.models.lora import save_model
 from ft_framework.checkpointing.dcp_io import _planners, _quiet_dcp
 from ft_framework.checkpointing.dcp_read import checkpoint_reader
 from ft_framework.checkpointing.fragments import MASTER, buffer_key, fragment_key, param_key
 from ft_framework.checkpointing.manifest import MODEL_SUBDIR, CheckpointFormatError, check_files, read_manifest
 from ft_framework.run.files import CHECKPOINTS_DIR, EXPORT_SCRATCH_DIR
-from ft_framework.user_files import read_json
+from ft_framework.user_files import NO_REMOTE_CODE, read_json
 
 logger = logging.getLogger(__name__)
 

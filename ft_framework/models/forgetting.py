@@ -32,6 +32,7 @@ from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.errors import UserError
 from ft_framework.models.hub import check_model_source
 from ft_framework.models.loading import fp32_load_argument, resolve_model_path
+from ft_framework.user_files import NO_REMOTE_CODE
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +241,10 @@ class ForgettingProbe:
                              auto_mlm: Any) -> tuple[nn.Module, nn.Module | None, str]:
         try:
             mlm, info = auto_mlm.from_pretrained(path, local_files_only=local_only, output_loading_info=True,
-                                                 **fp32_load_argument())
+                                                 **fp32_load_argument(), **NO_REMOTE_CODE)
         except ValueError as exc:  # an architecture with no masked-LM class
-            return (auto_model.from_pretrained(path, local_files_only=local_only, **fp32_load_argument()),
+            return (auto_model.from_pretrained(path, local_files_only=local_only, **fp32_load_argument(),
+                                               **NO_REMOTE_CODE),
                     None, f"no masked-LM class ({str(exc).splitlines()[0][:80]})")
         head, why = _mlm_head(mlm, info["missing_keys"])
         if head is None:

@@ -34,6 +34,7 @@ import xxhash
 from filelock import FileLock, Timeout
 
 from ft_framework.errors import UserError, quoted
+from ft_framework.user_files import NO_REMOTE_CODE
 
 __all__ = ["CONVERSION_RECORD", "FORMAT_VERSION", "cache_root", "entry_is_complete", "gguf_file_in_distribution",
            "gguf_model_dir"]
@@ -177,15 +178,16 @@ def _save_converted(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **_dequantised_fp32(gguf))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, **NO_REMOTE_CODE)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **_dequantised_fp32(gguf),
+                                                 **NO_REMOTE_CODE)
     not_fp32 = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
     if not_fp32:
         raise RuntimeError(f"transformers loaded {gguf.name} in {not_fp32}, not fp32: θ* would not be exact")
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **NO_REMOTE_CODE)
     expected, found = model.state_dict(), saved.state_dict()
     differ = [k for k in expected if k not in found or not torch.equal(expected[k], found[k])]
     if differ or found.keys() != expected.keys():

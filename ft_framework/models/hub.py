@@ -19,14 +19,10 @@ from urllib.parse import urlparse
 
 from ft_framework.errors import UserError, quoted, shortened
 
-__all__ = ["HUB_PROBE_TIMEOUT_S", "NO_REMOTE_CODE", "cached_config_file", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
+__all__ = ["HUB_PROBE_TIMEOUT_S", "cached_config_file", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
            "probe_hub"]
 
 HUB_PROBE_TIMEOUT_S = 3.0
-# The keyword arguments every from_pretrained of ours passes (models, configs, tokenizers): a model's
-# own code (a config.json's auto_map) is never run, and transformers never stops to ask whether to run
-# it (its default, None, prompts "run the custom code? [y/N]" when the model type is unknown to it).
-NO_REMOTE_CODE: dict[str, bool] = {"trust_remote_code": False}
 _TRUE = {"1", "true", "yes", "on"}
 
 

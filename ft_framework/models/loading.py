@@ -27,6 +27,7 @@ from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.gguf_cache import gguf_model_dir
 from ft_framework.models.hub import check_model_source
 from ft_framework.models.lora import apply_lora
+from ft_framework.user_files import NO_REMOTE_CODE
 
 if TYPE_CHECKING:
     from ft_framework.config import ModelConfig
@@ -154,7 +155,7 @@ def load_tokenizer(name_or_path: str) -> Any:
 
     path = resolve_model_path(name_or_path)
     local_only = check_model_source(path, key="model.tokenizer (or model.name_or_path)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+    return AutoTokenizer.from_pretrained(path, local_files_only=local_only, **NO_REMOTE_CODE)
 
 
 def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> LoadedModel:
@@ -214,12 +215,12 @@ def _from_pretrained(path: str, cfg: "ModelConfig", model_class: ModelClass, loc
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=local_files_only,
-                                                     **dict(model_class.config_values))
+                                                     **dict(model_class.config_values), **NO_REMOTE_CODE)
     apply_dropout(config, cfg.dropout)
     auto_class = getattr(transformers, model_class.auto_class)
     return auto_class.from_pretrained(
         path, config=config, local_files_only=local_files_only, output_loading_info=True, ignore_mismatched_sizes=True,
-        **fp32_load_argument(),
+        **fp32_load_argument(), **NO_REMOTE_CODE,
     )
 
 
