@@ -6,19 +6,27 @@ the non-dominated points, forgetting at matched accuracy, and whether ‖θ − 
     print(frontier.markdown())
 
 How numbers are made (also stated in report.md's section):
-- A point's score is the run's main metric on its score split (the report's score, x100) at that
-  evaluation; its forgetting is one functional measure of models/forgetting.py: `mlm_forgetting`
-  when every point has it, else `cka_drift_last` (or the measure asked for).
-- A point is non-dominated when no other point of the task has a score at least as high and a
+- A point's score is the run's main metric on its score split at that evaluation, in the report's
+  unit and direction (sweep/scores.py: x100, or a loss as it is, where lower is better); its
+  forgetting is a functional measure of the run's forgetting probe (models/forgetting.py for an
+  encoder, models/lm_forgetting.py for a decoder).
+- The axes: by default every measure of what the model outputs that every point has
+  (`mlm_forgetting` for an encoder with an MLM head; `kl_from_pretrained` and `lm_loss_gained` for a
+  decoder), else `cka_drift_last`; or the one measure asked for. Each axis has its own
+  non-dominated points and matched-accuracy table.
+- A point is non-dominated when no other point of the task has a score at least as good and a
   forgetting at most as low, with one of the two strictly better. Interpolated points (θ_α) take
   part: each is a model a user could deploy.
-- Forgetting at matched accuracy: the target is `fraction` (0.99) of the reference method's best
-  score (its best evaluation, any setting and seed); per method, the least forgetting among its
-  evaluation points that reach the target, and again with its interpolated points ("+ WiSE-FT").
-- Spearman's rank correlation between ‖θ − θ*‖₂ and the functional forgetting, over the
-  evaluation points of the task (and per method with at least 3 points). Interpolated points are
-  left out: along one run's α-line both grow by construction. With at most 8 points the p-value is
-  exact (every ordering), else scipy's t approximation.
+- Forgetting at matched accuracy: the target is the score whose ratio to the reference method's best
+  score (its best evaluation, any setting and seed) is `fraction` (0.99): fraction × best where
+  higher is better, best / fraction where lower is better; per method, the least forgetting among
+  its evaluation points that reach the target (as good or better), and again with its interpolated
+  points ("+ WiSE-FT").
+- Spearman's rank correlation between ‖θ − θ*‖₂ and each functional forgetting measure the points
+  recorded (one row per measure), over the evaluation points of the task (and per method with at
+  least 3 points). Interpolated points are left out: along one run's α-line both grow by
+  construction. With at most 8 points the p-value is exact (every ordering), else scipy's t
+  approximation.
 - θ_1 of an interpolation is the run's reported model, already one of its evaluation points: it is
   not counted twice.
 """
@@ -36,15 +44,25 @@ from scipy import stats
 
 from ft_framework.errors import UserError
 from ft_framework.models.forgetting import CKA_DRIFT_LAST, FORGETTING_MEASURES, MLM_FORGETTING
+from ft_framework.models.lm_forgetting import KL_FROM_PRETRAINED, LM_FORGETTING_MEASURES, LM_LOSS_GAINED
 
 from ft_framework.sweep.markdown import fmt, md_table
 from ft_framework.sweep.records import RunRecord, read_interpolation, read_metrics
+from ft_framework.sweep.scores import lower_is_better, oriented, score_scale, score_unit, task_main_metrics
 
-__all__ = ["AUTO_MEASURE", "DEFAULT_MATCHED_FRACTION", "DEFAULT_REFERENCE_METHOD", "MEASURE_CHOICES",
-           "MIN_CORRELATION_POINTS", "Frontier", "FrontierPoint", "build_frontier", "non_dominated"]
+__all__ = ["AUTO_MEASURE", "DEFAULT_MATCHED_FRACTION", "DEFAULT_REFERENCE_METHOD", "KNOWN_MEASURES",
+           "MEASURE_CHOICES", "MIN_CORRELATION_POINTS", "OUTPUT_MEASURES", "Frontier", "FrontierAxis",
+           "FrontierPoint", "build_frontier", "matched_target", "non_dominated", "reaches"]
 
 AUTO_MEASURE = "auto"
-MEASURE_CHOICES = (AUTO_MEASURE, *FORGETTING_MEASURES)
+# Every functional forgetting measure a run records, as their owners name them: an encoder's
+# (models/forgetting.py), then a decoder's (models/lm_forgetting.py); the CKA drifts are both's.
+KNOWN_MEASURES = tuple(dict.fromkeys((*FORGETTING_MEASURES, *LM_FORGETTING_MEASURES)))
+# The default axes: the measures of what the model outputs, each where every point has it. The
+# representation drift (CKA) is the axis only when none of them is there (an encoder without an MLM head).
+OUTPUT_MEASURES = (MLM_FORGETTING, KL_FROM_PRETRAINED, LM_LOSS_GAINED)
+FALLBACK_MEASURE = CKA_DRIFT_LAST
+MEASURE_CHOICES = (AUTO_MEASURE, *KNOWN_MEASURES)
 DEFAULT_REFERENCE_METHOD = "vanilla"
 DEFAULT_MATCHED_FRACTION = 0.99
 # Spearman's rho of fewer points says nothing (2 points: always ±1).
@@ -57,7 +75,7 @@ EXACT_P_MAX_POINTS = 8
 
 @dataclass
 class FrontierPoint:
-    """One model: a run at one evaluation (kind "eval") or one θ_α of its interpolation."""
+    """One model on one axis: a run at one evaluation (kind "eval") or one θ_α of its interpolation."""
 
     task: str
     method: str
@@ -67,8 +85,8 @@ class FrontierPoint:
     kind: str
     step: int | None
     alpha: float | None
-    score: float                 # x100
-    forgetting: float
+    score: float                 # the report's unit (sweep/scores.py)
+    forgetting: float            # the axis's measure
     distance: float | None       # ‖θ − θ*‖₂
     non_dominated: bool = False
 
@@ -79,12 +97,14 @@ class FrontierPoint:
                 "non_dominated": self.non_dominated}
 
 
-def non_dominated(points: Sequence[tuple[float, float]]) -> list[bool]:
-    """For (score, forgetting) pairs: True where no other pair has score >= and forgetting <=, one
-    of them strictly (higher score and lower forgetting are better). Sort-based, O(n log n)."""
-    order = sorted(range(len(points)), key=lambda i: (-points[i][0], points[i][1]))
+def non_dominated(points: Sequence[tuple[float, float]], *, lower_is_better: bool = False) -> list[bool]:
+    """For (score, forgetting) pairs: True where no other pair has a score at least as good and a
+    forgetting <=, one of them strictly (a lower forgetting is better; a higher score, or a lower
+    one with `lower_is_better`). Sort-based, O(n log n)."""
+    sign = -1.0 if lower_is_better else 1.0
+    order = sorted(range(len(points)), key=lambda i: (-sign * points[i][0], points[i][1]))
     flags = [False] * len(points)
-    best_forgetting = math.inf   # the least forgetting among points of strictly higher score
+    best_forgetting = math.inf   # the least forgetting among points of a strictly better score
     i = 0
     while i < len(order):
         j = i
@@ -100,25 +120,68 @@ def non_dominated(points: Sequence[tuple[float, float]]) -> list[bool]:
     return flags
 
 
+def matched_target(metric: str | None, best: float, fraction: float) -> float:
+    """The score whose ratio to `best` is `fraction`: fraction × best, or best / fraction where
+    lower is better (a completion loss of 2.0 at 0.99: 2.0202)."""
+    return best / fraction if lower_is_better(metric) else fraction * best
+
+
+def reaches(metric: str | None, score: float, target: float) -> bool:
+    """Whether `score` is at least as good as `target`."""
+    return score <= target if lower_is_better(metric) else score >= target
+
+
+def _score_text(metric: str | None, value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.4f}" if lower_is_better(metric) else f"{value:.2f}"
+
+
 @dataclass
-class Frontier:
-    """Everything of the frontier section, per task."""
+class FrontierAxis:
+    """The frontier on one forgetting measure: its points per task and its matched-accuracy rows."""
 
     measure: str
+    points: dict[str, list[FrontierPoint]]
+    matched_rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Frontier:
+    """Everything of the frontier section, per axis and task."""
+
+    axes: list[FrontierAxis]
     reference: str | None
     fraction: float
-    points: dict[str, list[FrontierPoint]]
-    matched_rows: list[dict[str, Any]]
+    metrics: dict[str, str]      # task -> its main metric (the score's unit and direction)
     correlation_rows: list[dict[str, Any]]
     left_out: int = 0            # finished runs without forgetting metrics
     notes: list[str] = field(default_factory=list)
 
     @property
+    def measures(self) -> list[str]:
+        return [axis.measure for axis in self.axes]
+
+    @property
+    def measure(self) -> str:
+        """The first axis's measure."""
+        return self.axes[0].measure if self.axes else FALLBACK_MEASURE
+
+    @property
+    def points(self) -> dict[str, list[FrontierPoint]]:
+        """The first axis's points per task."""
+        return self.axes[0].points if self.axes else {}
+
+    @property
+    def matched_rows(self) -> list[dict[str, Any]]:
+        return [row for axis in self.axes for row in axis.matched_rows]
+
+    @property
     def tasks(self) -> list[str]:
-        return [t for t, pts in self.points.items() if pts]
+        return [t for t in self.metrics if any(axis.points.get(t) for axis in self.axes)]
 
     def point_rows(self) -> list[dict[str, Any]]:
-        return [p.row(self.measure) for t in self.tasks for p in self.points[t]]
+        return [p.row(axis.measure) for axis in self.axes for t in self.tasks for p in axis.points.get(t, [])]
 
     def markdown(self) -> str:
         if not self.tasks:
@@ -127,58 +190,71 @@ class Frontier:
             return "\n".join(["## Learning–forgetting frontier", "",
                               f"No run has functional forgetting metrics ({self.left_out} finished runs without "
                               "them: older runs, or evaluation.forgetting.enabled false).", ""])
+        units = "; ".join(f"{t}: {self.metrics[t]}, {score_unit(self.metrics[t])}" for t in self.tasks)
         out = ["## Learning–forgetting frontier", "",
-               f"Score (the main metric on the score split, x100) against functional forgetting ({self.measure}, "
-               "models' drift from θ* on the probe text; lower is better): one point per evaluation of every "
-               "finished run and per α of its interpolation toward θ* (WiSE-FT). A point is non-dominated when "
-               "no other point has a score at least as high and a forgetting at most as low, one of them strictly. "
-               "Figure: plots/frontier_<task>.png; every point: frontier.csv.", ""]
+               f"Score (the main metric on the score split; {units}) against functional forgetting "
+               f"({', '.join(self.measures)}: each a model's drift from θ* on the probe text; lower is better): "
+               "one point per evaluation of every finished run and per α of its interpolation toward θ* "
+               "(WiSE-FT). A point is non-dominated when no other point has a score at least as good (higher; "
+               "lower for a lower-is-better metric) and a forgetting at most as low, one of them strictly. "
+               "Figure: plots/frontier_<task>.png, one panel per measure; every point: frontier.csv.", ""]
         if self.left_out:
             out += [f"Left out: {self.left_out} finished runs without forgetting metrics (older runs, or "
                     "evaluation.forgetting.enabled false).", ""]
         out += self.notes + ([""] if self.notes else [])
-        for task in self.tasks:
-            front = sorted((p for p in self.points[task] if p.non_dominated), key=lambda p: -p.score)
-            rows = [[p.method, p.run_id, str(p.seed), p.kind if p.alpha is None else f"α={p.alpha:g}",
-                     "–" if p.step is None else str(p.step), f"{p.score:.2f}", f"{p.forgetting:.4g}"]
-                    for p in front]
-            out += [f"### {task}: non-dominated points", "",
-                    md_table(["Method", "Run", "Seed", "Model", "Step", "Score", self.measure], rows, 5), ""]
+        for axis in self.axes:
+            for task in self.tasks:
+                metric = self.metrics[task]
+                front = sorted((p for p in axis.points.get(task, []) if p.non_dominated),
+                               key=lambda p: -oriented(metric, p.score))
+                rows = [[p.method, p.run_id, str(p.seed), p.kind if p.alpha is None else f"α={p.alpha:g}",
+                         "–" if p.step is None else str(p.step), _score_text(metric, p.score), f"{p.forgetting:.4g}"]
+                        for p in front]
+                out += [f"### {task}: non-dominated points on {axis.measure}", "",
+                        md_table(["Method", "Run", "Seed", "Model", "Step", f"Score ({metric})", axis.measure],
+                                 rows, 5), ""]
         if self.matched_rows:
             out += ["### Forgetting at matched accuracy", "",
-                    f"Target: {self.fraction:g} × the best score of `{self.reference}` (its best evaluation, any "
-                    "setting and seed). Per method, the least forgetting among its evaluation points that reach the "
-                    "target; \"+ WiSE-FT\" also counts its interpolated points.", ""]
-            rows = [[r["task"], r["method"], f"{r['target']:.2f}", r["reached"] if isinstance(r["reached"], str)
-                     else f"{r['reached']}/{r['points']}",
-                     "not reached" if r["forgetting"] is None else f"{r['forgetting']:.4g}",
-                     "–" if r["score"] is None else f"{r['score']:.2f}", r.get("run_id") or "–"]
-                    for r in self.matched_rows]
-            out += [md_table(["Task", "Method", "Target", "Points reaching", f"Least {self.measure}", "Its score",
-                         "Run"], rows, 2), ""]
+                    f"Target: the score whose ratio to the best score of `{self.reference}` (its best evaluation, any "
+                    f"setting and seed) is {self.fraction:g}: {self.fraction:g} × that best where higher is better, "
+                    f"that best / {self.fraction:g} where lower is better. Per method, the least forgetting among its "
+                    "evaluation points that reach the target (as good or better); \"+ WiSE-FT\" also counts its "
+                    "interpolated points.", ""]
+            for axis in self.axes:
+                if not axis.matched_rows:
+                    continue
+                rows = [[r["task"], r["method"], _score_text(self.metrics[r["task"]], r["target"]),
+                         f"{r['reached']}/{r['points']}",
+                         "not reached" if r["forgetting"] is None else f"{r['forgetting']:.4g}",
+                         _score_text(self.metrics[r["task"]], r["score"]), r.get("run_id") or "–"]
+                        for r in axis.matched_rows]
+                out += [f"#### {axis.measure}", "",
+                        md_table(["Task", "Method", "Target", "Points reaching", f"Least {axis.measure}", "Its score",
+                                  "Run"], rows, 2), ""]
         if self.correlation_rows:
             out += ["### Does ‖θ − θ*‖ predict functional forgetting?", "",
-                    f"Spearman's rank correlation between ‖θ − θ*‖₂ and {self.measure} over the evaluation points "
-                    f"(all methods, then per method with at least {MIN_CORRELATION_POINTS} points). ρ near 1: the "
-                    "distance ranks models as their functional forgetting does, so watching it tells you something; "
-                    "near 0 or negative: it does not, and a method that shrinks the distance need not forget less.",
-                    ""]
-            rows = [[r["task"], r["method"], str(r["n"]), fmt(r["rho"], 3), fmt(r["pvalue"], 4)]
+                    "Spearman's rank correlation between ‖θ − θ*‖₂ and each functional forgetting measure the runs "
+                    f"recorded, over the evaluation points (all methods, then per method with at least "
+                    f"{MIN_CORRELATION_POINTS} points). ρ near 1: the distance ranks models as that measure does, so "
+                    "watching it tells you something; near 0 or negative: it does not, and a method that shrinks the "
+                    "distance need not forget less.", ""]
+            rows = [[r["task"], r["measure"], r["method"], str(r["n"]), fmt(r["rho"], 3), fmt(r["pvalue"], 4)]
                     for r in self.correlation_rows]
-            out += [md_table(["Task", "Points of", "n", "ρ", "p"], rows, 2), ""]
+            out += [md_table(["Task", "Measure", "Points of", "n", "ρ", "p"], rows, 3), ""]
         return "\n".join(out)
 
 
 def _eval_points(run: RunRecord) -> list[dict[str, Any]]:
     """(step, score, forgetting dict, distance) of each evaluation that measured forgetting."""
     out = []
+    scale = score_scale(run.main_metric)
     for rec in read_metrics(run):
         if rec.get("type") != "eval" or not rec.get("forgetting"):
             continue
         value = ((rec.get("metrics") or {}).get(run.score_split) or {}).get(run.main_metric)
         if value is None:
             continue
-        out.append({"step": int(rec["step"]), "score": 100.0 * float(value), "forgetting": rec["forgetting"],
+        out.append({"step": int(rec["step"]), "score": scale * float(value), "forgetting": rec["forgetting"],
                     "distance": rec.get("forgetting_distance")})
     return out
 
@@ -188,26 +264,26 @@ def _interpolated_points(run: RunRecord) -> list[dict[str, Any]]:
     if data is None:
         return []
     out = []
+    scale = score_scale(run.main_metric)
     for row in data.get("rows", []):
         if float(row["alpha"]) == 1.0:   # θ_1 is the run's reported model: an evaluation point already
             continue
         value = ((row.get("metrics") or {}).get(run.score_split) or {}).get(run.main_metric)
         if value is None or not row.get("forgetting"):
             continue
-        out.append({"alpha": float(row["alpha"]), "score": 100.0 * float(value), "forgetting": row["forgetting"],
+        out.append({"alpha": float(row["alpha"]), "score": scale * float(value), "forgetting": row["forgetting"],
                     "distance": row.get("distance")})
     return out
 
 
-def _choose_measure(requested: str, raw: list[dict[str, Any]]) -> str:
+def _choose_axes(requested: str, raw: list[dict[str, Any]]) -> list[str]:
     if requested not in MEASURE_CHOICES:
         raise UserError(f"ft-report: --forgetting-measure {requested!r} is not known; valid: "
                         f"{', '.join(MEASURE_CHOICES)}")
     if requested != AUTO_MEASURE:
-        return requested
-    if raw and all(MLM_FORGETTING in p["forgetting"] for p in raw):
-        return MLM_FORGETTING
-    return CKA_DRIFT_LAST
+        return [requested]
+    axes = [m for m in OUTPUT_MEASURES if raw and all(m in p["forgetting"] for p in raw)]
+    return axes or [FALLBACK_MEASURE]
 
 
 def build_frontier(records: Sequence[RunRecord], methods: Sequence[str], tasks: Sequence[str], *,
@@ -221,6 +297,7 @@ def build_frontier(records: Sequence[RunRecord], methods: Sequence[str], tasks: 
         raise UserError(f"ft-report: --reference-method {reference!r} is not a method of this sweep; valid: "
                         f"{', '.join(methods)}")
     finished = [r for r in records if r.finished and r.task]
+    metric_of = task_main_metrics((r.task, r.main_metric) for r in finished)
     collected: list[tuple[RunRecord, str, dict[str, Any]]] = []
     left_out = 0
     for run in finished:
@@ -229,45 +306,56 @@ def build_frontier(records: Sequence[RunRecord], methods: Sequence[str], tasks: 
             left_out += 1
             continue
         collected += [(run, EVAL, p) for p in evals] + [(run, INTERPOLATED, p) for p in _interpolated_points(run)]
-    chosen = _choose_measure(measure, [p for _, _, p in collected])
-    notes = []
-    missing = sum(chosen not in p["forgetting"] for _, _, p in collected)
-    if missing:
-        notes.append(f"{missing} points without {chosen} are left out (e.g. no MLM head for mlm_forgetting).")
-    points: dict[str, list[FrontierPoint]] = defaultdict(list)
-    for run, kind, p in collected:
-        if chosen not in p["forgetting"]:
-            continue
-        points[run.task].append(FrontierPoint(
-            task=run.task, method=run.method, run_id=run.run_id, seed=run.seed, setting=run.setting_label,
-            kind=kind, step=p.get("step"), alpha=p.get("alpha"), score=p["score"],
-            forgetting=float(p["forgetting"][chosen]), distance=p.get("distance")))
-    for pts in points.values():
-        for point, flag in zip(pts, non_dominated([(q.score, q.forgetting) for q in pts])):
-            point.non_dominated = flag
-    ordered = {t: points[t] for t in tasks if t in points}
+    chosen = _choose_axes(measure, [p for _, _, p in collected])
+    present = [t for t in tasks if any(run.task == t for run, _, _ in collected)]
+    notes: list[str] = []
+    axes = []
+    for name in chosen:
+        missing = sum(name not in p["forgetting"] for _, _, p in collected)
+        if missing:
+            notes.append(f"{missing} points without {name} are left out of its axis (e.g. no MLM head for "
+                         "mlm_forgetting, or an encoder's points on a decoder's measure).")
+        points: dict[str, list[FrontierPoint]] = defaultdict(list)
+        for run, kind, p in collected:
+            if name not in p["forgetting"]:
+                continue
+            points[run.task].append(FrontierPoint(
+                task=run.task, method=run.method, run_id=run.run_id, seed=run.seed, setting=run.setting_label,
+                kind=kind, step=p.get("step"), alpha=p.get("alpha"), score=p["score"],
+                forgetting=float(p["forgetting"][name]), distance=p.get("distance")))
+        for task, pts in points.items():
+            flags = non_dominated([(q.score, q.forgetting) for q in pts], lower_is_better=lower_is_better(metric_of[task]))
+            for point, flag in zip(pts, flags):
+                point.non_dominated = flag
+        axes.append(FrontierAxis(measure=name, points={t: points[t] for t in present if t in points}))
 
     if reference is None and DEFAULT_REFERENCE_METHOD in methods:
         reference = DEFAULT_REFERENCE_METHOD
-    matched: list[dict[str, Any]] = []
-    if reference is None and ordered:
+    if reference is None and present:
         notes.append(f"No matched-accuracy table: the sweep has no method `{DEFAULT_REFERENCE_METHOD}`; name the "
                      f"full fine-tuning method with ft-report --reference-method (one of {', '.join(methods)}).")
-    elif ordered:
-        matched = _matched_rows(ordered, methods, reference, fraction)
-    correlation = _correlation_rows(ordered, methods)
-    return Frontier(measure=chosen, reference=reference, fraction=fraction, points=ordered, matched_rows=matched,
-                    correlation_rows=correlation, left_out=left_out, notes=notes)
+    elif present:
+        for axis in axes:
+            axis.matched_rows = _matched_rows(axis, metric_of, methods, reference, fraction)
+    by_task: dict[str, list[tuple[RunRecord, dict[str, Any]]]] = defaultdict(list)
+    for run, kind, p in collected:
+        if kind == EVAL:
+            by_task[run.task].append((run, p))
+    correlation = _correlation_rows({t: by_task[t] for t in present}, methods, chosen)
+    return Frontier(axes=axes, reference=reference, fraction=fraction,
+                    metrics={t: metric_of[t] for t in present}, correlation_rows=correlation, left_out=left_out,
+                    notes=notes)
 
 
-def _matched_rows(points: dict[str, list[FrontierPoint]], methods: Sequence[str], reference: str,
+def _matched_rows(axis: FrontierAxis, metric_of: dict[str, str], methods: Sequence[str], reference: str,
                   fraction: float) -> list[dict[str, Any]]:
     rows = []
-    for task, pts in points.items():
+    for task, pts in axis.points.items():
+        metric = metric_of[task]
         ref = [p.score for p in pts if p.method == reference and p.kind == EVAL]
         if not ref:
             continue
-        target = fraction * max(ref)
+        target = matched_target(metric, max(ref, key=lambda s: oriented(metric, s)), fraction)
         for method in methods:
             own = [p for p in pts if p.method == method]
             if not own:
@@ -276,11 +364,11 @@ def _matched_rows(points: dict[str, list[FrontierPoint]], methods: Sequence[str]
                 candidates = [p for p in own if p.kind in kinds]
                 if label != method and not any(p.kind == INTERPOLATED for p in own):
                     continue
-                reaching = [p for p in candidates if p.score >= target]
-                best = min(reaching, key=lambda p: (p.forgetting, -p.score)) if reaching else None
-                rows.append({"task": task, "method": label, "reference": reference, "fraction": fraction,
-                             "target": target, "points": len(candidates), "reached": len(reaching),
-                             "forgetting": None if best is None else best.forgetting,
+                reaching = [p for p in candidates if reaches(metric, p.score, target)]
+                best = min(reaching, key=lambda p: (p.forgetting, -oriented(metric, p.score))) if reaching else None
+                rows.append({"task": task, "measure": axis.measure, "method": label, "reference": reference,
+                             "fraction": fraction, "target": target, "points": len(candidates),
+                             "reached": len(reaching), "forgetting": None if best is None else best.forgetting,
                              "score": None if best is None else best.score,
                              "run_id": None if best is None else best.run_id,
                              "alpha": None if best is None else best.alpha})
@@ -298,22 +386,32 @@ def _exact_spearman_pvalue(x: Sequence[float], y: Sequence[float], rho: float) -
     return float(np.mean(np.abs(r) >= abs(rho) - 1e-12))
 
 
-def _correlation_rows(points: dict[str, list[FrontierPoint]], methods: Sequence[str]) -> list[dict[str, Any]]:
+def _spearman(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    if len(set(x)) < 2 or len(set(y)) < 2:   # a constant has no ranks to correlate
+        return math.nan, math.nan
+    result = stats.spearmanr(x, y)
+    rho, pvalue = float(result.statistic), float(result.pvalue)
+    if len(x) <= EXACT_P_MAX_POINTS:
+        pvalue = _exact_spearman_pvalue(x, y, rho)
+    return rho, pvalue
+
+
+def _correlation_rows(evals: dict[str, list[tuple[RunRecord, dict[str, Any]]]], methods: Sequence[str],
+                      axes: Sequence[str]) -> list[dict[str, Any]]:
+    """Per task and measure (the axes first, then every other measure the points recorded): ρ over
+    all evaluation points, then over each method's."""
     rows = []
-    for task, pts in points.items():
-        usable = [p for p in pts if p.kind == EVAL and p.distance is not None]
-        groups = [("all", usable)] + [(m, [p for p in usable if p.method == m]) for m in methods]
-        for label, group in groups:
-            if len(group) < MIN_CORRELATION_POINTS or (label != "all" and len(group) == len(usable)):
-                continue
-            distances = [p.distance for p in group]
-            forgetting = [p.forgetting for p in group]
-            if len(set(distances)) < 2 or len(set(forgetting)) < 2:   # a constant has no ranks to correlate
-                rho, pvalue = math.nan, math.nan
-            else:
-                result = stats.spearmanr(distances, forgetting)
-                rho, pvalue = float(result.statistic), float(result.pvalue)
-                if len(group) <= EXACT_P_MAX_POINTS:
-                    pvalue = _exact_spearman_pvalue(distances, forgetting, rho)
-            rows.append({"task": task, "method": label, "n": len(group), "rho": rho, "pvalue": pvalue})
+    for task, points in evals.items():
+        recorded = {m for _, p in points for m in p["forgetting"]}
+        measures = [*axes, *(m for m in KNOWN_MEASURES if m in recorded and m not in axes)]
+        for measure in measures:
+            usable = [(run, p) for run, p in points if p.get("distance") is not None and measure in p["forgetting"]]
+            groups = [("all", usable)] + [(m, [(run, p) for run, p in usable if run.method == m]) for m in methods]
+            for label, group in groups:
+                if len(group) < MIN_CORRELATION_POINTS or (label != "all" and len(group) == len(usable)):
+                    continue
+                rho, pvalue = _spearman([float(p["distance"]) for _, p in group],
+                                        [float(p["forgetting"][measure]) for _, p in group])
+                rows.append({"task": task, "measure": measure, "method": label, "n": len(group), "rho": rho,
+                             "pvalue": pvalue})
     return rows

@@ -8,7 +8,12 @@
 - expected_max.png            expected best score vs number of random trials (Zhang et al. Fig. 4)
 - interpolation_<task>.png    each method's mean interpolation curve toward θ* (runs with interpolation.json)
 - frontier_<task>.png         score against functional forgetting, every evaluation of every run, one colour
-                              per method, the WiSE-FT α lines, the non-dominated points joined
+                              per method, the WiSE-FT α lines, the non-dominated points joined; one panel
+                              per forgetting measure of the frontier (a decoder's: the KL from θ* and the
+                              LM loss gained)
+
+Scores are in the report's unit and direction (sweep/scores.py): an axis says "x100", or "lower is
+better" for a loss.
 
 Lines average the seeds of one setting. For a method with a k axis, the other hyper-parameters stay
 at the task's best setting; the other methods show their best setting.
@@ -27,6 +32,7 @@ from ft_framework.interpolate import plot_interpolation
 from ft_framework.sweep.frontier import EVAL, INTERPOLATED, Frontier
 from ft_framework.sweep.records import RunRecord, read_metrics
 from ft_framework.sweep.report import Report, interpolation_curves
+from ft_framework.sweep.scores import score_label, score_scale
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -91,7 +97,7 @@ def _loss(rec: dict[str, Any], run: "RunRecord") -> float | None:
 
 def _score(rec: dict[str, Any], run: "RunRecord") -> float | None:
     value = (rec.get("metrics") or {}).get(run.score_split, {}).get(run.main_metric)
-    return None if value is None else 100.0 * value
+    return None if value is None else score_scale(run.main_metric) * value
 
 
 def _distance(rec: dict[str, Any], run: "RunRecord") -> float | None:
@@ -145,7 +151,7 @@ def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
         fig = Figure(figsize=(11, 4))
         ax_loss, ax_score = fig.subplots(1, 2)
         n = _line_plot(ax_loss, groups, _loss, "train", cache, "training loss", f"{task}: training loss")
-        n += _line_plot(ax_score, groups, _score, "eval", cache, f"{metric} (x100)", f"{task}: dev {metric}")
+        n += _line_plot(ax_score, groups, _score, "eval", cache, score_label(metric), f"{task}: dev {metric}")
         if n:
             written.append(_save(fig, out / f"learning_curves_{task}.png"))
 
@@ -173,7 +179,7 @@ def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
             for i, scores in enumerate(data, 1):
                 ax.plot(np.full(len(scores), i, dtype=float), scores, "k.", alpha=0.6)
             ax.set_title(task)
-            ax.set_ylabel("score (x100)")
+            ax.set_ylabel(score_label(report.metrics.get(task)))
             ax.grid(alpha=0.3)
         for ax in axes[len(tasks):]:
             ax.set_visible(False)
@@ -198,7 +204,7 @@ def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
             else:
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("number of random trials")
-            ax.set_ylabel("expected best score")
+            ax.set_ylabel(f"expected best {score_label(report.metrics.get(task))}")
             ax.set_title(task)
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
@@ -212,41 +218,49 @@ def write_plots(report: "Report", out_dir: str | Path) -> list[Path]:
 
 
 def write_frontier_plots(frontier: Frontier, methods: list[str], directory: Path) -> list[Path]:
-    """plots/frontier_<task>.png: score against functional forgetting (sweep/frontier.py)."""
-    from matplotlib import colormaps
+    """plots/frontier_<task>.png: score against functional forgetting (sweep/frontier.py), one panel
+    per forgetting measure of the frontier."""
     from matplotlib.figure import Figure  # lazy: the CLI starts without matplotlib
 
-    colours = colormaps["tab10"]
     written = []
     for task in frontier.tasks:
-        points = frontier.points[task]
-        fig = Figure(figsize=(7, 5))
-        ax = fig.subplots()
-        for i, method in enumerate(m for m in methods if any(p.method == m for p in points)):
-            colour = colours(i % 10)
-            evals = [p for p in points if p.method == method and p.kind == EVAL]
-            ax.scatter([p.forgetting for p in evals], [p.score for p in evals], color=colour, s=22, alpha=0.8,
-                       label=method)
-            lines: dict[str, list] = defaultdict(list)
-            for p in points:
-                if p.method == method and p.kind == INTERPOLATED:
-                    lines[p.run_id].append(p)
-            for j, line in enumerate(lines.values()):
-                line.sort(key=lambda p: p.alpha)
-                ax.plot([p.forgetting for p in line], [p.score for p in line], "--", color=colour, alpha=0.6,
-                        marker="x", markersize=4, label=f"{method} WiSE-FT (α)" if j == 0 else None)
-        front = sorted((p for p in points if p.non_dominated), key=lambda p: p.forgetting)
-        ax.plot([p.forgetting for p in front], [p.score for p in front], "-", color="black", linewidth=0.8,
-                drawstyle="steps-post", label="non-dominated")
-        ax.scatter([p.forgetting for p in front], [p.score for p in front], s=70, facecolors="none",
-                   edgecolors="black", linewidths=1.2)
-        ax.set_xlabel(f"functional forgetting ({frontier.measure}; lower is better)")
-        ax.set_ylabel("score (x100)")
-        ax.set_title(f"{task}: learning–forgetting frontier")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        axes_of_task = [axis for axis in frontier.axes if axis.points.get(task)]
+        fig = Figure(figsize=(7 * len(axes_of_task), 5))
+        panels = np.atleast_1d(fig.subplots(1, len(axes_of_task))).ravel()
+        for ax, axis in zip(panels, axes_of_task):
+            _frontier_panel(ax, axis.points[task], axis.measure, frontier.metrics[task], methods, task)
         written.append(_save(fig, Path(directory) / f"frontier_{task}.png"))
     return written
+
+
+def _frontier_panel(ax, points: list, measure: str, metric: str, methods: list[str], task: str) -> None:
+    """One measure's frontier: the points per method, the α lines, the non-dominated staircase."""
+    from matplotlib import colormaps  # lazy: the CLI starts without matplotlib
+
+    colours = colormaps["tab10"]
+    for method in (m for m in methods if any(p.method == m for p in points)):
+        colour = colours(methods.index(method) % 10)   # one colour per method in every panel
+        evals = [p for p in points if p.method == method and p.kind == EVAL]
+        ax.scatter([p.forgetting for p in evals], [p.score for p in evals], color=colour, s=22, alpha=0.8,
+                   label=method)
+        lines: dict[str, list] = defaultdict(list)
+        for p in points:
+            if p.method == method and p.kind == INTERPOLATED:
+                lines[p.run_id].append(p)
+        for j, line in enumerate(lines.values()):
+            line.sort(key=lambda p: p.alpha)
+            ax.plot([p.forgetting for p in line], [p.score for p in line], "--", color=colour, alpha=0.6,
+                    marker="x", markersize=4, label=f"{method} WiSE-FT (α)" if j == 0 else None)
+    front = sorted((p for p in points if p.non_dominated), key=lambda p: p.forgetting)
+    ax.plot([p.forgetting for p in front], [p.score for p in front], "-", color="black", linewidth=0.8,
+            drawstyle="steps-post", label="non-dominated")
+    ax.scatter([p.forgetting for p in front], [p.score for p in front], s=70, facecolors="none",
+               edgecolors="black", linewidths=1.2)
+    ax.set_xlabel(f"functional forgetting ({measure}; lower is better)")
+    ax.set_ylabel(score_label(metric))
+    ax.set_title(f"{task}: learning–forgetting frontier ({measure})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def write_interpolation_plots(report: "Report", directory: Path) -> list[Path]:

@@ -8,18 +8,22 @@ Levene's test between methods, and the expected best score of n random trials; M
 How numbers are made (also stated at the top of report.md):
 - A run's score is its reported main metric (results.json: the final or, with
   evaluation.select_best, the best evaluation) on the selection split (dev), or on the held-out
-  half when the dev set was split in half (data.split_dev_in_half), in points (x100).
+  half when the dev set was split in half (data.split_dev_in_half), in points (x100), or as it is
+  for a metric where lower is better (a loss: sweep/scores.py owns the unit and the direction).
+- "Best" follows the main metric's direction everywhere: the highest score, or the lowest for a
+  lower-is-better metric (completion_loss, perplexity, mse).
 - Per method and task, the hyper-parameter setting (the axis values other than the task and the
   seeds) with the best MEAN score on the selection split over seeds is chosen (the paper selects
-  t0 and k "on each dev set"); Table 1 gives that setting's median, max, mean and std (ddof=1)
-  over seeds, and how many of its runs failed (Mosbach et al.: at or below the majority baseline;
-  results.json's `failed`) and, apart from those, how many diverged (results.json's `diverged`: a
-  NaN/inf loss stopped them; they have no score).
+  t0 and k "on each dev set"); Table 1 gives that setting's median, best (the paper's max), mean and
+  std (ddof=1) over seeds, and how many of its runs failed (Mosbach et al.: no better than the
+  baseline; results.json's `failed`) and, apart from those, how many diverged (results.json's
+  `diverged`: a NaN/inf loss stopped them; they have no score).
 - Avg >10k / Avg <10k / Avg: mean over tasks of the per-task statistic, the tasks grouped by the
   training-set size the runs actually had (results.json's `train_examples`: a 600-example local
   SST-2 is < 10k; the nominal GLUE size, TaskSpec.train_size, only for runs that do not record it;
   WNLI is left out of the averages as in the paper). An average covers the tasks the method has
-  results for.
+  results for; one over tasks whose main metrics point in opposite directions (an accuracy and a
+  loss) has no meaning and is left empty (its counts are still summed).
 - Levene's test (median-centred, Brown-Forsythe) compares, per task, the seeds of the chosen
   setting of each pair of methods.
 - The learning–forgetting frontier (score against functional forgetting per evaluation, forgetting
@@ -49,6 +53,8 @@ from ft_framework.run.files import REPORT_FILE
 from ft_framework.sweep.markdown import fmt, md_table
 from ft_framework.sweep.frontier import AUTO_MEASURE, DEFAULT_MATCHED_FRACTION, Frontier, build_frontier
 from ft_framework.sweep.records import RunRecord, load_records, read_interpolation, setting_label
+from ft_framework.sweep.scores import (best_score, lower_is_better, oriented, score_decimals, score_scale,
+                                       score_unit, task_main_metrics)
 from ft_framework.sweep.stats import expected_max_curve, levene, sample_std
 
 __all__ = ["TASK_TRAIN_SIZES", "LARGE_TASKS", "SMALL_TASKS", "TASK_ORDER", "TaskCell", "Report", "build_report",
@@ -109,6 +115,7 @@ class TaskCell:
     settings_tried: int
     runs: list[RunRecord] = field(default_factory=list)
     diverged: int = 0   # runs of this setting that diverged (not in `scores`)
+    metric: str | None = None   # the task's main metric: the scores' unit and direction
 
     @property
     def n(self) -> int:
@@ -120,6 +127,8 @@ class TaskCell:
             return float(np.median(s))
         if name == "max":
             return float(np.max(s))
+        if name == "best":   # max, or min for a lower-is-better metric
+            return float(best_score(self.metric, s))
         if name == "mean":
             return float(np.mean(s))
         if name == "std":
@@ -133,7 +142,9 @@ class TaskCell:
         raise KeyError(name)
 
 
-STATISTICS = ("median", "max", "mean", "std", "failed", "diverged", "n")
+STATISTICS = ("median", "max", "best", "mean", "std", "failed", "diverged", "n")
+# Statistics of the scores themselves: an average of them over tasks needs one direction.
+SCORE_STATISTICS = ("median", "max", "best", "mean", "std")
 
 
 def _ordered_tasks(tasks: Iterable[str], sizes: dict[str, int] | None = None) -> list[str]:
@@ -162,6 +173,8 @@ class Report:
     # Each task's training-set size in these runs (results.json's train_examples; else nominal).
     task_sizes: dict[str, int] = field(default_factory=dict)
     frontier: Frontier | None = None
+    # Each task's main metric (its scores' unit and direction, sweep/scores.py).
+    metrics: dict[str, str] = field(default_factory=dict)
 
     def _size(self, task: str) -> int | None:
         spec = GLUE_TASKS.get(task)
@@ -182,10 +195,12 @@ class Report:
         if column in AVG_COLUMNS:
             large, small = self.large_tasks, self.small_tasks
             group = {"avg_gt10k": large, "avg_lt10k": small, "avg": large + small}[column]
-            values = [self.cells[(method, t)].stat(stat) for t in self.tasks
-                      if t in group and (method, t) in self.cells]
+            present = [t for t in self.tasks if t in group and (method, t) in self.cells]
+            values = [self.cells[(method, t)].stat(stat) for t in present]
             if not values:
                 return math.nan
+            if stat in SCORE_STATISTICS and len({lower_is_better(self.metrics.get(t)) for t in present}) > 1:
+                return math.nan   # an accuracy averaged with a loss means nothing
             if stat in ("failed", "diverged", "n"):
                 return float(sum(values))
             return float(np.mean(values))
@@ -204,14 +219,24 @@ class Report:
                 rows.append(row)
         return rows
 
+    def _decimals(self, column: str, decimals: int) -> int:
+        """`decimals` for a column of points; more where every task of the column is a loss."""
+        group = {"avg_gt10k": self.large_tasks, "avg_lt10k": self.small_tasks,
+                 "avg": self.large_tasks + self.small_tasks}.get(column, (column,))
+        metrics = [self.metrics[t] for t in group if t in self.metrics]
+        return score_decimals(metrics[0], decimals) if metrics and all(map(lower_is_better, metrics)) else decimals
+
     def _table1_markdown(self) -> str:
         columns = [*self.tasks, *AVG_COLUMNS]
         header = ["Method", *[_size_title(t, self.task_sizes.get(t)) for t in self.tasks],
                   *[AVG_TITLES[c] for c in AVG_COLUMNS]]
         rows = []
-        for stat, title in (("median", "Median"), ("max", "Max"), ("mean", "Mean"), ("std", "Std")):
+        # The paper's "Max" is the best seed; with a lower-is-better task that is a min, so "Best".
+        best_title = "Best" if any(lower_is_better(m) for m in self.metrics.values()) else "Max"
+        for stat, title in (("median", "Median"), ("best", best_title), ("mean", "Mean"), ("std", "Std")):
             for method in self.methods:
-                rows.append([f"{method} {title}", *[fmt(self.table1_value(method, stat, c)) for c in columns]])
+                rows.append([f"{method} {title}", *[fmt(self.table1_value(method, stat, c), self._decimals(c, 1))
+                                                     for c in columns]])
         # Failed runs are counted among the n evaluated ones; diverged runs come on top of them.
         counts = [("failed", 0)] + ([("diverged", 1)] if any(r.state == "diverged" for r in self.records) else [])
         for stat, add_to_total in counts:
@@ -230,20 +255,23 @@ class Report:
         counts: dict[str, int] = defaultdict(int)
         for r in self.records:
             counts["finished" if r.finished else r.state] += 1
-        metric_lines = sorted({f"{r.task}: {r.main_metric} on {r.score_split}" for r in self.records if r.finished})
+        metric_lines = sorted({f"{r.task}: {r.main_metric} on {r.score_split}, {score_unit(r.main_metric)}"
+                               for r in self.records if r.finished})
         out = [f"# Report: {self.source}", "",
                f"{len(self.records)} runs: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ".",
-               "Scores are the reported main metric x100 (" + "; ".join(metric_lines) + ")." if metric_lines else
-               "No finished runs yet.", ""]
+               "Scores are the reported main metric (" + "; ".join(metric_lines) + "); the best is the highest, "
+               "or the lowest where lower is better." if metric_lines else "No finished runs yet.", ""]
         if not finished:
             return "\n".join(out)
         out += ["## Table 1: median and max over seeds (Chen et al. 2020 layout)", "",
-                "Per method and task, the setting with the best mean selection-split score; its median, max, "
-                "mean and std (ddof=1) over seeds, and its failed runs (at or below the majority baseline, "
-                "Mosbach et al.; diverged runs, stopped by a NaN/inf loss, are counted apart and have no score). "
+                "Per method and task, the setting with the best mean selection-split score; its median, max (Best: "
+                "the min for a lower-is-better metric), mean and std (ddof=1) over seeds, and its failed runs (no "
+                "better than the baseline: the majority class, or a decoder before fine-tuning; Mosbach et al.; "
+                "diverged runs, stopped by a NaN/inf loss, are counted apart and have no score). "
                 "Avg >10k / <10k / Avg: mean over the tasks present, grouped by the training-set size of "
                 f"these runs ({_titles(self.large_tasks) or 'none'} > 10k; {_titles(self.small_tasks) or 'none'} "
-                f"< 10k; {_titles(NOT_AVERAGED)} not averaged); failed runs are summed.", "",
+                f"< 10k; {_titles(NOT_AVERAGED)} not averaged; left empty over tasks whose metrics point in "
+                "opposite directions); failed runs are summed.", "",
                 self._table1_markdown(), ""]
         missing = [(m, t) for m in self.methods for t in self.tasks if (m, t) not in self.cells]
         if missing:
@@ -253,9 +281,10 @@ class Report:
         rows = []
         for (method, task), cell in sorted(self.cells.items(), key=lambda kv: (self.methods.index(kv[0][0]),
                                                                                self.tasks.index(kv[0][1]))):
+            digits = score_decimals(cell.metric, 2)
             rows.append([method, task, setting_label(cell.setting), f"{cell.settings_tried}",
-                         fmt(cell.selection_mean, 2), fmt(cell.stat("mean"), 2), fmt(cell.stat("std"), 2),
-                         str(cell.n)])
+                         fmt(cell.selection_mean, digits), fmt(cell.stat("mean"), digits),
+                         fmt(cell.stat("std"), digits), str(cell.n)])
         out += [md_table(["Method", "Task", "Best setting", "Settings", "Mean (selection)", "Mean (score)",
                            "Std", "Seeds"], rows, align_left=3), ""]
         out += ["## Stability: Levene's test for equal variances (Mosbach et al. 2021)", ""]
@@ -278,8 +307,9 @@ class Report:
             groups[(r["method"], r["task"])][r["n"]] = r
         rows = []
         for (method, task), by_n in groups.items():
+            d = score_decimals(self.metrics.get(task), 2)
             rows.append([method, task, str(by_n[1]["trials"]),
-                         *[f"{fmt(by_n[n]['mean'], 2)} ± {fmt(by_n[n]['std'], 2)}" if n in by_n else "–" for n in ns]])
+                         *[f"{fmt(by_n[n]['mean'], d)} ± {fmt(by_n[n]['std'], d)}" if n in by_n else "–" for n in ns]])
         out += [md_table(["Method", "Task", "Trials", *[f"n={n}" for n in ns]], rows, align_left=2), ""]
         unfinished = [r for r in self.records if not r.finished]
         if unfinished:
@@ -307,7 +337,7 @@ class Report:
         return {
             "report.csv": (table1, self.table1_rows()),
             "settings.csv": (["method", "task", "setting", "best", "n", "selection_mean", "mean", "std", "median",
-                              "max", "failed", "diverged"], self.settings),
+                              "max", "best_score", "failed", "diverged"], self.settings),
             "levene.csv": (["task", "method_a", "method_b", "n_a", "n_b", "std_a", "std_b", "statistic", "pvalue"],
                            self.levene_rows),
             "expected_max.csv": (["method", "task", "trials", "n", "mean", "std", "exact_mean", "exact_std"],
@@ -323,11 +353,11 @@ class Report:
                                     "measure", "forgetting", "distance", "non_dominated"],
                                    self.frontier.point_rows())}
         if self.frontier.matched_rows:
-            tables["matched_accuracy.csv"] = (["task", "method", "reference", "fraction", "target", "points",
-                                               "reached", "forgetting", "score", "run_id", "alpha"],
+            tables["matched_accuracy.csv"] = (["task", "measure", "method", "reference", "fraction", "target",
+                                               "points", "reached", "forgetting", "score", "run_id", "alpha"],
                                               self.frontier.matched_rows)
         if self.frontier.correlation_rows:
-            tables["forgetting_correlation.csv"] = (["task", "method", "n", "rho", "pvalue"],
+            tables["forgetting_correlation.csv"] = (["task", "measure", "method", "n", "rho", "pvalue"],
                                                     self.frontier.correlation_rows)
         return tables
 
@@ -375,7 +405,7 @@ def interpolation_markdown(report: "Report") -> str:
         return ""
     lines = ["## Interpolation toward θ* (WiSE-FT): θ_α = θ* + α (θ − θ*)", "",
              "Per method and task, the chosen setting's runs (seeds averaged): the main metric on the selection "
-             "split at each α (x100), ‖θ_α − θ*‖₂ at α = 1, and the α best on the selection split (of the mean "
+             "split at each α (the report's unit), ‖θ_α − θ*‖₂ at α = 1, and the α best on the selection split (of the mean "
              "curve; per seed in brackets). α = 1 is the fine-tuned model, α = 0 the pretrained one under the "
              "fine-tuned head.", ""]
     by_task: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
@@ -388,10 +418,10 @@ def interpolation_markdown(report: "Report") -> str:
         rows = []
         for method, curve in entries:
             split, main = curve["selection_split"], curve["main_metric"]
-            scores = {r["alpha"]: 100.0 * r["metrics"][split][main] for r in curve["rows"]}
-            best = max(curve["rows"], key=lambda r: (r["metrics"][split][main], r["alpha"]))["alpha"]
+            scores = {r["alpha"]: score_scale(main) * r["metrics"][split][main] for r in curve["rows"]}
+            best = max(curve["rows"], key=lambda r: (oriented(main, r["metrics"][split][main]), r["alpha"]))["alpha"]
             per_seed = ", ".join(f"{a:g}" for a in curve["best_alphas"])
-            rows.append([method, str(curve["n"]), *[f"{scores.get(a, float('nan')):.1f}" for a in alphas],
+            rows.append([method, str(curve["n"]), *[fmt(scores.get(a), score_decimals(main, 1)) for a in alphas],
                          f"{curve['rows'][-1]['distance']:.3f}", f"{best:g} ({per_seed})"])
         lines += [f"### {task}", "", md_table(header, rows), ""]
     return "\n".join(lines)
@@ -407,19 +437,21 @@ def _best_cells(records: Sequence[RunRecord]) -> tuple[dict[tuple[str, str], Tas
             diverged[(r.method, r.task)][r.setting].append(r)
     cells, settings = {}, []
     for key, groups in by_setting.items():
+        metric = next(iter(groups.values()))[0].main_metric   # one per task (scores.task_main_metrics)
         means = {s: float(np.mean([r.selection_score for r in runs])) for s, runs in groups.items()}
-        best = max(groups, key=lambda s: means[s])  # ties: the first setting of the grid
+        best = max(groups, key=lambda s: oriented(metric, means[s]))  # ties: the first setting of the grid
         for s, runs in groups.items():
             scores = [r.score for r in runs]
             settings.append({"method": key[0], "task": key[1], "setting": setting_label(s), "best": s == best,
                              "n": len(runs), "selection_mean": means[s], "mean": float(np.mean(scores)),
                              "std": sample_std(scores), "median": float(np.median(scores)),
-                             "max": float(np.max(scores)), "failed": sum(bool(r.failed) for r in runs),
-                             "diverged": len(diverged[key][s])})
+                             "max": float(np.max(scores)), "best_score": float(best_score(metric, scores)),
+                             "failed": sum(bool(r.failed) for r in runs), "diverged": len(diverged[key][s])})
         runs = sorted(groups[best], key=lambda r: (str(r.seed), r.run_id))
         cells[key] = TaskCell(method=key[0], task=key[1], setting=best, scores=[r.score for r in runs],
                               selection_mean=means[best], failed=sum(bool(r.failed) for r in runs),
-                              settings_tried=len(groups), runs=runs, diverged=len(diverged[key][best]))
+                              settings_tried=len(groups), runs=runs, diverged=len(diverged[key][best]),
+                              metric=metric)
     return cells, settings
 
 
@@ -433,6 +465,7 @@ def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000, forg
         if r.method not in methods:
             methods.append(r.method)
     task_sizes = _task_sizes(records)
+    metrics = task_main_metrics((r.task, r.main_metric) for r in records if r.finished)
     tasks = _ordered_tasks((r.task for r in records if r.task), task_sizes)
     cells, settings = _best_cells(records)
     settings.sort(key=lambda s: (methods.index(s["method"]), tasks.index(s["task"]), not s["best"]))
@@ -461,13 +494,13 @@ def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000, forg
             if trials not in ns:
                 ns.append(trials)
             for row in expected_max_curve([r.score for r in runs], ns, [r.selection_score for r in runs],
-                                          num_samples=bootstrap_samples):
+                                          num_samples=bootstrap_samples, lower_is_better=lower_is_better(metrics[task])):
                 expected_rows.append({"method": method, "task": task, "trials": trials, **row})
     frontier = build_frontier(records, methods, tasks, measure=forgetting_measure, reference=reference_method,
                               fraction=matched_fraction)
     return Report(source=Path(directory), records=records, methods=methods, tasks=tasks, cells=cells,
                   settings=settings, levene_rows=levene_rows, expected_rows=expected_rows,
-                  bootstrap_samples=bootstrap_samples, task_sizes=task_sizes, frontier=frontier)
+                  bootstrap_samples=bootstrap_samples, task_sizes=task_sizes, frontier=frontier, metrics=metrics)
 
 
 def _task_sizes(records: Sequence[RunRecord]) -> dict[str, int]:

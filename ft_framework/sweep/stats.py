@@ -5,6 +5,10 @@ al. 2021, Fig. 4; Dodge et al. 2019), by bootstrap and in closed form.
     levene([70.1, 71.5, 52.7], [72.0, 72.3, 71.8]).pvalue
     expected_max_bootstrap(scores, n=5)      # (mean, std) of the best of 5 trials drawn with replacement
     expected_max_exact(scores, n=5)          # the same expectation, exactly
+    expected_max_exact(losses, n=5, lower_is_better=True)   # the best is the lowest
+
+The best of several trials follows the metric's direction: the highest selection score, or the
+lowest one with `lower_is_better` (a loss); ties go to the better target score.
 """
 
 from __future__ import annotations
@@ -70,11 +74,12 @@ def levene(*groups: Sequence[float], center: str = "median", proportiontocut: fl
     return LeveneResult(float(w), float(special.fdtrc(k - 1, total - k, w)))
 
 
-def _ranked(scores: Sequence[float], selection: Sequence[float] | None) -> tuple[np.ndarray, np.ndarray]:
-    """Target scores ordered by (selection score, target score), and each trial's rank in that order.
+def _ranked(scores: Sequence[float], selection: Sequence[float] | None,
+            lower_is_better: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Target scores ordered from the worst trial to the best, and each trial's rank in that order.
 
     The best of a sample is its highest-ranked trial: the best selection (validation) score, ties
-    going to the better target score.
+    going to the better target score; better is higher, or lower with `lower_is_better`.
     """
     target = np.asarray(scores, dtype=np.float64).ravel()
     sel = target if selection is None else np.asarray(selection, dtype=np.float64).ravel()
@@ -82,23 +87,25 @@ def _ranked(scores: Sequence[float], selection: Sequence[float] | None) -> tuple
         raise ValueError(f"{len(sel)} selection scores for {len(target)} scores")
     if len(target) == 0:
         raise ValueError("no scores")
-    order = np.lexsort((target, sel))
+    sign = -1.0 if lower_is_better else 1.0
+    order = np.lexsort((sign * target, sign * sel))
     rank = np.empty(len(order), dtype=np.int64)
     rank[order] = np.arange(len(order))
     return target[order], rank
 
 
-def expected_max_exact(scores: Sequence[float], n: int, selection: Sequence[float] | None = None
-                       ) -> tuple[float, float]:
+def expected_max_exact(scores: Sequence[float], n: int, selection: Sequence[float] | None = None,
+                       lower_is_better: bool = False) -> tuple[float, float]:
     """Mean and std of the best of `n` trials drawn with replacement from the N observed ones.
 
-    The best trial is the one with the highest `selection` score (default: the score itself) and
-    what counts is its `scores` value (e.g. select on validation, report test). With the trials
-    sorted, P(best is the i-th of N) = (i/N)^n - ((i-1)/N)^n (Dodge et al. 2019).
+    The best trial is the one with the highest `selection` score (the lowest with
+    `lower_is_better`; default: the score itself) and what counts is its `scores` value (e.g.
+    select on validation, report test). With the trials sorted from worst to best,
+    P(best is the i-th of N) = (i/N)^n - ((i-1)/N)^n (Dodge et al. 2019).
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    ordered, _ = _ranked(scores, selection)
+    ordered, _ = _ranked(scores, selection, lower_is_better)
     big_n = len(ordered)
     i = np.arange(1, big_n + 1, dtype=np.float64)
     p = (i / big_n) ** n - ((i - 1) / big_n) ** n
@@ -108,11 +115,12 @@ def expected_max_exact(scores: Sequence[float], n: int, selection: Sequence[floa
 
 
 def expected_max_bootstrap(scores: Sequence[float], n: int, selection: Sequence[float] | None = None,
-                           num_samples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+                           num_samples: int = 10_000, seed: int = 0, lower_is_better: bool = False
+                           ) -> tuple[float, float]:
     """Mean and std over `num_samples` bootstrap draws of n trials of the best trial's score."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    ordered, rank = _ranked(scores, selection)
+    ordered, rank = _ranked(scores, selection, lower_is_better)
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, len(ordered), size=(num_samples, n))
     best = ordered[rank[draws].max(axis=1)]
@@ -120,12 +128,14 @@ def expected_max_bootstrap(scores: Sequence[float], n: int, selection: Sequence[
 
 
 def expected_max_curve(scores: Sequence[float], ns: Sequence[int], selection: Sequence[float] | None = None,
-                       num_samples: int = 10_000, seed: int = 0) -> list[dict[str, float]]:
+                       num_samples: int = 10_000, seed: int = 0, lower_is_better: bool = False
+                       ) -> list[dict[str, float]]:
     """Rows {n, mean, std (bootstrap), exact_mean, exact_std} for each n in `ns`."""
     rows = []
     for n in ns:
-        mean, std = expected_max_bootstrap(scores, n, selection, num_samples=num_samples, seed=seed + n)
-        exact_mean, exact_std = expected_max_exact(scores, n, selection)
+        mean, std = expected_max_bootstrap(scores, n, selection, num_samples=num_samples, seed=seed + n,
+                                           lower_is_better=lower_is_better)
+        exact_mean, exact_std = expected_max_exact(scores, n, selection, lower_is_better)
         rows.append({"n": int(n), "mean": mean, "std": std, "exact_mean": exact_mean, "exact_std": exact_std})
     return rows
 

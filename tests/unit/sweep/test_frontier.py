@@ -139,16 +139,20 @@ def test_frontier_points_matched_table_and_spearman(tmp_path):
         assert row["reached"] == len(reaching)
         assert row["forgetting"] == (min(reaching) if reaching else None)
 
-    corr = {r["method"]: r for r in frontier.correlation_rows}
+    # One row per measure the points recorded, the axis first.
+    measures = ["mlm_forgetting", "cka_drift_last", "cka_drift_mean"]
+    assert list(dict.fromkeys(r["measure"] for r in frontier.correlation_rows)) == measures
     evals = [t for t in truth if t["kind"] == "eval"]
-    assert corr["all"]["n"] == len(evals)
-    assert corr["all"]["rho"] == pytest.approx(
-        _spearman_by_hand([t["distance"] for t in evals], [t["forgetting"]["mlm_forgetting"] for t in evals]))
-    for method in METHODS:
-        own = [t for t in evals if t["method"] == method]
-        assert corr[method]["n"] == len(own)
-        assert corr[method]["rho"] == pytest.approx(
-            _spearman_by_hand([t["distance"] for t in own], [t["forgetting"]["mlm_forgetting"] for t in own]))
+    for measure in measures:
+        corr = {r["method"]: r for r in frontier.correlation_rows if r["measure"] == measure}
+        assert corr["all"]["n"] == len(evals)
+        assert corr["all"]["rho"] == pytest.approx(
+            _spearman_by_hand([t["distance"] for t in evals], [t["forgetting"][measure] for t in evals]))
+        for method in METHODS:
+            own = [t for t in evals if t["method"] == method]
+            assert corr[method]["n"] == len(own)
+            assert corr[method]["rho"] == pytest.approx(
+                _spearman_by_hand([t["distance"] for t in own], [t["forgetting"][measure] for t in own]))
 
 
 def test_measure_falls_back_to_cka_and_can_be_chosen(tmp_path):

@@ -1,0 +1,136 @@
+"""A sweep of tiny decoders (AdamW and RecAdam, 2 seeds each, a few steps of supervised fine-tuning)
+and ft-report's learning–forgetting frontier on it: the decoder's axes (the KL from θ* and the LM
+loss gained), a Spearman row for every forgetting measure, and the non-dominated points and
+forgetting at matched accuracy of completion_loss, a lower-is-better metric, all checked against
+the runs' own metrics.jsonl.
+
+The runs go through ft-sweep's planning, store and index (run_sweep) with a runner that trains each
+run in this process with the real Trainer, as the local runner's subprocess would: ft-train's
+start-up (importing torch and transformers) would cost more than the four runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import scipy.stats
+import yaml
+
+from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
+from ft_framework.cli import report_main
+from ft_framework.sweep import load_sweep, run_sweep
+
+MEASURES = ("kl_from_pretrained", "lm_loss_gained", "cka_drift_last", "cka_drift_mean")
+
+
+class InProcessRunner:
+    """Each run in this process, recorded in the store as the local runner records a subprocess."""
+
+    def run(self, store, runs, on_done=None, on_change=None):
+        from ft_framework.trainer import Trainer
+
+        states = {}
+        for run in runs:
+            store.prepare_attempt(run.run_id)
+            store.write_status(run.run_id, state="running", attempts=1)
+            trainer = Trainer(run.config)
+            try:
+                trainer.fit()
+            finally:
+                trainer.strategy.close()
+            states[run.run_id] = store.write_status(run.run_id, state="finished")["state"]
+            if on_done is not None:
+                on_done(run, states[run.run_id])
+        return states
+
+
+def _dominated(point, others):
+    (s, f) = point
+    return any(s2 <= s and f2 <= f and (s2 < s or f2 < f) for s2, f2 in others)
+
+
+@pytest.fixture(scope="module")
+def sft_sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft_sweep")
+    model = build_tiny_llm_dir(tmp / "llama", "llama")
+    files = write_sft_rows(tmp / "data", train_rows=32, eval_rows=8)
+    write_sft_run_config(tmp / "base.yaml", model, tmp / "unused", files,
+                         training={"max_steps": 4, "per_device_batch_size": 8, "seed": 1, "data_seed": None,
+                                   "device": "cpu"},
+                         evaluation={"num_evals": 2, "batch_size": 8, "forgetting": {"num_sentences": 6},
+                                     "generation": {"samples": 0, "max_new_tokens": 1}})
+    sweep = {"name": "sft_test", "base": "base.yaml", "output_dir": str(tmp / "store"),
+             "axes": {"training.seed": [1, 2]},
+             "methods": {"vanilla": {"set": {"optimizer": {"name": "adamw", "hparams": {"lr": 3.0e-3},
+                                                           "weight_decay": 0.0}}},
+                         "recadam": {"set": {}}}}
+    (tmp / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
+    result = run_sweep(load_sweep(tmp / "sweep.yaml"), runner=InProcessRunner(), progress=False)
+    assert result.complete and len(result.runs) == 4
+    runs = {r.run_id: r for r in result.runs}
+    evals = []   # every evaluation of every run, from its own metrics.jsonl
+    for run_id, run in runs.items():
+        for line in (result.store.run_dir(run_id) / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if record.get("type") == "eval":
+                evals.append({"method": run.method, "run_id": run_id, "step": record["step"],
+                              "score": record["metrics"]["validation"]["completion_loss"],
+                              "distance": record["forgetting_distance"], **record["forgetting"]})
+    return tmp / "store", evals
+
+
+def test_the_report_of_a_decoder_sweep_has_the_decoder_frontier(sft_sweep):
+    store, evals = sft_sweep
+    assert len(evals) == 8 and {e["method"] for e in evals} == {"vanilla", "recadam"}
+    assert report_main([str(store), "--bootstrap-samples", "100"]) == 0
+    report = (store / "report.md").read_text()
+    with open(store / "frontier.csv") as f:
+        points = list(csv.DictReader(f))
+    assert {p["measure"] for p in points} == {"kl_from_pretrained", "lm_loss_gained"}
+    assert {p["task"] for p in points} == {"custom"}
+    for measure in ("kl_from_pretrained", "lm_loss_gained"):
+        mine = [p for p in points if p["measure"] == measure]
+        # Every evaluation is a point, its score the completion loss as it is (lower is better).
+        got = sorted((p["run_id"], int(p["step"]), float(p["score"]), float(p["forgetting"]), float(p["distance"]))
+                     for p in mine)
+        want = sorted((e["run_id"], e["step"], e["score"], e[measure], e["distance"]) for e in evals)
+        assert got == [pytest.approx(w) for w in want]
+        # Non-dominated by the lower-is-better rule, point by point.
+        pairs = [(float(p["score"]), float(p["forgetting"])) for p in mine]
+        flags = [p["non_dominated"] == "True" for p in mine]
+        assert flags == [not _dominated(pair, pairs[:i] + pairs[i + 1:]) for i, pair in enumerate(pairs)]
+        assert f"### custom: non-dominated points on {measure}" in report
+
+    # Forgetting at matched accuracy: the target is vanilla's lowest loss / 0.99.
+    target = min(e["score"] for e in evals if e["method"] == "vanilla") / 0.99
+    with open(store / "matched_accuracy.csv") as f:
+        matched = {(r["measure"], r["method"]): r for r in csv.DictReader(f)}
+    for measure in ("kl_from_pretrained", "lm_loss_gained"):
+        for method in ("vanilla", "recadam"):
+            row = matched[(measure, method)]
+            reaching = [e[measure] for e in evals if e["method"] == method and e["score"] <= target]
+            assert float(row["target"]) == pytest.approx(target)
+            assert int(row["reached"]) == len(reaching) and int(row["points"]) == 4
+            assert (float(row["forgetting"]) if row["forgetting"] else None) == (
+                pytest.approx(min(reaching)) if reaching else None)
+        assert int(matched[(measure, "vanilla")]["reached"]) >= 1   # vanilla's best reaches its own target
+
+    # Does ‖θ − θ*‖ predict it? One row per measure: all 8 points, then each method's 4.
+    with open(store / "forgetting_correlation.csv") as f:
+        rows = {(r["measure"], r["method"]): r for r in csv.DictReader(f)}
+    assert {m for m, _ in rows} == set(MEASURES)
+    for measure in MEASURES:
+        for method in ("all", "vanilla", "recadam"):
+            group = [e for e in evals if method in ("all", e["method"])]
+            row = rows[(measure, method)]
+            assert int(row["n"]) == len(group)
+            ref = scipy.stats.spearmanr([e["distance"] for e in group], [e[measure] for e in group]).statistic
+            assert float(row["rho"]) == pytest.approx(ref)
+        assert f"| custom | {measure} | all | 8 |" in report
+
+    # Table 1's best seed of a loss is the lowest; the plot has a panel per axis.
+    assert "custom: completion_loss on validation, as is; lower is better" in report
+    assert "| vanilla Best |" in report
+    png = (store / "plots" / "frontier_custom.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
