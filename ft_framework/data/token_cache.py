@@ -36,6 +36,8 @@ import numpy as np
 import xxhash
 from filelock import FileLock
 
+from ft_framework.user_files import MissingFile, UserFileError, open_binary, read_bytes
+
 __all__ = ["CacheEntry", "DEFAULT_CACHE_DIR", "DamagedEntry", "EntryWriter", "FORMAT_VERSION", "HEADER",
            "content_hash", "entry_name", "open_entry", "prepare_entry", "tokenizer_fingerprint"]
 
@@ -66,10 +68,10 @@ class CacheEntry:
 
 def content_hash(files: Sequence[Path]) -> str:
     """The xxh3-128 hash of the files' bytes, in order (each file's length first, so that moving bytes
-    from one file to the next changes it)."""
+    from one file to the next changes it). A file that is not a regular one is refused in one line."""
     digest = xxhash.xxh3_128()
     for path in files:
-        with open(path, "rb") as f:
+        with open_binary(path) as f:
             digest.update(os.fstat(f.fileno()).st_size.to_bytes(8, "little"))
             while block := f.read(_READ_BLOCK):
                 digest.update(block)
@@ -211,16 +213,14 @@ def open_entry(path: Path, key: Mapping[str, Any], dtypes: Mapping[str, Any], *,
     and the expected arrays and dtypes, and that each file holds exactly its array's bytes; with
     ``verify``, also each array's checksum. Raises DamagedEntry (FileNotFoundError when there is no
     entry)."""
-    header_path = path / HEADER
     try:
-        size = header_path.stat().st_size
-        if size > _HEADER_LIMIT:
-            raise DamagedEntry(f"its header is {size} bytes")
-        header = json.loads(header_path.read_bytes())
-    except FileNotFoundError:
+        header = json.loads(read_bytes(path / HEADER, limit=_HEADER_LIMIT))
+    except MissingFile:
         if path.exists():
             raise DamagedEntry("it has no header") from None
-        raise
+        raise FileNotFoundError(path) from None
+    except UserFileError as exc:  # not a regular file, or too large to be ours
+        raise DamagedEntry(str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise DamagedEntry(f"its header is not JSON ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
@@ -247,18 +247,20 @@ def _array(path: Path, dtype: np.dtype, described: Any, verify: bool) -> np.ndar
     if not isinstance(length, int) or isinstance(length, bool) or length < 0:
         raise DamagedEntry(f"{path.name} has no valid length")
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+        with open_binary(path) as f:  # a regular file (a pipe planted here would block a read)
+            size = os.fstat(f.fileno()).st_size
+            if size != length * dtype.itemsize:
+                raise DamagedEntry(f"{path.name} holds {size} bytes, expected {length * dtype.itemsize}")
+            if verify:
+                digest = xxhash.xxh3_64()
+                while block := f.read(_READ_BLOCK):
+                    digest.update(block)
+                if digest.hexdigest() != described.get("xxh3_64"):
+                    raise DamagedEntry(f"{path.name} does not match its checksum")
+    except MissingFile:
         raise DamagedEntry(f"{path.name} is missing") from None
-    if size != length * dtype.itemsize:
-        raise DamagedEntry(f"{path.name} holds {size} bytes, expected {length * dtype.itemsize}")
-    if verify:
-        digest = xxhash.xxh3_64()
-        with open(path, "rb") as f:
-            while block := f.read(_READ_BLOCK):
-                digest.update(block)
-        if digest.hexdigest() != described.get("xxh3_64"):
-            raise DamagedEntry(f"{path.name} does not match its checksum")
+    except UserFileError as exc:
+        raise DamagedEntry(str(exc)) from None
     if length == 0:  # mmap cannot map an empty file
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(length,))

@@ -93,7 +93,7 @@ def test_the_key_is_the_bytes_the_tokenizer_and_what_changes_tokens(tmp_path, no
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "short file", "header not JSON", "header of another key",
-                                    "missing array"])
+                                    "missing array", "array is a named pipe", "header is a named pipe"])
 def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
     expected = items(load(tmp_path).train)  # read before the damage: the arrays map the files
     entry = next(e for e in entries(tmp_path / "cache") if
@@ -109,8 +109,12 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
         (entry / HEADER).write_text("{not json")
     elif damage == "header of another key":
         (entry / HEADER).write_text((entry / HEADER).read_text().replace('"max_seq_length":64', '"max_seq_length":65'))
-    else:
+    elif damage == "missing array":
         (entry / "target_mask").unlink()
+    else:  # a pipe would block a read forever: it is refused unopened
+        planted = entry / ("target_mask" if damage == "array is a named pipe" else HEADER)
+        planted.unlink()
+        os.mkfifo(planted)
     with caplog.at_level(logging.WARNING, logger="ft_framework.data.token_cache"):
         again = load(tmp_path)
     assert [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()] != []
@@ -140,6 +144,15 @@ def test_a_failed_build_leaves_no_entry(tmp_path, monkeypatch):
         load(tmp_path, rows=rows)
     assert os.listdir(tmp_path / "cache") == [] or all(name.endswith(".lock")
                                                        for name in os.listdir(tmp_path / "cache"))
+
+
+def test_a_data_file_that_is_a_named_pipe_is_refused_unread(tmp_path):
+    pipe = tmp_path / "train.jsonl"
+    os.mkfifo(pipe)
+    dev = write_jsonl(tmp_path / "dev.jsonl", ROWS)
+    with pytest.raises(UserError, match=r"train\.jsonl is a named pipe, not a regular file: refused without reading"):
+        load_sft_data({"train": pipe, "validation": dev}, build_tiny_tokenizer(), SFTSettings(max_seq_length=64),
+                      cache_dir=tmp_path / "cache")
 
 
 def test_a_killed_writers_leftovers_are_ignored(tmp_path):
