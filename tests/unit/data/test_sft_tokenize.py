@@ -19,13 +19,13 @@ from ft_framework.errors import UserError
 EOS = "<|im_end|>"
 
 
-def load(tmp_path, rows, tokenizer=None, *, validation=None, **settings):
+def load(tmp_path, rows, tokenizer=None, *, validation=None, progress=False, **settings):
     tokenizer = tokenizer or build_tiny_tokenizer()
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     dev = write_jsonl(tmp_path / "dev.jsonl", validation) if validation is not None else train
     settings.setdefault("max_seq_length", 64)
     return load_sft_data({"train": train, "validation": dev}, tokenizer, SFTSettings(**settings),
-                         cache_dir=tmp_path / "cache")
+                         cache_dir=tmp_path / "cache", progress=progress)
 
 
 def decoded(tokenizer, ids):
@@ -196,3 +196,11 @@ def test_an_opening_assistant_turn_needs_markers(tmp_path):
     tokenizer = build_tiny_tokenizer()
     data = load(tmp_path, [{"messages": chat}], tokenizer, chat_template=MARKED_WITH_NEWLINE)
     assert targets(tokenizer, data.train[0]) == f"\nHello!{EOS}\n\nyo{EOS}\n"
+
+
+def test_progress_counts_the_rows_being_tokenized(tmp_path, capsys):
+    load(tmp_path, [{"text": f"row {i}"} for i in range(3)])
+    assert "tokenizing" not in capsys.readouterr().err
+    load(tmp_path, [{"text": f"row {i}"} for i in range(5)], progress=True)
+    shown = capsys.readouterr().err
+    assert "tokenizing train: " in shown and "5 rows" in shown and "tokenizing validation: " in shown
