@@ -71,6 +71,16 @@ class SFTDataset(Dataset):
     def __len__(self) -> int:
         return len(self.lengths)
 
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        """Each row's tokens before its last completion (read-only; what items carry as prompt_length)."""
+        return self._arrays["prompt_lengths"]
+
+    @property
+    def completion_lengths(self) -> np.ndarray:
+        """Each row's last completion's tokens (read-only; items' completion_length)."""
+        return self._arrays["completion_lengths"]
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         if index < 0:
             index += len(self)

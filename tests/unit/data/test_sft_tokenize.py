@@ -109,6 +109,8 @@ def test_eval_items_say_where_the_completion_is(tmp_path):
     assert decoded(tokenizer, item["input_ids"][:start]) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
     assert decoded(tokenizer, item["input_ids"][start:start + count]) == f"4{EOS}\n"
     assert decoded(tokenizer, item["input_ids"][start + count:]) == "<|im_start|>user\nthanks<|im_end|>\n"
+    dataset = data.eval["validation"]  # the same numbers for every row at once, without building items
+    assert (dataset.prompt_lengths.tolist(), dataset.completion_lengths.tolist()) == ([start], [count])
 
 
 def test_rows_without_a_completion_token_are_dropped_and_counted(tmp_path):
