@@ -98,7 +98,7 @@ class CausalLMKind(TaskKind):
         data = self.cfg.data
         if data.files is not None:
             return {split: Path(path).expanduser() for split, path in data.files.items()}
-        folder = resources.builtin_data_dir(data.builtin_name())
+        folder = resources.quickstart_sft_dir()  # the one shipped SFT set (schema.BUILTIN_DATA_SOURCES)
         return {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
 
     def _chat_template(self) -> str | None:
@@ -126,7 +126,7 @@ class CausalLMKind(TaskKind):
         self.tokenizer = tokenizer
         if "exact_match" in self.spec.metrics:
             for split, dataset in loaded.eval.items():
-                if any(dataset[i]["prompt_length"] == 0 for i in range(len(dataset))):
+                if (dataset.prompt_lengths == 0).any():
                     raise UserError(f"data.main_metric: exact_match scores greedy completions of a prompt, and the "
                                     f"{split} split has rows without one (text rows); give prompt/completion or "
                                     "messages rows, or set data.main_metric: completion_loss")
@@ -183,7 +183,7 @@ class CausalLMKind(TaskKind):
     def _exact_match(self, dataset: Any, shard: Any, ctx: EvalContext) -> float:
         """Greedy completions of this rank's rows against their references, counted over every rank."""
         # One length for every rank and batch: the longest reference of the split.
-        max_new = max(dataset[i]["completion_length"] for i in range(len(dataset)))
+        max_new = int(dataset.completion_lengths.max())
         rows = [dataset[i] for i in shard.padded]
         hits = 0
         for start in range(0, len(rows), ctx.batch_size):
