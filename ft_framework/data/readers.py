@@ -7,6 +7,8 @@ of Parquet files as the Hugging Face Hub lays a data set out (a split's files na
 ``data/train-00000-of-00002.parquet``, or in a directory named for it, such as ``train/0000.parquet``;
 datasets' own rules pick them), or saved with ``datasets``' ``save_to_disk``. Text files are UTF-8;
 a byte-order mark and Windows line ends, as spreadsheets write them, read the same as a plain file.
+Every file is opened as a file a user hands us (user_files.py): a named pipe or a device is refused
+in one line, never waited on or read without end (no size bound: data files may be large).
 
 Parquet is read one row group at a time (never a whole file at once), only the columns asked for;
 a row is named by file, row group and row (``train.parquet (row group 2, row 17)``, the row
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ft_framework.errors import UserError, quoted, shortened
+from ft_framework.user_files import open_binary, text_stream
 
 __all__ = ["PARQUET_SUFFIX", "Table", "TEXT_SUFFIXES", "read_table", "read_tsv_rows", "source_files"]
 
@@ -110,7 +113,7 @@ def _delimited_rows(path: Path, delimiter: str, quoting: int) -> Iterator[tuple[
     (RFC 4180) rules, a quoted field spanning lines, and a malformed quote an error on its row."""
     next_start = 1
     try:
-        with path.open(encoding="utf-8-sig", newline="") as f:
+        with text_stream(path, newline="") as f:  # a regular file: a named pipe is refused, not waited on
             reader = csv.reader(f, delimiter=delimiter, quoting=quoting, strict=True)
             for row in reader:
                 start, next_start = next_start, reader.line_num + 1
@@ -170,7 +173,7 @@ def _header_table(path: Path, rows: Iterator[tuple[int, list[str]]]) -> Table:
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
-        with path.open(encoding="utf-8-sig", newline=None) as f:
+        with text_stream(path) as f:
             for line_no, line in enumerate(f, start=1):
                 if line.strip():
                     yield _json_object(line, f"{path}:{line_no}")
@@ -265,7 +268,7 @@ def _parquet_table(files: list[Path], columns: Iterable[str] | None) -> Table:
     opened: list[tuple[Path, Any]] = []
     for path in files:
         try:
-            opened.append((path, pq.ParquetFile(path)))
+            opened.append((path, pq.ParquetFile(open_binary(path))))  # a regular file (user_files.py)
         except (pa.ArrowException, OSError) as exc:
             raise UserError(f"{path}: not a Parquet file that can be read ({shortened(str(exc))})") from None
     names = list(opened[0][1].schema_arrow.names)
@@ -298,7 +301,7 @@ def _parquet_table(files: list[Path], columns: Iterable[str] | None) -> Table:
 
 def _not_utf8_error(path: Path) -> UserError:
     """The error for a file that is not UTF-8, naming the first bad line and byte."""
-    with path.open("rb") as f:
+    with open_binary(path) as f:
         for line_no, line in enumerate(f, start=1):
             try:
                 line.decode("utf-8")

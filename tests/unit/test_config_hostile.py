@@ -12,14 +12,13 @@ one line before anything loads (issue 44):
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 
 import pytest
 import torch
 import yaml
 
+from bounded import no_block
 from ft_framework.cli import train_main
 from ft_framework.config import ConfigError, load_config, parse_override
 from ft_framework.config.yaml_loader import DuplicateKey, load_yaml, marks_text
@@ -68,18 +67,8 @@ def test_a_latin1_config_names_file_line_and_byte(tmp_path, capsys):
 
 def test_a_named_pipe_as_the_config_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "run.yaml")
-
-    def blocked(signum, frame):
-        raise TimeoutError("the config's named pipe was opened for reading")
-
-    previous = signal.signal(signal.SIGALRM, blocked)
-    signal.alarm(10)
-    try:
-        with pytest.raises(ConfigError) as refused:
-            load_config(tmp_path / "run.yaml")
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    with no_block("the config's named pipe was opened for reading"), pytest.raises(ConfigError) as refused:
+        load_config(tmp_path / "run.yaml")
     one_line(str(refused.value), "is a named pipe, not a regular file")
 
 

@@ -6,10 +6,8 @@ bytes, in nesting and in encoding."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 from pathlib import Path
 
@@ -18,24 +16,9 @@ import pytest
 from ft_framework import user_files
 from ft_framework.errors import UserError
 from ft_framework.path_containment import NameOutsideError, resolve_inside
+from bounded import no_block
 from ft_framework.user_files import (NESTING_LIMIT, MissingFile, UserFileError, file_size, open_binary, read_bytes,
                                      read_json, read_text, refused_entries)
-
-BLOCKS_AFTER_S = 10  # each call here takes milliseconds: only a blocked open gets there
-
-
-@contextlib.contextmanager
-def no_block():
-    def blocked(signum, frame):
-        raise TimeoutError(f"still blocked after {BLOCKS_AFTER_S} s: a named pipe was opened for reading")
-    previous = signal.signal(signal.SIGALRM, blocked)
-    signal.alarm(BLOCKS_AFTER_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
 
 @pytest.fixture
 def root(tmp_path):
@@ -68,7 +51,7 @@ def test_regular_files_inside_read_and_links_inside_are_followed(root):
 @pytest.mark.parametrize("read", [read_json, read_text, read_bytes, open_binary, file_size])
 def test_a_named_pipe_is_refused_without_blocking(root, read):
     for where in ({"root": root}, {}):  # inside a root, and as the user's own path
-        with no_block(), pytest.raises(UserFileError) as refused:
+        with no_block("a named pipe was opened for reading"), pytest.raises(UserFileError) as refused:
             read(root / "pipe", **where)
         _one_line(refused.value, "is a named pipe, not a regular file", "refused without reading it")
 

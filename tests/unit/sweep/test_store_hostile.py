@@ -5,34 +5,16 @@ without reading anything outside and without a hang (an alarm turns one into a f
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import resource
-import signal
 
 import pytest
 
+from bounded import memory_bounded, no_block
 from ft_framework.cli import report_main, sweep_main
 from ft_framework.run.files import INDEX_FILE, RESULTS_FILE, STATUS_FILE, SWEEP_FILE
 from ft_framework.sweep.store import SweepStore
 from sweep_helpers import write_results
-
-BLOCKS_AFTER_S = 15
-
-
-@contextlib.contextmanager
-def no_block():
-    def blocked(signum, frame):
-        raise TimeoutError(f"still running after {BLOCKS_AFTER_S} s: a named pipe in the store was opened")
-    previous = signal.signal(signal.SIGALRM, blocked)
-    signal.alarm(BLOCKS_AFTER_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
 
 @pytest.fixture
 def store(tmp_path):
@@ -58,7 +40,7 @@ def store(tmp_path):
 
 
 def report_refuses(root, capsys, *says: str) -> str:
-    with no_block():
+    with no_block("a named pipe in the store was opened"):
         assert report_main([str(root), "--no-plots", "--out", str(root.parent / "report")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ft-report: error: ") and "Traceback" not in err, err
@@ -71,20 +53,6 @@ def report_refuses(root, capsys, *says: str) -> str:
 def test_the_untouched_store_reports(store, capsys):
     root, _, _ = store
     assert report_main([str(root), "--no-plots", "--out", str(root.parent / "report")]) == 0
-
-
-@contextlib.contextmanager
-def memory_bounded(extra: int = 1 << 30):
-    """This process may map at most `extra` bytes more while the block runs: a read of /dev/zero (the
-    regression) ends in a MemoryError, not in the out-of-memory killer taking the test run."""
-    with open("/proc/self/status") as status:
-        mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (mapped + extra, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def test_status_linked_to_dev_zero_is_refused_unread(store, capsys):
