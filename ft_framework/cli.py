@@ -178,8 +178,10 @@ def report_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap-samples", type=int, default=10_000,
                         help="bootstrap draws for the expected best score of n trials")
     parser.add_argument("--forgetting-measure", default="auto",
-                        help="the frontier's forgetting axis: auto (mlm_forgetting where every point has it, else "
-                             "cka_drift_last), mlm_forgetting, cka_drift_last or cka_drift_mean")
+                        help="the frontier's forgetting axis: auto (every output measure every point has: "
+                             "mlm_forgetting, a decoder's kl_from_pretrained and lm_loss_gained; else cka_drift_last), "
+                             "or one of mlm_forgetting, cka_drift_last, cka_drift_mean, lm_loss_gained, "
+                             "kl_from_pretrained")
     parser.add_argument("--reference-method", default=None,
                         help="the full fine-tuning method whose best score sets the matched-accuracy target "
                              "(default: vanilla, where the sweep has it)")
