@@ -7,7 +7,10 @@ with `torch.load(weights_only=False)`: a planted file would run code on whoever 
 - `checkpoint_reader`: DCP's FileSystemReader, `.metadata` read through an unpickler whose
   `find_class` resolves only the globals of DCP's metadata classes (an explicit allow-list of
   (module, name) pairs mapped to the objects themselves: nothing is imported or looked up by a
-  name from the file); any other global is refused in one line naming it. The result must be a
+  name from the file); any other global is refused in one line naming it, and so is a BUILD on
+  anything but an instance of an allowed class (a BUILD on the class itself would rewrite it for
+  the whole process). Every file it opens (`.metadata`, each data file) is opened through
+  user_files: a regular file inside the checkpoint, never a named pipe. The result must be a
   `Metadata` whose data files are plain file names inside the checkpoint directory, each resolved
   by `path_containment.resolve_inside` (a symlink leading out is refused before DCP opens it), as
   is `.metadata` itself.

@@ -8,11 +8,12 @@ saved chunk at a time (no optimizer state is read). Memory: the model's fp32 wei
 parameter. The trainer's `checkpoint.export_dir` (and so every export a sweep makes) goes through
 the same function.
 
-An export is never half-written at its path: it is written into a temporary sibling
-(`.<name>.export-partial`) and renamed into place, so a kill at any moment leaves either the
-complete export or nothing at OUT_DIR (an export it replaces is first renamed aside to
-`.<name>.export-replaced`, removed once the new one is in place). A rerun removes what a killed
-export left beside OUT_DIR. An existing export is never silently overwritten: each export records
+An export is never half-written at its path: it is written into a temporary sibling of its own
+(`.<name>.export-partial-<random>`) and renamed into place, so a kill at any moment leaves either the
+complete export or the previous one at OUT_DIR (an export it replaces is first renamed aside to
+`.<name>.export-replaced`, removed once the new one is in place, put back by the next export when a
+kill came between the two renames), and two exports into one OUT_DIR never mix (write_atomically).
+A later export removes what a killed one left beside OUT_DIR. An existing export is never silently overwritten: each export records
 where it came from (EXPORT_RECORD: the checkpoint and the run's output directory), and a directory
 that is there already is replaced only by the same run's export (a resumed or re-run run exporting
 its final weights again: `replace="same run"`, the trainer's), or when asked (`replace="always"`,
