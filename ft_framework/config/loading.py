@@ -19,6 +19,7 @@ from ft_framework.distributed.slurm_env import check_step_tasks
 from ft_framework.errors import UserError, quoted, shortened
 from ft_framework.models.hub import looks_like_path
 from ft_framework.run.fingerprint import check_allow_list
+from ft_framework.user_files import MissingFile, read_json
 
 from ft_framework.config.errors import ConfigError, check_keys, format_validation_error
 from ft_framework.config.overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
@@ -90,6 +91,32 @@ def _check_paths(cfg: RunConfig) -> None:
         if name and looks_like_path(name) and not Path(name).expanduser().is_dir():
             raise ConfigError(f"{key}: directory {quoted(name)} not found (a local model directory must hold "
                               "config.json and the weights; a hub id looks like org/name)")
+        if name and looks_like_path(name):
+            _refuse_custom_code(key, Path(name).expanduser())
+
+
+def _refuse_custom_code(key: str, directory: Path) -> None:
+    """A local model directory whose config.json names its own code (auto_map) for a model type
+    transformers does not ship: every from_pretrained of ours refuses to run it (NO_REMOTE_CODE), so
+    the run is refused here, in one line, before anything loads. Its config.json is read as a file a
+    user hands us (a named pipe there is refused, not waited on)."""
+    config = directory / "config.json"
+    try:
+        data = read_json(config)
+    except MissingFile:
+        return  # transformers says what is missing
+    except UserError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    if "auto_map" not in data:
+        return
+    # Only a config naming its own code pays for this import (transformers imports torch: seconds).
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if data.get("model_type") in CONFIG_MAPPING_NAMES:
+        return  # transformers ships the type: its own code loads it, the auto_map is not used
+    raise ConfigError(f"{key}: {config} names a model's own code (auto_map) for model type "
+                      f"{quoted(data.get('model_type'))}, which transformers does not ship; ft_framework never runs a "
+                      "model's own code (trust_remote_code=False): use a model of a type transformers ships")
 
 
 def _check_machine(cfg: RunConfig, env: Mapping[str, str]) -> None:

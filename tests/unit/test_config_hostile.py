@@ -152,3 +152,24 @@ def test_a_real_duplicate_is_named_where_it_is_written(text, key, where, tmp_pat
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     one_line(str(refused.value), f"key 'extra.{key}' is given twice")
+
+
+# ---- 6. a model directory naming its own code ------------------------------------------------------
+def test_a_local_model_naming_its_own_code_is_refused_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """config.json with auto_map for a model type transformers does not ship: ft-train says so in one
+    line when the config is loaded; transformers is never asked (its prompt calls input())."""
+    model = tmp_path / "custom_model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "planted_type", "auto_map": {"AutoConfig": "planted.Config"}}')
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")
+    config = write(tmp_path, {**minimal(), "model": {"name_or_path": str(model)}})
+    with pytest.raises(ConfigError) as refused:
+        load_config(config)
+    one_line(str(refused.value), "model.name_or_path: ", "names a model's own code (auto_map)", "'planted_type'")
+    assert train_main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ft-train: error: model.name_or_path: ") and not asked, err
+    # A type transformers ships loads with its own code: the auto_map is not used, the config passes.
+    (model / "config.json").write_text('{"model_type": "bert", "auto_map": {"AutoConfig": "planted.Config"}}')
+    assert load_config(config).model.name_or_path == str(model)
