@@ -160,7 +160,7 @@ def test_the_converter_copies_no_file_a_link_leads_out_to(tmp_path, capsys):
 
 
 # ---- 7. a manifest, a pointer and an index that would cost a traceback, a minute or 100 MB ---------
-@pytest.mark.parametrize("manifest", ["[1]", "[" * 100_000 + "]" * 100_000])
+@pytest.mark.parametrize("manifest", ["[1]", "[" * 100_000 + "]" * 100_000], ids=["a_list", "nested_100000_deep"])
 def test_a_manifest_that_is_no_json_object_is_refused(run, manifest):
     out, checkpoint, _ = run
     (checkpoint / MANIFEST_FILE).write_text(manifest)
