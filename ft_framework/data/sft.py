@@ -30,7 +30,8 @@ from ft_framework.data.sft_packing import best_fit_decreasing
 from ft_framework.data.sft_rows import read_sft_rows
 from ft_framework.data.sft_tokenize import TOKENIZATION_VERSION, RowTokenizer, chat_template_text
 from ft_framework.data.token_cache import (DEFAULT_CACHE_DIR, FORMAT_VERSION, CacheEntry, DamagedEntry, EntryWriter,
-                                           content_hash, entry_name, open_entry, prepare_entry, tokenizer_fingerprint)
+                                           array_blocks, content_hash, entry_name, open_entry, prepare_entry,
+                                           tokenizer_fingerprint)
 
 __all__ = ["DEFAULT_CACHE_DIR", "PackedSFTDataset", "SFTCollator", "SFTData", "SFTDataset", "SFTSettings",
            "attention_windows", "load_sft_data"]
@@ -258,7 +259,8 @@ def _check_entry(entry: CacheEntry, vocab_size: int) -> None:
         raise DamagedEntry("its prompt and completion lengths exceed their rows")
     if facts["tokens"] != offsets[-1] or facts["rows"] - facts["dropped_no_completion"] != rows:
         raise DamagedEntry("its counts disagree with its arrays")
-    if len(arrays["input_ids"]) and not 0 <= arrays["input_ids"].min() <= arrays["input_ids"].max() < vocab_size:
+    # Read in blocks, not through the maps: the writer's process keeps no token page mapped.
+    if any(block.min() < 0 or block.max() >= vocab_size for block in array_blocks(entry, "input_ids")):
         raise DamagedEntry(f"it holds tokens outside the tokenizer's {vocab_size}")
-    if int(np.count_nonzero(arrays["target_mask"])) != facts["completion_tokens"]:
+    if sum(int(np.count_nonzero(block)) for block in array_blocks(entry, "target_mask")) != facts["completion_tokens"]:
         raise DamagedEntry("its target count disagrees with its mask")

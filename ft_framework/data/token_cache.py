@@ -30,7 +30,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import xxhash
@@ -39,7 +39,7 @@ from filelock import FileLock
 from ft_framework.user_files import MissingFile, UserFileError, open_binary, read_bytes
 
 __all__ = ["CacheEntry", "DEFAULT_CACHE_DIR", "DamagedEntry", "EntryWriter", "FORMAT_VERSION", "HEADER",
-           "content_hash", "entry_name", "open_entry", "prepare_entry", "tokenizer_fingerprint"]
+           "array_blocks", "content_hash", "entry_name", "open_entry", "prepare_entry", "tokenizer_fingerprint"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,6 +238,16 @@ def open_entry(path: Path, key: Mapping[str, Any], dtypes: Mapping[str, Any], *,
     if not isinstance(facts, dict):
         raise DamagedEntry("its header has no facts")
     return CacheEntry(path, arrays, facts)
+
+
+def array_blocks(entry: CacheEntry, name: str) -> Iterator[np.ndarray]:
+    """The array ``name`` of ``entry`` in blocks read from its file, not through its memory map: a
+    check that reads every element then leaves no page of it mapped into the process (a mapped page
+    counts in the process's RSS until it is unmapped)."""
+    dtype = entry.arrays[name].dtype
+    with open_binary(entry.path / name) as f:
+        while data := f.read(_READ_BLOCK - _READ_BLOCK % dtype.itemsize):
+            yield np.frombuffer(data, dtype=dtype)
 
 
 def _array(path: Path, dtype: np.dtype, described: Any, verify: bool) -> np.ndarray:
