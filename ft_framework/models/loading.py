@@ -178,6 +178,12 @@ def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> Loa
                 raise
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"model.name_or_path: {cfg.name_or_path!r} cannot be loaded from the hub ({first})") from exc
+        except ValueError as exc:  # transformers refuses a model that names its own code (trust_remote_code=False)
+            if "trust_remote_code" not in str(exc):
+                raise
+            raise UserError(f"model.name_or_path: {cfg.name_or_path!r} needs its own Python code to load (its "
+                            "config.json names it in auto_map), which ft_framework never runs; use a model of a type "
+                            "transformers ships") from exc
         new_names = new_parameter_names(model, loading_info, expect_new=model_class.new_head)
         pretrained_state = capture_pretrained_state(model, exclude=new_names)
         reinitialized: list[str] = []

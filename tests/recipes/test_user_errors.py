@@ -417,9 +417,10 @@ from ft_framework.errors import UserError
 
 if os.environ.get("RANK") == "1":
     if os.environ["FT_TEST_FAIL"] == "setup":
-        def load_task_data(*args, **kwargs):
+        from ft_framework.task_kinds import classification
+        def load_data(self, *args, **kwargs):
             raise UserError("train.tsv: bad data on this node (rank 1)")
-        trainer.load_task_data = load_task_data
+        classification.SequenceClassificationKind.load_data = load_data
     else:
         set_lr = trainer.Trainer._set_lr
         def failing_set_lr(self, step):

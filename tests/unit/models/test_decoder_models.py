@@ -99,3 +99,20 @@ def test_a_runs_export_loads_and_generates_with_its_chat_template(model_dirs, tm
     assert generated == ours
     record = json.loads((tmp_path / "export" / "ft_export.json").read_text())
     assert Path(record["run"]) == (tmp_path / "run").resolve()
+
+
+def test_a_model_that_names_its_own_code_is_one_line_not_a_prompt(model_dirs, tmp_path):
+    """What the config's check (config/loading.py) does for a local directory, loading does for any
+    source (a hub id included): transformers refuses without asking, and the refusal is one line."""
+    import shutil
+
+    from ft_framework.errors import UserError
+
+    custom = tmp_path / "custom"
+    shutil.copytree(model_dirs["llama"], custom)
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="mycustom", auto_map={"AutoConfig": "configuration_my.MyConfig",
+                                                   "AutoModelForCausalLM": "modeling_my.MyModel"})
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="needs its own Python code to load .* never runs"):
+        load_model_and_tokenizer(ModelConfig(name_or_path=str(custom)), model_class=CAUSAL_LM, seed=0)
