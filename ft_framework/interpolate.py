@@ -49,6 +49,7 @@ from ft_framework.config import validate_config
 from ft_framework.config.schema import DEFAULT_INTERPOLATION_ALPHAS
 from ft_framework.data import TaskSpec, load_task_data, make_collator
 from ft_framework.errors import UserError
+from ft_framework.data.tasks import CAUSAL_LM
 from ft_framework.metrics import compute_metrics
 from ft_framework.models.forgetting import FORGETTING_MEASURES, build_probe
 from ft_framework.models.loading import load_model, load_tokenizer
@@ -57,6 +58,7 @@ from ft_framework.user_files import NO_REMOTE_CODE, open_binary, read_json, refu
 from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
                                     LATEST_FILE, RunPaths)
 from ft_framework.run.tracking import log_artifacts_to_run
+from ft_framework.task_kinds import model_class_of
 
 logger = logging.getLogger(__name__)
 
@@ -322,8 +324,10 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
     # The pretrained model as the config names it: θ* (and the architecture to evaluate with).
     plain_cfg = cfg.model.model_copy(update={"init": "pretrained", "reinit_top_layers": 0, "mixout": 0.0,
                                              "dtype": "float32", **({"lora": None} if "lora" in type(cfg.model).model_fields else {})})
-    loaded = load_model(plain_cfg, task_num_labels=task.num_labels, is_regression=task.is_regression,
-                        seed=cfg.training.seed)
+    if task.kind == CAUSAL_LM:
+        raise InterpolationError(f"{run_dir} fine-tuned a causal LM (data.problem: {CAUSAL_LM}); ft-interpolate "
+                                 "scores sequence classifiers only")
+    loaded = load_model(plain_cfg, model_class=model_class_of(task, cfg), seed=cfg.training.seed)
     model = loaded.model
     model._ft_new_parameter_names = loaded.new_parameter_names
     theta, anchors, source = finetuned_state(run_dir, cfg, results, model)
