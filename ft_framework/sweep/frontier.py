@@ -50,7 +50,7 @@ from ft_framework.sweep.markdown import fmt, md_table
 from ft_framework.sweep.records import RunRecord, read_interpolation, read_metrics
 from ft_framework.sweep.scores import lower_is_better, oriented, score_scale, score_unit, task_main_metrics
 
-__all__ = ["AUTO_MEASURE", "DEFAULT_MATCHED_FRACTION", "DEFAULT_REFERENCE_METHOD", "KNOWN_MEASURES",
+__all__ = ["AUTO_MEASURE", "DEFAULT_MATCHED_FRACTION", "DEFAULT_REFERENCE_METHOD", "FALLBACK_MEASURE", "KNOWN_MEASURES",
            "MEASURE_CHOICES", "MIN_CORRELATION_POINTS", "OUTPUT_MEASURES", "Frontier", "FrontierAxis",
            "FrontierPoint", "build_frontier", "matched_target", "non_dominated", "reaches"]
 
@@ -324,8 +324,8 @@ def build_frontier(records: Sequence[RunRecord], methods: Sequence[str], tasks: 
                 kind=kind, step=p.get("step"), alpha=p.get("alpha"), score=p["score"],
                 forgetting=float(p["forgetting"][name]), distance=p.get("distance")))
         for task, pts in points.items():
-            flags = non_dominated([(q.score, q.forgetting) for q in pts], lower_is_better=lower_is_better(metric_of[task]))
-            for point, flag in zip(pts, flags):
+            lower = lower_is_better(metric_of[task])
+            for point, flag in zip(pts, non_dominated([(q.score, q.forgetting) for q in pts], lower_is_better=lower)):
                 point.non_dominated = flag
         axes.append(FrontierAxis(measure=name, points={t: points[t] for t in present if t in points}))
 

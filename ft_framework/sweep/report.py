@@ -405,9 +405,9 @@ def interpolation_markdown(report: "Report") -> str:
         return ""
     lines = ["## Interpolation toward θ* (WiSE-FT): θ_α = θ* + α (θ − θ*)", "",
              "Per method and task, the chosen setting's runs (seeds averaged): the main metric on the selection "
-             "split at each α (the report's unit), ‖θ_α − θ*‖₂ at α = 1, and the α best on the selection split (of the mean "
-             "curve; per seed in brackets). α = 1 is the fine-tuned model, α = 0 the pretrained one under the "
-             "fine-tuned head.", ""]
+             "split at each α (the report's unit), ‖θ_α − θ*‖₂ at α = 1, and the α best on the selection split (of "
+             "the mean curve; per seed in brackets). α = 1 is the fine-tuned model, α = 0 the pretrained one under "
+             "the fine-tuned head.", ""]
     by_task: dict[str, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
     for (method, task), curve in curves.items():
         by_task[task].append((method, curve))
@@ -493,8 +493,9 @@ def build_report(directory: str | Path, *, bootstrap_samples: int = 10_000, forg
             ns = [n for n in CURVE_NS if n <= max(trials, 1)] or [1]
             if trials not in ns:
                 ns.append(trials)
+            lower = lower_is_better(metrics[task])
             for row in expected_max_curve([r.score for r in runs], ns, [r.selection_score for r in runs],
-                                          num_samples=bootstrap_samples, lower_is_better=lower_is_better(metrics[task])):
+                                          num_samples=bootstrap_samples, lower_is_better=lower):
                 expected_rows.append({"method": method, "task": task, "trials": trials, **row})
     frontier = build_frontier(records, methods, tasks, measure=forgetting_measure, reference=reference_method,
                               fraction=matched_fraction)
