@@ -21,6 +21,7 @@ from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 from ft_framework.cli import report_main
 from ft_framework.sweep import load_sweep, run_sweep
 
+pytestmark = pytest.mark.slow   # four short runs: about 15 s on 2 cores
 MEASURES = ("kl_from_pretrained", "lm_loss_gained", "cka_drift_last", "cka_drift_mean")
 
 
