@@ -367,3 +367,17 @@ def test_part_a_checks_bits_first_and_a_kill_keeps_every_finished_row(tmp_path):
     report = out.read_text()
     assert report.count("| yes") == len(raw["bit_equality"])
 
+
+
+def test_the_wheels_check_says_in_one_line_what_to_carry(tmp_path):
+    """benchmarks/gpu_run.sh check (the window's first step): no folder, or one lacking a wheel,
+    is one line naming what to do and exit 2, before anything is installed."""
+    script = REPO / "benchmarks" / "gpu_run.sh"
+    for wheels in (tmp_path / "absent", tmp_path / "empty"):
+        if wheels.name == "empty":
+            wheels.mkdir()
+        out = subprocess.run(["bash", str(script), "check"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "FT_WHEELS": str(wheels), "PYTHON": sys.executable})
+        lines = [line for line in out.stdout.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stdout, out.stderr[-2000:])
+        assert "gpu_run.sh prepare wheels" in lines[0] and 'carry=["wheels"]' in lines[0], lines[0]
