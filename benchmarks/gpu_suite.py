@@ -1003,7 +1003,7 @@ def worker_e(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) 
         entry: dict[str, Any] = {"name": name}
         try:
             cfg = write_min_config(tmp, strategy_section, "bf16", args.batch, device, seq=args.seq)
-            plan = plan_peak(cfg, arch, world_size=1, num_labels=2, on_gpu=cuda)
+            plan = plan_peak(cfg, arch, world_size=1, on_gpu=cuda)
             entry.update(planned_gb=plan.live_bytes / 1e9, planned_reserved_gb=plan.device_peak / 1e9)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()

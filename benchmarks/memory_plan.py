@@ -93,7 +93,7 @@ def measured_run(cfg) -> tuple[dict, int]:
     rank of a torchrun launch for several); returns ({"live_peak", "rss_increase"} in bytes, rank)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
-    from transformers import AutoModelForSequenceClassification
+    import transformers
 
     from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
     from ft_framework.models.fused_activations import fuse_activations
@@ -102,9 +102,13 @@ def measured_run(cfg) -> tuple[dict, int]:
     from ft_framework.strategies import build_strategy
     from ft_framework.strategies.memory_fit import load_architecture
     from ft_framework.strategies.memory_trace import live_bytes
+    from ft_framework.task_kinds import LossNormalizer, build_task_kind
 
+    kind = build_task_kind(cfg)  # the run's model class, batch and loss (a classifier's, or a causal LM's)
+    model_class = kind.model_class
     arch = load_architecture(cfg.model).config
-    arch.num_labels = cfg.data.task_spec().num_labels
+    for key, value in model_class.config_values:
+        setattr(arch, key, value)
     strategy = build_strategy(cfg.strategy, cfg.training)
     if cfg.strategy.name == "deepspeed":
         import deepspeed  # noqa: F401  (imported before the baseline: runtime, not the run's memory)
@@ -112,13 +116,14 @@ def measured_run(cfg) -> tuple[dict, int]:
     torch.manual_seed(0)
     rss_before = _rss_kib("VmRSS")
     with live_bytes() as counter:
-        model = AutoModelForSequenceClassification.from_config(arch)
+        model = getattr(transformers, model_class.auto_class).from_config(arch)
         if cfg.model.fused_activations:  # as Trainer.setup does (the plan traces the same transform)
             fuse_activations(model)
         model.train()
         if cfg.training.activation_checkpointing:
             apply_activation_checkpointing(model)
-        anchors = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("classifier")}
+        anchors = {n: p.detach().clone() for n, p in model.named_parameters()
+                   if not (model_class.new_head and n.startswith("classifier"))}
 
         def make_optimizer(m):
             groups = build_param_groups(m, anchors, lr=2e-5, weight_decay=0.0, attach_anchors=False)
@@ -129,10 +134,9 @@ def measured_run(cfg) -> tuple[dict, int]:
         batch, seq_len = cfg.training.per_device_batch_size, cfg.data.max_seq_length
         generator = torch.Generator().manual_seed(1 + strategy.rank)
         for _ in range(STEPS):
-            inputs = {"input_ids": torch.randint(0, arch.vocab_size, (batch, seq_len), generator=generator),
-                      "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
-                      "labels": torch.randint(0, arch.num_labels, (batch,), generator=generator)}
-            loss = strategy.forward(inputs).loss
+            inputs = random_batch(model_class, arch, batch, seq_len, generator)
+            normalizer = LossNormalizer(1, strategy.world_size, kind.step_units([inputs]))
+            loss = kind.loss(strategy.forward(kind.model_inputs(inputs)), inputs, normalizer).backward
             strategy.backward(loss)
             del loss
             strategy.clip_and_step(cfg.training.max_grad_norm)
@@ -140,6 +144,19 @@ def measured_run(cfg) -> tuple[dict, int]:
     rank = strategy.rank
     strategy.close()
     return {"live_peak": peak, "rss_increase": (_rss_kib("VmHWM") - rss_before) * 1024}, rank
+
+
+def random_batch(model_class, arch, batch: int, seq_len: int, generator) -> dict:
+    """A collated batch of random tokens, every row full length: a classifier's (B,) labels, or a
+    causal LM's (B, T) labels (every position counted) with its positions."""
+    import torch
+
+    shape = (batch, seq_len)
+    inputs = {"input_ids": torch.randint(0, arch.vocab_size, shape, generator=generator),
+              "attention_mask": torch.ones(shape, dtype=torch.long)}
+    if model_class.auto_class == "AutoModelForCausalLM":
+        return {**inputs, "labels": inputs["input_ids"].clone(), "position_ids": torch.arange(seq_len).expand(shape)}
+    return {**inputs, "labels": torch.randint(0, arch.num_labels, (batch,), generator=generator)}
 
 
 def _warm_up_runtime() -> None:

@@ -12,9 +12,10 @@ from typing import Any
 from ft_framework.config import set_path, validate_config
 from ft_framework.errors import UserError
 from ft_framework.models.hub import cached_config_file, looks_like_path
-from ft_framework.models.loading import apply_dropout, resolve_model_path
+from ft_framework.models.loading import ModelClass, apply_dropout, resolve_model_path
 from ft_framework.resources import published_architecture_file
 from ft_framework.strategies.memory_plan import GIB, PeakPlan, format_bytes, model_shape, plan_peak
+from ft_framework.task_kinds import model_class_of
 
 
 @dataclass(frozen=True)
@@ -52,20 +53,20 @@ def load_architecture(model_cfg, *, key: str = "model.name_or_path") -> Architec
 
 
 def plan_run(run_cfg, *, world_size: int, on_gpu: bool, arch: Architecture | None = None) -> PeakPlan:
-    """One rank's planned peak for `run_cfg` on `world_size` ranks, without loading weights."""
+    """One rank's planned peak for `run_cfg` on `world_size` ranks, without loading weights: the
+    model its task kind loads (task_kinds.model_class_of), built on the meta device."""
     arch = arch or load_architecture(run_cfg.model)
-    task = run_cfg.data.task_spec()
-    return plan_peak(run_cfg, arch.config, world_size=world_size, num_labels=task.num_labels, on_gpu=on_gpu,
-                     shape=_shape(arch, task.num_labels))
+    model_class = model_class_of(run_cfg.data.task_spec(), run_cfg)
+    return plan_peak(run_cfg, arch.config, world_size=world_size, on_gpu=on_gpu, shape=_shape(arch, model_class))
 
 
-_SHAPES: dict[tuple[str, int], Any] = {}
+_SHAPES: dict[tuple[str, ModelClass], Any] = {}
 
 
-def _shape(arch: Architecture, num_labels: int):
-    key = (arch.config.to_json_string(), num_labels)
+def _shape(arch: Architecture, model_class: ModelClass):
+    key = (arch.config.to_json_string(), model_class)
     if key not in _SHAPES:
-        _SHAPES[key] = model_shape(arch.config, num_labels=num_labels)
+        _SHAPES[key] = model_shape(arch.config, model_class=model_class)
     return _SHAPES[key]
 
 

@@ -10,6 +10,7 @@ constant below names where it comes from (docs/memory.md)."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,11 @@ import torch
 
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from ft_framework.models.forgetting import _mlm_head
+from ft_framework.models.loading import ModelClass
 from ft_framework.strategies.memory_trace import (ASSUMED_ATTENTION_BACKEND, MicroBatchTrace, build_model_on_meta,
-                                                   trace_micro_batch)
+                                                   is_causal_lm, trace_micro_batch)
 from ft_framework.strategies.offload_transport import MAX_GRADS_IN_FLIGHT
+from ft_framework.task_kinds import model_class_of
 
 GIB = 1024**3
 MIB = 1024**2
@@ -163,15 +166,17 @@ class ModelShape:
     """What the plan needs of a model: its parameter counts, from the meta device."""
 
     num_params: int
-    num_anchored: int       # every parameter but the new classification head (theta* exists for them)
+    num_anchored: int       # every parameter but a new classification head (theta* exists for them)
     largest_block: int      # parameters of the largest transformer block (FSDP2 unshards by block)
     largest_param: int      # elements of the largest parameter tensor (DeepSpeed's offload staging)
-    mlm_head_params: int = 0  # the pretrained MLM head the forgetting probe keeps (0: the model has none)
+    mlm_head_params: int = 0  # the pretrained MLM head an encoder's forgetting probe keeps (0: none)
 
 
-def model_shape(arch: Any, *, num_labels: int) -> ModelShape:
-    model = build_model_on_meta(arch, num_labels=num_labels)
-    head = {id(p) for name, p in model.named_parameters() if _is_head(name)}
+def model_shape(arch: Any, *, model_class: ModelClass) -> ModelShape:
+    """The counts of `model_class`'s model of `arch` (task_kinds.model_class_of: a classifier with a
+    new head, or a causal LM whose every parameter has theta*; tied weights once)."""
+    model = build_model_on_meta(arch, model_class=model_class)
+    head = {id(p) for name, p in model.named_parameters() if model_class.new_head and _is_head(name)}
     params = list(model.parameters())
     apply_activation_checkpointing(model)  # on the meta model: it finds the transformer blocks
     blocks = checkpointed_blocks(model)
@@ -179,7 +184,7 @@ def model_shape(arch: Any, *, num_labels: int) -> ModelShape:
                       num_anchored=sum(p.numel() for p in params if id(p) not in head),
                       largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
                       largest_param=max(p.numel() for p in params),
-                      mlm_head_params=_mlm_head_params(arch))
+                      mlm_head_params=0 if is_causal_lm(model_class) else _mlm_head_params(arch))
 
 
 def _mlm_head_params(arch: Any) -> int:
@@ -210,6 +215,7 @@ class PeakPlan:
     runtime: list[PlanRow]
     on_gpu: bool
     assumptions: list[str] = field(default_factory=list)
+    num_params: int = 0     # the model's parameters (tied weights once)
 
     @property
     def rows(self) -> list[PlanRow]:
@@ -230,6 +236,12 @@ class PeakPlan:
         return self.device_peak + self.host_peak
 
     @property
+    def host_bytes_per_param(self) -> float:
+        """The host peak over the model's parameters (on a CPU run: the whole process's)."""
+        host = self.host_peak if self.on_gpu else self.process_bytes
+        return host / self.num_params if self.num_params else 0.0
+
+    @property
     def live_bytes(self) -> float:
         """Tensor bytes live at the peak, without the runtime rows (what torch.cuda.max_memory_allocated
         reports on a GPU); on a CPU run device and host together (one memory)."""
@@ -241,12 +253,13 @@ def _dtype_of(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: bool,
-              shape: ModelShape | None = None) -> PeakPlan:
+def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: ModelShape | None = None) -> PeakPlan:
     """The peak of one training step per rank: model states (:func:`plan_memory`), the traced
-    activations of one micro-batch, buckets and step temporaries, and on a GPU the CUDA context and
-    the allocator's slack. On a CPU run "device" and "host" are the same memory: add them."""
-    shape = shape or model_shape(arch, num_labels=num_labels)
+    activations of one micro-batch of the run's model class and loss (task_kinds.model_class_of),
+    buckets and step temporaries, what the forgetting probe keeps, and on a GPU the CUDA context
+    and the allocator's slack. On a CPU run "device" and "host" are the same memory: add them."""
+    model_class = model_class_of(run_cfg.data.task_spec(), run_cfg)
+    shape = shape or model_shape(arch, model_class=model_class)
     P, W = shape.num_params, world_size
     training, strategy = run_cfg.training, run_cfg.strategy
     mixed = training.precision in ("bf16", "fp16")
@@ -303,8 +316,9 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
     if on_gpu:
         arch = _without_attention_dropout(arch)
     trace = trace_micro_batch(arch, batch_size=training.per_device_batch_size, seq_len=run_cfg.data.max_seq_length,
-                              checkpointing=training.activation_checkpointing, num_labels=num_labels,
-                              fused_activations=run_cfg.model.fused_activations, **trace_kw)
+                              checkpointing=training.activation_checkpointing, model_class=model_class,
+                              fused_activations=run_cfg.model.fused_activations, packing=run_cfg.data.packing,
+                              **trace_kw)
     activations = _beyond_states(trace, step_temporaries)
     extra.insert(0, PlanRow(_activation_row_name(trace_kw["keep_grads"], step_temporaries), activations, 0.0))
     if bucket_epilogue:
@@ -313,12 +327,17 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
     if strategy.name == "deepspeed" and strategy.deepspeed.zero_stage == 3:
         # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers
         extra.append(PlanRow("parameters gathered by ZeRO-3 (prefetch)", shape.largest_block * low.itemsize, 0.0))
-    if run_cfg.evaluation.forgetting.enabled and shape.mlm_head_params:
+    forgetting = run_cfg.evaluation.forgetting
+    if forgetting.enabled and shape.mlm_head_params:
         # models/forgetting.py keeps the pretrained head (fp32) on the device for the whole run
         extra.append(PlanRow("MLM head kept for the forgetting probe (fp32)", shape.mlm_head_params * 4, 0.0))
-    if on_gpu:
+    if forgetting.enabled and is_causal_lm(model_class):
+        extra.append(PlanRow("theta*'s answers to the forgetting probe (its log-probabilities, fp32; this rank's "
+                             "share)", 0.0, lm_probe_reference_bytes(arch, forgetting, world_size=W)))
+    if on_gpu and offload is None:
         # A checkpoint can be saved at any step (checkpoint.every_steps, on a signal): DCP's writer
         # copies the rank's device tensors to host memory and holds them until its file is written.
+        # (The offload saves its host masters and state; its device weights are copies, not saved.)
         saved = sum(r.device_bytes for r in rows if "gradient" not in r.what)
         extra.append(PlanRow("host copy of the device state while DCP saves a checkpoint", 0.0, saved))
     attention = (f"attention: {ASSUMED_ATTENTION_BACKEND}" if on_gpu else
@@ -331,7 +350,19 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, num_labels: int, on_gpu: b
         runtime += [PlanRow(f"caching allocator slack ({ALLOCATOR_SLACK:.1%} of the live peak; measured on an H200)",
                            ALLOCATOR_SLACK * live, 0.0),
                    PlanRow("CUDA context (about 0.5 GiB; not measured here)", CUDA_CONTEXT_BYTES, 0.0)]
-    return PeakPlan(tensors=rows + extra, runtime=runtime, on_gpu=on_gpu, assumptions=assumptions)
+    return PeakPlan(tensors=rows + extra, runtime=runtime, on_gpu=on_gpu, assumptions=assumptions,
+                    num_params=P)
+
+
+def lm_probe_reference_bytes(arch: Any, forgetting: Any, *, world_size: int) -> float:
+    """What models/lm_forgetting.py keeps of theta*'s answers on each rank for the whole run, in host
+    memory: for each of the rank's probe sentences (evaluation.forgetting.num_sentences, dealt over
+    the ranks), the log-probabilities of every predicted position (at most max_length - 1) over the
+    vocabulary in fp32, and the mean-pooled hidden state of every layer in float64."""
+    sentences = math.ceil(forgetting.num_sentences / world_size)
+    logprobs = (forgetting.max_length - 1) * arch.vocab_size * 4
+    features = arch.num_hidden_layers * arch.hidden_size * 8
+    return float(sentences * (logprobs + features))
 
 
 def _without_attention_dropout(arch: Any) -> Any:
@@ -371,14 +402,26 @@ def format_peak_plan(plan: PeakPlan, *, title: str) -> str:
     for r in plan.rows:
         lines.append(f"{r.what:{width}}  {r.device_bytes / GIB:10.3f}  {r.cpu_bytes / GIB:10.3f}")
     lines.append(f"{'peak per rank':{width}}  {plan.device_peak / GIB:10.3f}  {plan.host_peak / GIB:10.3f}")
+    lines.append(format_peaks(plan))
     lines += [f"assumed: {a}" for a in plan.assumptions]
     return "\n".join(lines)
+
+
+def format_peaks(plan: PeakPlan) -> str:
+    """One line: the peaks and the host bytes per parameter."""
+    count = f"{plan.num_params / 1e9:.2f} B" if plan.num_params >= 1e8 else f"{plan.num_params:,}"
+    if plan.on_gpu:
+        return (f"device peak {format_bytes(plan.device_peak)}, host peak {format_bytes(plan.host_peak)}: "
+                f"{plan.host_bytes_per_param:.1f} host bytes per parameter ({count} parameters)")
+    return (f"process peak {format_bytes(plan.process_bytes)} (device and host are one memory): "
+            f"{plan.host_bytes_per_param:.1f} bytes per parameter ({count} parameters)")
 
 
 def peak_plan_json(plan: PeakPlan) -> dict[str, Any]:
     """The plan for scripts: peaks and rows in bytes."""
     return {"on_gpu": plan.on_gpu, "device_peak_bytes": int(plan.device_peak), "host_peak_bytes": int(plan.host_peak),
-            "live_tensor_bytes": int(plan.live_bytes),
+            "live_tensor_bytes": int(plan.live_bytes), "num_params": plan.num_params,
+            "host_bytes_per_param": plan.host_bytes_per_param,
             "rows": [{"what": r.what, "device_bytes": int(r.device_bytes), "host_bytes": int(r.cpu_bytes)}
                      for r in plan.rows],
             "assumptions": list(plan.assumptions)}

@@ -1,8 +1,9 @@
 """The one adapter to torch's private and dispatcher-level names that the memory plan's trace uses:
 ``FakeTensorMode`` (``torch._subclasses``), ``TorchDispatchMode`` (``torch.utils._python_dispatch``),
-``torch._C._ExcludeDispatchKeyGuard``, and kernels registered on aten operators at the AutocastCPU
-dispatch key with ``torch.library``. The torch versions they were checked on are
-:data:`CHECKED_TORCH`; another torch is refused in one line.
+``torch._C._ExcludeDispatchKeyGuard``, ``aten._local_scalar_dense`` (a tensor's value read as a
+Python number), and kernels registered on aten operators at the AutocastCPU dispatch key with
+``torch.library``. The torch versions they were checked on are :data:`CHECKED_TORCH`; another torch
+is refused in one line.
 
 Why CUDA's autocast rules on the CPU: the plan traces a GPU run on fake CPU tensors (a CPU build of
 torch cannot run autograd or slicing on fake CUDA tensors, and ``torch.autocast("cuda")`` turns
@@ -86,6 +87,24 @@ def dispatch_mode_base() -> type:
     return TorchDispatchMode
 
 
+@contextlib.contextmanager
+def scalar_reads_answer_zero() -> Iterator[None]:
+    """Inside (and inside a ``FakeTensorMode``): reading a tensor's value as a Python number
+    (``int(t)``, ``float(t)``, ``t.item()``: ``aten._local_scalar_dense``) answers 0 of its type
+    instead of raising, as a fake tensor has no value. For code whose scalar reads only report (the
+    causal LM loss counts its label tokens); never around code whose control flow reads one."""
+
+    class ZeroScalars(dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                dtype = args[0].dtype
+                return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+            return func(*args, **(kwargs or {}))
+
+    with ZeroScalars():
+        yield
+
+
 def _op(name: str):
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
@@ -140,13 +159,18 @@ class _CudaAutocastKernels:
 
     def kernel(self, name: str, policy: str):
         op = _op(name)
+        names = [a.name for a in op._schema.arguments]
+        dtype_at = names.index("dtype") if "dtype" in names else len(names)
 
         def run(*args, **kwargs):
             with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
                 if policy == "as_called":
                     return op(*args, **kwargs)
-                if policy == "fp32_set_opt_dtype":
-                    if self.eligible(args[0]) and kwargs.get("dtype") is None:
+                if policy == "fp32_set_opt_dtype":  # a dtype the call names, by keyword or position, stands
+                    if dtype_at < len(args):
+                        if self.eligible(args[0]) and args[dtype_at] is None:
+                            args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1:])
+                    elif self.eligible(args[0]) and kwargs.get("dtype") is None:
                         kwargs["dtype"] = torch.float32
                     return op(*args, **kwargs)
                 to = {"lower": self.low, "fp32": torch.float32}.get(policy) or self.widest(args, kwargs)
@@ -177,4 +201,4 @@ def cuda_autocast_rules(low: torch.dtype) -> Iterator[_CudaAutocastKernels]:
 
 
 __all__ = ["CHECKED_TORCH", "CUDA_FP32", "CUDA_FP32_SET_OPT_DTYPE", "CUDA_LOWER_PRECISION", "CUDA_PROMOTE",
-           "check_torch", "cuda_autocast_rules", "dispatch_mode_base", "fake_tensor_mode"]
+           "check_torch", "cuda_autocast_rules", "dispatch_mode_base", "fake_tensor_mode", "scalar_reads_answer_zero"]

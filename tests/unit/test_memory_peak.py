@@ -173,3 +173,20 @@ def test_the_cpu_plan_names_the_process_runtime_and_a_gpu_plan_the_checkpoint_co
     device_state = sum(r.device_bytes for r in gpu.tensors[:4] if "gradient" not in r.what)  # parameters, moments, theta*
     assert len(copy) == 1 and copy[0].cpu_bytes == device_state > 0
     assert not any(r.what.startswith("host copy") for r in cpu.tensors)
+
+
+def test_the_offload_saves_its_host_masters_so_no_host_copy_of_its_device_weights_is_planned(tiny_dir):
+    """DCP copies device tensors to host memory while it saves; the offload's checkpoint holds its
+    host masters and state (strategies/offload.py), its device weights being copies of them."""
+    def copies(strategy):
+        cfg = validate_config({
+            "model": {"name_or_path": str(tiny_dir)}, "data": {"task": "rte", "max_seq_length": 64},
+            "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
+            "training": {"max_steps": 2, "per_device_batch_size": 8, "device": "cuda", "precision": "bf16"},
+            "strategy": strategy})
+        return [r for r in plan_run(cfg, world_size=1, on_gpu=True).tensors
+                if r.what.startswith("host copy of the device state")]
+
+    assert len(copies({"name": "single"})) == 1  # the device holds the weights, moments and theta*
+    assert copies({"name": "single", "offload_optimizer": {"overlap": True}}) == []
+    assert copies({"name": "single", "offload_optimizer": {"overlap": False}}) == []

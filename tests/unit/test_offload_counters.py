@@ -124,7 +124,7 @@ def test_the_memory_plan_counts_the_window_it_is_given(tmp_path):
                "strategy": {"name": "single", "offload_optimizer": offload}}
         path = tmp_path / f"run_{window}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        plan = plan_peak(load_config(path, [], check_paths=False), arch, world_size=1, num_labels=2, on_gpu=True)
+        plan = plan_peak(load_config(path, [], check_paths=False), arch, world_size=1, on_gpu=True)
         rows[window] = next(r for r in plan.rows if r.what.startswith("gradients in flight to the host"))
     assert f"at most {MAX_GRADS_IN_FLIGHT} of" in rows[None].what and "at most 5 of" in rows[5].what
     assert rows[5].device_bytes == rows[None].device_bytes * 5 / MAX_GRADS_IN_FLIGHT > 0
