@@ -257,25 +257,31 @@ void fused_step_compact(const py::buffer& param, const py::buffer& grad, const p
 }
 
 // fused_step_compact over many tensors given by address, in one call that releases the GIL once (as
-// fused_step_many); private to ft_framework.optim.cpu.fused_step_compact_many, which checks every
-// tensor first. anchors[i] 0: a parameter without theta*; deltas[i] 0 with an anchor: param is the master.
+// fused_step_many); private to ft_framework.optim.cpu.fused_step_compact_many and
+// fused_step_compact_bf16_many, which check every tensor first. anchors[i] 0: a parameter without
+// theta*; deltas[i] 0 with an anchor: param is the master; weights[i] non-zero: the bf16 weight form
+// (step_args.h), where a delta master has no param (params[i] 0).
 void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                              const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                              const std::vector<uintptr_t>& deltas, const std::vector<uintptr_t>& anchors,
                              const std::vector<int64_t>& numels, const std::vector<bool>& grad_bf16,
                              const std::vector<bool>& anchor_bf16, const std::vector<int64_t>& index_bases,
-                             const ftk::StepCoeffs& coeffs, uint32_t sr_key, int num_threads) {
+                             const std::vector<uintptr_t>& weights, const ftk::StepCoeffs& coeffs, uint32_t sr_key,
+                             int num_threads) {
     const size_t n = params.size();
     if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || deltas.size() != n ||
         anchors.size() != n || numels.size() != n || grad_bf16.size() != n || anchor_bf16.size() != n ||
-        index_bases.size() != n)
+        index_bases.size() != n || weights.size() != n)
         throw std::invalid_argument("fused_step_compact_many: every list must have one entry per tensor");
     std::vector<ftk::StepArgs> args(n);
     for (size_t i = 0; i < n; ++i) {
+        // The one master without an fp32 param: a delta master of the bf16 weight form.
+        const bool param_free = deltas[i] != 0 && weights[i] != 0;
         if (numels[i] < 0 || index_bases[i] < 0 || (deltas[i] != 0 && anchors[i] == 0) ||
-            (numels[i] > 0 && (!params[i] || !grads[i] || !exp_avgs[i] || !exp_avg_sqs[i])))
-            throw std::invalid_argument("fused_step_compact_many: a null address, a negative size or index, or a "
-                                        "delta without its anchor");
+            (numels[i] > 0 && ((!params[i] && !param_free) || (params[i] && param_free) || !grads[i] ||
+                               !exp_avgs[i] || !exp_avg_sqs[i])))
+            throw std::invalid_argument("fused_step_compact_many: a null address, a negative size or index, a "
+                                        "delta without its anchor, or a param beside a delta in the bf16 weight form");
         ftk::StepArgs& s = args[i];
         s.param = reinterpret_cast<float*>(params[i]);
         s.grad = reinterpret_cast<const void*>(grads[i]);
@@ -289,6 +295,7 @@ void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::ve
         s.delta = reinterpret_cast<float*>(deltas[i]);
         s.sr_key = sr_key;
         s.index_base = index_bases[i];
+        s.weight16 = reinterpret_cast<uint16_t*>(weights[i]);   // 0: the fp32 param form
     }
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < n; ++i) run_step(args[i], numels[i], num_threads);
@@ -386,10 +393,10 @@ PYBIND11_MODULE(_cpu_kernel, m) {
           "inverse exists.");
     m.def("_fused_step_compact_many", &fused_step_compact_many, py::arg("params"), py::arg("grads"),
           py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("deltas"), py::arg("anchors"), py::arg("numels"),
-          py::arg("grad_bf16"), py::arg("anchor_bf16"), py::arg("index_bases"), py::arg("coeffs"), py::arg("sr_key"),
-          py::arg("num_threads") = 0,
-          "fused_step_compact over many tensors given by address; private to ft_framework.optim.cpu, which checks "
-          "every tensor first.");
+          py::arg("grad_bf16"), py::arg("anchor_bf16"), py::arg("index_bases"), py::arg("weights"), py::arg("coeffs"),
+          py::arg("sr_key"), py::arg("num_threads") = 0,
+          "fused_step_compact over many tensors given by address (weights: 0, or the bf16 weight form's output, "
+          "which may be the bf16 gradient); private to ft_framework.optim.cpu, which checks every tensor first.");
     m.def("sr_bits", &sr_bits, py::arg("key"), py::arg("index_base"), py::arg("n"),
           "counter_rng's 32 random bits of n consecutive elements at the current SIMD level");
     m.def("rng_constants", [] { return std::make_pair(ftk::kLowbias32Mul1, ftk::kLowbias32Mul2); },

@@ -68,10 +68,17 @@ struct StepArgs {
     // and param is written as a + delta. With an anchor and no delta, param is the fp32 master
     // (another library owns it: DeepSpeed's partitions) and p - a is rounded once. No inverse:
     // stochastic rounding cannot be undone.
+    //
+    // The bf16 weight form (the device-lean offload's): with weight16 set, the new weight theta is
+    // also stored rounded to nearest even as bf16 into weight16, and a delta master keeps no fp32
+    // weight at all (param is not read or written: theta = anchor + delta is formed in registers).
+    // weight16 may be the bf16 gradient itself: each element's gradient is loaded before its
+    // weight is stored, so the step reads the gradient and writes the weight in its place.
     bool compact = false;
     float* delta = nullptr;   // compact with an anchor only; nullptr there: param is the master
     uint32_t sr_key = 0;      // counter_rng.stream_key(seed, STREAM_STOCHASTIC_ROUNDING, step)
     int64_t index_base = 0;   // global element index of element 0 (ft_framework/optim/compact.py)
+    uint16_t* weight16 = nullptr;  // compact only: the new weight in bf16 (may alias a bf16 grad)
 };
 
 // The per-element half of counter_rng's lowbias32 chain. These constants are a copy of

@@ -116,38 +116,54 @@ struct StepProgram {
     // One compact step of the W elements at i, whose global index is gidx. DeltaMaster: an
     // anchored parameter's master is delta (param is written as anchor + delta); otherwise param
     // is the master (a parameter without anchor, or one whose fp32 master another library owns,
-    // DeepSpeed's partitions) and the pull reads p - a, rounded once.
-    template <bool DeltaMaster>
+    // DeepSpeed's partitions) and the pull reads p - a, rounded once. WeightOut (the bf16 weight
+    // form, step_args.h): the new weight is stored in bf16 into w16, rounded to nearest even, and
+    // a delta master's param is neither read nor written. w16 may be the gradient itself: the
+    // gradient is loaded first, so w16 carries no __restrict.
+    template <bool DeltaMaster, bool WeightOut>
     static inline void compact_at(const ftk::StepCoeffs& c, uint32_t key, float* __restrict param, const void* grad,
                                   uint16_t* __restrict m16, uint16_t* __restrict v16, float* __restrict delta,
-                                  const void* anchor, int64_t i, int64_t gidx) {
+                                  const void* anchor, uint16_t* w16, int64_t i, int64_t gidx) {
         const R g = load_typed(grad, i, GT);
         R m = V::load_bf16(m16 + i), v = V::load_bf16(v16 + i);
+        R theta;
         if (HasAnchor && DeltaMaster) {
             const R a = load_typed(anchor, i, AT);
             R d = V::load(delta + i);   // theta - theta*, the master: the pull reads it exactly
             d = V::sub(d, change(c, V::add(a, d), d, g, m, v));
             V::store(delta + i, d);
-            V::store(param + i, V::add(a, d));
+            theta = V::add(a, d);
+            if (!WeightOut) V::store(param + i, theta);
         } else if (HasAnchor) {
             const R p = V::load(param + i);
-            V::store(param + i, V::sub(p, change(c, p, V::sub(p, load_typed(anchor, i, AT)), g, m, v)));
+            theta = V::sub(p, change(c, p, V::sub(p, load_typed(anchor, i, AT)), g, m, v));
+            V::store(param + i, theta);
         } else {
             const R p = V::load(param + i);
-            V::store(param + i, V::sub(p, change(c, p, V::zero(), g, m, v)));
+            theta = V::sub(p, change(c, p, V::zero(), g, m, v));
+            V::store(param + i, theta);
         }
+        if (WeightOut) store_rne(w16 + i, theta);
         store_rne(m16 + i, m);
         store_sr(v16 + i, v, SrBits<V>::at(key, gidx));
     }
 
     static void run_compact(const ftk::StepArgs& s, int64_t begin, int64_t end) {
-        if (HasAnchor && s.delta == nullptr) run_compact_as<false>(s, begin, end);
-        else                                 run_compact_as<true>(s, begin, end);
+        const bool delta_master = !(HasAnchor && s.delta == nullptr);
+        if (s.weight16 != nullptr) {
+            if (delta_master) run_compact_as<true, true>(s, begin, end);
+            else              run_compact_as<false, true>(s, begin, end);
+        } else {
+            if (delta_master) run_compact_as<true, false>(s, begin, end);
+            else              run_compact_as<false, false>(s, begin, end);
+        }
     }
 
-    template <bool DeltaMaster>
+    template <bool DeltaMaster, bool WeightOut>
     static void run_compact_as(const ftk::StepArgs& s, int64_t begin, int64_t end) {
         constexpr bool HasDelta = HasAnchor && DeltaMaster;
+        // A delta master in the bf16 weight form has no fp32 param (s.param may be null).
+        constexpr bool HasParam = !(HasDelta && WeightOut);
         const ftk::StepCoeffs c = s.c;
         const uint32_t key = s.sr_key;
         const int64_t base = s.index_base;
@@ -155,37 +171,40 @@ struct StepProgram {
         uint16_t* __restrict m16 = reinterpret_cast<uint16_t*>(s.exp_avg);
         uint16_t* __restrict v16 = reinterpret_cast<uint16_t*>(s.exp_avg_sq);
         float* __restrict delta = s.delta;
+        uint16_t* w16 = s.weight16;
         const void* grad = s.grad;
         const void* anchor = s.anchor;
         int64_t i = begin;
         for (; i + W <= end; i += W) {
             if (i % kLineElems == 0) {
-                V::prefetch(param + i + kPrefetchElems);
+                if (HasParam) V::prefetch(param + i + kPrefetchElems);
                 V::prefetch(m16 + i + kPrefetchElems);
                 V::prefetch(v16 + i + kPrefetchElems);
                 prefetch_typed(grad, i + kPrefetchElems, GT);
                 if (HasDelta) V::prefetch(delta + i + kPrefetchElems);
                 if (HasAnchor) prefetch_typed(anchor, i + kPrefetchElems, AT);
             }
-            compact_at<DeltaMaster>(c, key, param, grad, m16, v16, delta, anchor, i, base + i);
+            compact_at<DeltaMaster, WeightOut>(c, key, param, grad, m16, v16, delta, anchor, w16, i, base + i);
         }
         const int64_t tail = end - i;
         if (tail == 0) return;
         // Tail: the same vector code on zero-padded copies (bit-identical to the body's arithmetic).
+        // Every input is copied before any output is written back (w16 may be the gradient).
         alignas(64) float pb[W] = {}, db[W] = {}, gb[W] = {}, ab[W] = {};
-        alignas(64) uint16_t mb[W] = {}, vb[W] = {};
+        alignas(64) uint16_t mb[W] = {}, vb[W] = {}, wb[W] = {};
         const size_t gsize = GT == ftk::ElemType::BF16 ? 2 : 4, asize = AT == ftk::ElemType::BF16 ? 2 : 4;
-        std::memcpy(pb, param + i, tail * sizeof(float));
+        if (HasParam) std::memcpy(pb, param + i, tail * sizeof(float));
         std::memcpy(mb, m16 + i, tail * sizeof(uint16_t));
         std::memcpy(vb, v16 + i, tail * sizeof(uint16_t));
         std::memcpy(gb, static_cast<const char*>(grad) + i * gsize, tail * gsize);
         if (HasDelta) std::memcpy(db, delta + i, tail * sizeof(float));
         if (HasAnchor) std::memcpy(ab, static_cast<const char*>(anchor) + i * asize, tail * asize);
-        compact_at<DeltaMaster>(c, key, pb, gb, mb, vb, db, ab, 0, base + i);
-        std::memcpy(param + i, pb, tail * sizeof(float));
+        compact_at<DeltaMaster, WeightOut>(c, key, pb, gb, mb, vb, db, ab, wb, 0, base + i);
+        if (HasParam) std::memcpy(param + i, pb, tail * sizeof(float));
         std::memcpy(m16 + i, mb, tail * sizeof(uint16_t));
         std::memcpy(v16 + i, vb, tail * sizeof(uint16_t));
         if (HasDelta) std::memcpy(delta + i, db, tail * sizeof(float));
+        if (WeightOut) std::memcpy(w16 + i, wb, tail * sizeof(uint16_t));
     }
 
     // Undoes apply() (see step_args.h): p first, from the stepped m and v, then m and v.

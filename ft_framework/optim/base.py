@@ -25,7 +25,7 @@ import torch
 from ft_framework.distributed import collectives
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.errors import UserError
-from ft_framework.optim.compact import STATE_DTYPES, element_offsets
+from ft_framework.optim.compact import STATE_DTYPES, element_offsets, round_nearest_bf16
 from ft_framework.optim.programs import StepProgram, impl_names, resolve_impl, step_program
 from ft_framework.optim.torch_step import finite_flags
 from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
@@ -124,6 +124,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         # itself where there is no anchor). Stochastic rounding has no inverse, so a speculative
         # compact step is undone from these: 8 bytes per parameter, kept (and reused) between steps.
         self._undo: dict[int, tuple[torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Parameters of the bf16 weight form (keep_bf16_weight): no fp32 weight, their data the bf16
+        # buffer each step writes theta* + delta into.
+        self._bf16_weights: set[int] = set()
         if impl != "auto" and (why := step_program(impl).unavailable()) is not None:
             raise RuntimeError(why)  # e.g. the kernel's build instructions
         self._requested_impl = impl
@@ -234,6 +237,28 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                                "the first step and before loading a checkpoint")
         self.delta_masters = False
 
+    def keep_bf16_weight(self, p: torch.Tensor, weight: torch.Tensor) -> None:
+        """The bf16 weight form, for the device-lean offload: anchored parameter p of the compact
+        state, whose master is delta, keeps no fp32 weight. p's data becomes `weight` (bf16, p's
+        shape, on p's device), into which every step writes the new weight theta* + delta rounded to
+        bf16 (formed in registers, never stored in fp32); between steps its holder may keep anything
+        there (the offload lands the next gradient in it, which the step then reads and overwrites).
+        Readers of the weight go through theta* + delta: the forgetting distance reads delta. Call it
+        once p's state exists (init_state), after theta* is placed."""
+        state = self.state.get(p, {})
+        if not (self.compact and self.delta_masters and "delta" in state):
+            raise ValueError("keep_bf16_weight: only an anchored parameter of the compact state whose master is delta "
+                             "(init_state first) can drop its fp32 weight")
+        if weight.dtype != torch.bfloat16 or tuple(weight.shape) != tuple(p.shape) or weight.device != p.device:
+            raise ValueError(f"keep_bf16_weight: the weight must be bfloat16 of shape {tuple(p.shape)} on {p.device}, "
+                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        p.data = weight
+        self._bf16_weights.add(id(p))
+
+    def has_bf16_weight(self, p: torch.Tensor) -> bool:
+        """Whether p keeps no fp32 weight (keep_bf16_weight): its weight is theta* + delta."""
+        return id(p) in self._bf16_weights
+
     def set_index_base(self, p: torch.Tensor, base: int) -> None:
         """The global element index of p's first element, given whole: for a flat partition whose
         elements come from several parameters (DeepSpeed ZeRO), which only the strategy can read.
@@ -265,7 +290,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         """The requested program, or for 'auto' the first that takes every (local) parameter:
         'cpu' for CPU fp32 tensors with the kernel built, 'triton' for CUDA tensors where triton
         imports, else 'torch' (optim/programs.py)."""
-        return resolve_impl(self._requested_impl, [local_tensor(p) for g in self.param_groups for p in g["params"]])
+        # A bf16-weight parameter is stepped through the bf16 form, which every program takes.
+        return resolve_impl(self._requested_impl, [local_tensor(p) for g in self.param_groups for p in g["params"]
+                                                   if id(p) not in self._bf16_weights])
 
     @property
     def impl(self) -> str:
@@ -347,17 +374,32 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         return c.uses_anchor or (self.compact and self.delta_masters)
 
     def _apply_compact(self, ps: list[torch.Tensor], grads: list[torch.Tensor], c: StepCoefficients,
-                       with_anchor: bool, t: int, num_threads: int | None = None) -> None:
+                       with_anchor: bool, t: int, num_threads: int | None = None,
+                       weights: list[torch.Tensor | None] | None = None) -> None:
+        """The compact step of `ps`; where a bf16 weight is wanted (weights[i], or p itself for a
+        parameter of the bf16 weight form) through the program's bf16 form."""
         states = [self.state[p] for p in ps]
-        params = [local_tensor(p) for p in ps]
         grads = [local_tensor(g) for g in grads]
         ms = [local_tensor(s["exp_avg"]) for s in states]
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
         deltas = [local_tensor(s["delta"]) if with_anchor and self.delta_masters else None for s in states]
         anchors = [local_tensor(s["anchor"]) if with_anchor else None for s in states]
         bases = [self.index_base(p) for p in ps]
-        self._program.step_compact(list(zip(params, grads, ms, vs, deltas, anchors, bases)), c, self.rounding_seed,
-                                   t, num_threads=num_threads)
+        weights = [local_tensor(p) if id(p) in self._bf16_weights else None if weights is None else
+                   None if weights[i] is None else local_tensor(weights[i]) for i, p in enumerate(ps)]
+        plain, bf16 = [], []
+        for p, g, m, v, d, a, base, w in zip(ps, grads, ms, vs, deltas, anchors, bases, weights):
+            if w is None:
+                plain.append((local_tensor(p), g, m, v, d, a, base))
+            elif d is not None and id(p) not in self._bf16_weights:
+                raise ValueError("a bf16 weight for a delta master that keeps its fp32 weight would leave that weight "
+                                 "stale: drop it first (keep_bf16_weight)")
+            else:
+                bf16.append((None if d is not None else local_tensor(p), g, m, v, d, a, base, w))
+        if plain:
+            self._program.step_compact(plain, c, self.rounding_seed, t, num_threads=num_threads)
+        if bf16:
+            self._program.step_compact_bf16(bf16, c, self.rounding_seed, t, num_threads=num_threads)
 
     def _apply(self, ps: list[torch.Tensor], c: StepCoefficients, with_anchor: bool) -> None:
         states = [self.state[p] for p in ps]
@@ -394,7 +436,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None = None,
                      num_threads: int | None = None, known_finite: bool = False,
-                     keep_undo: bool = False) -> list[StepCoefficients | None]:
+                     keep_undo: bool = False,
+                     weights: list[torch.Tensor | None] | None = None) -> list[StepCoefficients | None]:
         """Steps each parameter of `ps` on its own, with `grads` (default: each ``p.grad``), as
         step() would: the same coefficients and arithmetic, so a step split over several calls
         equals one step().
@@ -406,12 +449,18 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         kernel's own check, one more pass over each gradient, is skipped.
         `keep_undo`: the step may be rolled back (a speculative step). The fp32 state needs nothing
         for that; the compact state copies what the rollback restores first.
+        `weights` (the compact state only): per tensor a bf16 tensor that receives the new weight
+        rounded to nearest even (it may be the tensor's bf16 gradient: read first), or None; a
+        parameter of the bf16 weight form (keep_bf16_weight) writes its own data without one.
         """
         grads = [p.grad for p in ps] if grads is None else grads
         if self._resolved_impl == "auto":
             self._resolved_impl = self._resolve_impl()
         if self.compact:
-            return self._step_tensors_compact(ps, grads, num_threads, known_finite, keep_undo)
+            return self._step_tensors_compact(ps, grads, num_threads, known_finite, keep_undo, weights)
+        if weights is not None:
+            raise ValueError("step_tensors(weights=...): the bf16 weight form is the compact state's "
+                             "(optimizer.state_dtype bfloat16)")
         used: list[StepCoefficients | None] = []
         plans: dict[tuple, tuple[StepCoefficients, bool]] = {}  # per (group, step, anchored) in this call
         # Known-finite steps go in one program call per set of coefficients (after the loop), and
@@ -447,12 +496,13 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             torch._foreach_add_([state["step"] for state in batched_states], 1)
         return used
 
-    def _step_tensors_compact(self, ps, grads, num_threads, known_finite,
-                              keep_undo: bool) -> list[StepCoefficients | None]:
+    def _step_tensors_compact(self, ps, grads, num_threads, known_finite, keep_undo: bool,
+                              weights=None) -> list[StepCoefficients | None]:
         """step_tensors in the compact state: tensor by tensor, a non-finite gradient leaves its
         tensor untouched (as the guarded fp32 step)."""
         used: list[StepCoefficients | None] = []
-        for p, g, group in zip(ps, grads, self._groups_of(ps)):
+        weights = [None] * len(ps) if weights is None else weights
+        for p, g, group, weight in zip(ps, grads, self._groups_of(ps), weights):
             if g is None or not (known_finite or finite_flags([local_tensor(g)])[0]):
                 used.append(None)
                 continue
@@ -465,7 +515,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                                         stacklevel=4)
             if keep_undo:
                 self._keep_undo(p, state, t - 1)
-            self._apply_compact([p], [g], c, anchored and self._reads_anchor(c), t, num_threads)
+            self._apply_compact([p], [g], c, anchored and self._reads_anchor(c), t, num_threads, [weight])
             state["step"] += 1
             used.append(c)
         return used
@@ -497,7 +547,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             local_tensor(state["exp_avg_sq"]).copy_(v)
             if "delta" in state:
                 local_tensor(state["delta"]).copy_(master)
-                local_tensor(p).copy_(local_tensor(state["anchor"]).float() + master)
+                weight = local_tensor(state["anchor"]).float() + master
+                # a bf16-weight parameter: the kernel's rounding of theta* + delta, its NaN too
+                local_tensor(p).copy_(round_nearest_bf16(weight) if id(p) in self._bf16_weights else weight)
             else:
                 local_tensor(p).copy_(master)
             state["step"] -= 1
@@ -585,6 +637,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             if anchor is None:
                 continue
             theta, theta_star = local_tensor(p).detach().reshape(-1), local_tensor(anchor).reshape(-1)
+            if id(p) in self._bf16_weights:  # no fp32 weight: theta - theta* is delta, exactly
+                theta, theta_star = local_tensor(state["delta"]).reshape(-1), None
             chunk = _FORGETTING_CHUNK if theta.device.type == "cpu" else max(1, theta.numel())
             if theta.device not in buffers or buffers[theta.device].numel() < min(chunk, theta.numel()):
                 buffers[theta.device] = torch.empty(min(chunk, theta.numel()), dtype=torch.float64,
@@ -594,7 +648,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                 n = min(chunk, theta.numel() - start)
                 diff = buf[:n]
                 diff.copy_(theta[start:start + n])
-                diff.sub_(theta_star[start:start + n])
+                if theta_star is not None:
+                    diff.sub_(theta_star[start:start + n])
                 total += torch.dot(diff, diff).cpu()
         return total
 
@@ -628,6 +683,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
              tuple(p.shape), "anchor" in self.state.get(p, {}))
             for idx, p in zip(saved_ids, own_params)))
         anchors = {idx: saved_state[idx]["anchor"] for idx in saved_ids if "anchor" in saved_state.get(idx, {})}
+        # torch would cast a bf16-weight parameter's delta to bf16 (its dtype): kept fp32 below.
+        deltas = {idx: saved_state[idx]["delta"] for idx, p in zip(saved_ids, own_params)
+                  if id(p) in self._bf16_weights and "delta" in saved_state.get(idx, {})}
         saved_dtype = next((s["exp_avg"].dtype for s in saved_state.values() if "exp_avg" in s), None)
         if saved_dtype is not None and (saved_dtype == torch.bfloat16) != self.compact:
             if self.compact:
@@ -649,6 +707,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         for group, anchored in zip(self.param_groups, own_anchored):
             group["anchored"] = anchored  # this optimizer's split, whatever the checkpoint's groups said
         for idx, p in zip(saved_ids, own_params):
+            if idx in deltas:
+                self.state[p]["delta"] = deltas[idx].detach().to(device=p.device, dtype=torch.float32, copy=True)
             if idx in anchors:
                 # torch would cast state to the parameter's dtype; a bf16 anchor stays bf16.
                 self.state[p]["anchor"] = anchors[idx].detach().to(device=p.device, copy=True)

@@ -211,20 +211,89 @@ def fused_step_compact_many(tensors: Sequence[tuple], coeffs: StepCoefficients, 
     """fused_step_compact on each (param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base) of
     `tensors`, all with `coeffs` and `sr_key`, in one kernel call (bit for bit the same; the GIL is
     released once). Every tensor is checked before any is touched."""
-    kernel = _require_kernel()
-    columns: tuple[list, ...] = ([], [], [], [], [], [], [], [], [], [])
+    rows = []
     for param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base in tensors:
-        n = _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor)
-        if n == 0:
-            continue
-        for column, value in zip(columns, (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
-                                           exp_avg_sq.data_ptr(), 0 if delta is None else delta.data_ptr(),
-                                           0 if anchor is None else anchor.data_ptr(), n,
+        if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor):
+            rows.append((param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, None))
+    _compact_kernel_call(rows, coeffs, sr_key, num_threads)
+
+
+def _compact_kernel_call(rows: list[tuple], coeffs: StepCoefficients, sr_key: int, num_threads: int | None) -> None:
+    """One kernel call over checked rows (param or None, grad, exp_avg, exp_avg_sq, delta, anchor,
+    index_base, weight or None), none of them empty."""
+    kernel = _require_kernel()
+    columns: tuple[list, ...] = ([], [], [], [], [], [], [], [], [], [], [])
+    for param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight in rows:
+        for column, value in zip(columns, (0 if param is None else param.data_ptr(), grad.data_ptr(),
+                                           exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                           0 if delta is None else delta.data_ptr(),
+                                           0 if anchor is None else anchor.data_ptr(), grad.numel(),
                                            grad.dtype is torch.bfloat16,
-                                           anchor is not None and anchor.dtype is torch.bfloat16, int(index_base))):
+                                           anchor is not None and anchor.dtype is torch.bfloat16, int(index_base),
+                                           0 if weight is None else weight.data_ptr())):
             column.append(value)
     if columns[0]:
         kernel._fused_step_compact_many(*columns, _kernel_coefficients(coeffs), int(sr_key), _threads(num_threads))
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor, weight) -> int:
+    """The element count of one step of the bf16 weight form; raises TypeError / ValueError on inputs
+    the kernel cannot update in place. `grad` may be `weight` itself (in place), or apart from it."""
+    if (master is None) != (delta is not None):
+        raise ValueError("the bf16 weight form keeps no fp32 weight of a delta master: pass master=None exactly "
+                         "where a delta is given (an fp32 master otherwise: the new head, or DeepSpeed's partition)")
+    if delta is not None and anchor is None:
+        raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
+    checks = [tensor_problem(weight, "weight", (torch.bfloat16,)),
+              tensor_problem(grad, "gradient", _INPUT_DTYPES),
+              tensor_problem(exp_avg, "exp_avg", (torch.bfloat16,)),
+              tensor_problem(exp_avg_sq, "exp_avg_sq", (torch.bfloat16,))]
+    if master is not None:
+        checks.append(tensor_problem(master, "parameter", _PARAM_DTYPES))
+    if delta is not None:
+        checks.append(tensor_problem(delta, "delta", _PARAM_DTYPES))
+    if anchor is not None:
+        checks.append(tensor_problem(anchor, "anchor", _INPUT_DTYPES))
+    problems = [c for c in checks if c]
+    if problems:
+        raise TypeError("cannot run the CPU optimizer kernel: " + "; ".join(problems))
+    others = [t for t in (master, exp_avg, exp_avg_sq, delta, anchor) if t is not None]
+    if any(t.numel() != weight.numel() for t in (grad, *others)):
+        raise ValueError(f"size mismatch with the weight's {weight.numel()} elements: "
+                         f"{[t.numel() for t in (grad, *others)]}")
+    if weight.numel() == 0:
+        return 0
+    in_place = grad.dtype is torch.bfloat16 and grad.data_ptr() == weight.data_ptr()
+    if (not in_place and _overlaps(grad, weight)) or any(_overlaps(t, weight) for t in others):
+        raise ValueError("the bf16 weight may be the bf16 gradient itself (written in its place) and must not "
+                         "overlap any other tensor of the step")
+    return weight.numel()
+
+
+def fused_step_compact_bf16_many(tensors: Sequence[tuple], coeffs: StepCoefficients, sr_key: int,
+                                 num_threads: int | None = None) -> None:
+    """The compact step in its bf16 weight form (the device-lean offload's) on each (master, grad,
+    exp_avg, exp_avg_sq, delta, anchor, index_base, weight) of `tensors`, in one kernel call: the
+    same program as fused_step_compact_many, bit for bit in every stored state, and the new weight
+    also stored in bf16 into `weight`, rounded to nearest even. A delta master keeps no fp32 weight
+    (master None: theta* + delta is formed in registers); a parameter without theta* keeps its fp32
+    master. `weight` may be the bf16 gradient itself: each element's gradient is read before its
+    weight is written. Every tensor is checked before any is touched."""
+    rows = []
+    for master, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight in tensors:
+        if _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor, weight):
+            rows.append((master, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight))
+    _compact_kernel_call(rows, coeffs, sr_key, num_threads)
 
 
 def guarded_step(
@@ -307,3 +376,7 @@ class CpuKernelProgram:
     def step_compact(self, tensors: Sequence[tuple], coeffs: StepCoefficients, seed: int, step: int,
                      num_threads: int | None = None) -> None:
         fused_step_compact_many(tensors, coeffs, rounding_key(seed, step), num_threads=num_threads)
+
+    def step_compact_bf16(self, tensors: Sequence[tuple], coeffs: StepCoefficients, seed: int, step: int,
+                          num_threads: int | None = None) -> None:
+        fused_step_compact_bf16_many(tensors, coeffs, rounding_key(seed, step), num_threads=num_threads)

@@ -30,6 +30,9 @@ from ft_framework.optim.triton_step import TritonProgram
 Fp32Tensors = tuple
 # (param, grad, exp_avg, exp_avg_sq, delta or None, anchor or None, index_base): one compact step.
 CompactTensors = tuple
+# (master or None, grad, exp_avg, exp_avg_sq, delta or None, anchor or None, index_base, weight): one
+# compact step in the bf16 weight form; master is None exactly where delta is given.
+CompactBf16Tensors = tuple
 
 
 class StepProgram(Protocol):
@@ -59,6 +62,13 @@ class StepProgram(Protocol):
                      num_threads: int | None = None) -> None:
         """One compact-state step of each tensor; v's stochastic rounding keyed on (seed, step,
         index_base + element) (optim/compact.py)."""
+
+    def step_compact_bf16(self, tensors: Sequence[CompactBf16Tensors], c: StepCoefficients, seed: int, step: int,
+                          num_threads: int | None = None) -> None:
+        """step_compact in the bf16 weight form (the device-lean offload's, cpp/step_args.h): the same
+        stored state, bit for bit, and each new weight also written in bf16 (rounded to nearest
+        even) into `weight`, which may be the bf16 gradient itself; a delta master keeps no fp32
+        weight (master None: theta* + delta is formed in registers, never stored in fp32)."""
 
 
 # In the order impl="auto" prefers them.

@@ -97,15 +97,18 @@ def foreach_step(
     torch._foreach_sub_(params, exact_change(params, diffs, _as_dtype(grads, dtype), exp_avgs, exp_avg_sqs, c))
 
 
-def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+def compact_step(params: list[torch.Tensor | None], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                  exp_avg_sqs: list[torch.Tensor], deltas: list[torch.Tensor | None],
                  anchors: list[torch.Tensor | None], c: StepCoefficients, seed: int, step: int,
-                 index_bases: list[int]) -> None:
+                 index_bases: list[int], weights: list[torch.Tensor] | None = None) -> None:
     """One step of the compact state (optim/compact.py), in place: the moments are bf16 (m rounded
     to nearest even, v stochastically with the bits of (seed, step, index_bases[i] + element)).
     Where deltas[i] is given (an anchored parameter) it is the fp32 master, the pull reads it
     exactly, and params[i] is written as anchors[i] + deltas[i]; where only anchors[i] is given,
     params[i] is the master (DeepSpeed's partitions) and the pull reads params[i] - anchors[i].
+    `weights` (the bf16 weight form, cpp/step_args.h): each new weight is also written into
+    weights[i] in bf16, rounded to nearest even, and a delta master keeps no fp32 weight
+    (params[i] None); weights[i] may be grads[i] itself (every gradient is read first).
     Bit for bit the C++ kernel's result (exact_change). The tensors of each kind (delta master,
     anchored parameter master, no anchor) step together as foreach ops."""
     kinds: dict[str, list[int]] = {"delta": [], "param": [], "none": []}
@@ -114,7 +117,7 @@ def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     for kind, idx in kinds.items():
         if not idx:
             continue
-        gs = [grads[i].float() for i in idx]
+        gs = [grads[i].float() for i in idx]  # copies: a bf16 gradient may be the weight written below
         ms = [exp_avgs[i].float() for i in idx]
         vs = [exp_avg_sqs[i].float() for i in idx]
         if kind == "delta":
@@ -122,12 +125,18 @@ def compact_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
             ds = [deltas[i] for i in idx]
             es = exact_change(torch._foreach_add(anchors32, ds), ds, gs, ms, vs, c)
             torch._foreach_sub_(ds, es)
-            for i, a, d in zip(idx, anchors32, ds):
-                params[i].copy_(a + d)
+            thetas = torch._foreach_add(anchors32, ds)
+            if weights is None:
+                for i, theta in zip(idx, thetas):
+                    params[i].copy_(theta)
         else:
             ps = [params[i] for i in idx]
             ds = torch._foreach_sub(ps, [anchors[i].float() for i in idx]) if kind == "param" else None
             torch._foreach_sub_(ps, exact_change(ps, ds, gs, ms, vs, c))
+            thetas = ps
+        if weights is not None:
+            for i, theta in zip(idx, thetas):
+                weights[i].copy_(round_nearest_bf16(theta))  # the kernel's store_rne, its NaN too
         for i, m, v in zip(idx, ms, vs):
             exp_avgs[i].copy_(round_nearest_bf16(m))  # the kernel's store_rne, its NaN too
             exp_avg_sqs[i].copy_(stochastic_round_bf16(
@@ -237,3 +246,20 @@ class TorchProgram:
         if tensors:
             params, grads, ms, vs, deltas, anchors, bases = (list(column) for column in zip(*tensors))
             compact_step(params, grads, ms, vs, deltas, anchors, c, seed, step, bases)
+
+    def step_compact_bf16(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
+                          num_threads: int | None = None) -> None:
+        if tensors:
+            masters, grads, ms, vs, deltas, anchors, bases, weights = (list(column) for column in zip(*tensors))
+            check_bf16_form(masters, deltas, weights)
+            compact_step(masters, grads, ms, vs, deltas, anchors, c, seed, step, bases, weights)
+
+
+def check_bf16_form(masters: list, deltas: list, weights: list) -> None:
+    """The rows of the bf16 weight form every program takes: a master exactly where no delta is."""
+    for master, delta, weight in zip(masters, deltas, weights):
+        if (master is None) != (delta is not None):
+            raise ValueError("the bf16 weight form keeps no fp32 weight of a delta master: pass master=None exactly "
+                             "where a delta is given (an fp32 master otherwise)")
+        if weight.dtype != torch.bfloat16:
+            raise TypeError(f"the bf16 weight form writes bf16 weights, got {weight.dtype}")

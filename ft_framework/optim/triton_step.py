@@ -34,7 +34,7 @@ import torch
 from ft_framework.counter_rng import LOWBIAS32_MUL1, LOWBIAS32_MUL2
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.compact import BF16_NAN_BITS, rounding_key
-from ft_framework.optim.torch_step import TorchProgram
+from ft_framework.optim.torch_step import TorchProgram, check_bf16_form
 
 try:
     import triton
@@ -57,8 +57,9 @@ NUM_WARPS = 4
 # Bytes every address of a launch is a multiple of when the kernel is told so (ALIGNED): 16-byte
 # loads and stores. A fresh CUDA allocation is aligned far beyond; a view may not be, then no hint.
 ALIGN_BYTES = 16
-# Columns of the address table.
-_PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _ANCHOR, _DELTA = range(6)
+# Columns of the address table (_WEIGHT: the bf16 weight form's output, 0 otherwise).
+_PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _ANCHOR, _DELTA, _WEIGHT = range(7)
+_COLUMNS = 7
 _TABLE_CACHE_SIZE = 64
 
 
@@ -71,13 +72,13 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
                  pre_decay, pre_pull, post_pull, post_decay, sr_key,
                  GRAD_BF16: tl.constexpr, ANCHOR_BF16: tl.constexpr, HAS_ANCHOR: tl.constexpr,
                  HAS_PRE: tl.constexpr, HAS_POST_DECAY: tl.constexpr, COMPACT: tl.constexpr,
-                 DELTA_MASTER: tl.constexpr, FUSED_MUTANT: tl.constexpr, CHUNK_ELEMS: tl.constexpr,
-                 BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                 DELTA_MASTER: tl.constexpr, WEIGHT_OUT: tl.constexpr, FUSED_MUTANT: tl.constexpr,
+                 CHUNK_ELEMS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor + pid)
     start = tl.load(chunk_start + pid)
     end = tl.minimum(start + CHUNK_ELEMS, tl.load(numels + t))
-    row = addresses + t * 6
+    row = addresses + t * 7
     param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
     if GRAD_BF16:
         grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint16))
@@ -94,6 +95,10 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
     else:
         anchor_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     delta_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    # The bf16 weight form (cpp/step_args.h): the new weight also stored in bf16 here (it may be the
+    # bf16 gradient: every element's gradient is loaded before its weight is stored), and a delta
+    # master's fp32 param is neither loaded nor stored (its address is 0).
+    weight_ptr = tl.load(row + 6).to(tl.pointer_type(tl.uint16))
     if ALIGNED:
         # Every address of this launch is a multiple of ALIGNMENT bytes and BLOCK divides
         # CHUNK_ELEMS (checked on the host: _aligned), and a chunk starts at a multiple of
@@ -106,6 +111,7 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
         v_ptr = tl.multiple_of(v_ptr, ALIGNMENT)
         anchor_ptr = tl.multiple_of(anchor_ptr, ALIGNMENT)
         delta_ptr = tl.multiple_of(delta_ptr, ALIGNMENT)
+        weight_ptr = tl.multiple_of(weight_ptr, ALIGNMENT)
         start = tl.multiple_of(start, CHUNK_ELEMS)
     base = tl.load(bases + t)
     key = sr_key.to(tl.uint32, bitcast=True)
@@ -175,9 +181,17 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
             if (COMPACT and HAS_ANCHOR) and DELTA_MASTER:
                 d = d - e
                 tl.store(delta_ptr + idx, d, mask=mask)
-                tl.store(param_ptr + idx, a + d, mask=mask)
+                theta = a + d
+                if not WEIGHT_OUT:
+                    tl.store(param_ptr + idx, theta, mask=mask)
             else:
-                tl.store(param_ptr + idx, p - e, mask=mask)
+                theta = p - e
+                tl.store(param_ptr + idx, theta, mask=mask)
+            if WEIGHT_OUT:  # rounded to nearest even, a NaN as bf16's quiet NaN (the C++ store_rne)
+                w_bits = theta.to(tl.uint32, bitcast=True)
+                w_rounded = (w_bits + (0x7FFF + ((w_bits >> 16) & 1))) >> 16
+                w_rounded = tl.where((w_bits & 0x7FFFFFFF) > 0x7F800000, BF16_QUIET_NAN, w_rounded)
+                tl.store(weight_ptr + idx, w_rounded.to(tl.uint16), mask=mask)
             if COMPACT:
                 m_bits = m.to(tl.uint32, bitcast=True)
                 m_rounded = (m_bits + (0x7FFF + ((m_bits >> 16) & 1))) >> 16
@@ -244,7 +258,7 @@ class _Tables:
     def get(self, rows: Sequence[tuple], bases: Sequence[int], device: torch.device,
             chunk: int) -> tuple[torch.Tensor, ...]:
         addresses = [tuple(0 if x is None else x.data_ptr() for x in row) for row in rows]
-        numels = [row[0].numel() for row in rows]
+        numels = [row[1].numel() for row in rows]  # the gradient's: a bf16-form delta row has no param
         key = (device, chunk, tuple(addresses), tuple(numels), tuple(bases))
         hit = self._cache.get(key)
         if hit is not None:
@@ -259,7 +273,7 @@ class _Tables:
         if device.type == "cuda":
             host = host.pin_memory()
         packed = host.to(device, non_blocking=True)
-        sizes = [6 * len(rows), len(rows), len(rows), len(pairs), len(pairs)]
+        sizes = [_COLUMNS * len(rows), len(rows), len(rows), len(pairs), len(pairs)]
         tables = tuple(packed.split(sizes))
         self._cache[key] = tables
         if len(self._cache) > self._size:
@@ -309,8 +323,8 @@ class TritonProgram(TorchProgram):
         return _problem(param, "parameter", _F32, interpreting())
 
     def step(self, tensors: Sequence[tuple], c: StepCoefficients, num_threads: int | None = None) -> None:
-        rows = [(p, g, m, v, a, None) for p, g, m, v, a in tensors if p.numel()]
-        for p, g, m, v, a, _ in rows:
+        rows = [(p, g, m, v, a, None, None) for p, g, m, v, a in tensors if p.numel()]
+        for p, g, m, v, a, _, _ in rows:
             self._check(p, g, (m, v), _F32, a, None)
         self._launch(rows, [0] * len(rows), c, 0, compact=False)
 
@@ -322,13 +336,35 @@ class TritonProgram(TorchProgram):
                 raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
             self._check(p, g, (m, v), (torch.bfloat16,), a, delta)
             if p.numel():
-                rows.append((p, g, m, v, a, delta))
+                rows.append((p, g, m, v, a, delta, None))
                 bases.append(int(base))
         self._launch(rows, bases, c, rounding_key(seed, step), compact=True)
 
-    def _check(self, p, g, moments, moment_dtypes, a, delta) -> None:
+    def step_compact_bf16(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
+                          num_threads: int | None = None) -> None:
+        """The bf16 weight form (cpp/step_args.h): rows (master or None, grad, m, v, delta, anchor,
+        index_base, weight); a delta master has no fp32 param, `weight` may be the bf16 gradient."""
+        if not tensors:
+            return
+        masters, _, _, _, deltas, _, _, weights = zip(*tensors)
+        check_bf16_form(list(masters), list(deltas), list(weights))
+        rows, bases = [], []
+        for master, g, m, v, delta, a, base, weight in tensors:
+            if delta is not None and a is None:
+                raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
+            self._check(master, g, (m, v), (torch.bfloat16,), a, delta, weight)
+            if weight.numel():
+                rows.append((master, g, m, v, a, delta, weight))
+                bases.append(int(base))
+        self._launch(rows, bases, c, rounding_key(seed, step), compact=True)
+
+    def _check(self, p, g, moments, moment_dtypes, a, delta, weight=None) -> None:
         interpret = interpreting()
-        problems = [_problem(p, "parameter", _F32, interpret), _problem(g, "gradient", _INPUTS, interpret)]
+        problems = [_problem(g, "gradient", _INPUTS, interpret)]
+        if p is not None:
+            problems.append(_problem(p, "parameter", _F32, interpret))
+        if weight is not None:
+            problems.append(_problem(weight, "weight", (torch.bfloat16,), interpret))
         problems += [_problem(x, role, moment_dtypes, interpret) for x, role in zip(moments, ("exp_avg", "exp_avg_sq"))]
         if a is not None:
             problems.append(_problem(a, "anchor", _INPUTS, interpret))
@@ -337,9 +373,15 @@ class TritonProgram(TorchProgram):
         problems = [x for x in problems if x]
         if problems:
             raise TypeError("cannot run the Triton step: " + "; ".join(problems))
-        sizes = [x.numel() for x in (g, *moments, a, delta) if x is not None]
-        if any(n != p.numel() for n in sizes):
-            raise ValueError(f"size mismatch with the parameter's {p.numel()} elements: {sizes}")
+        sizes = [x.numel() for x in (p, g, *moments, a, delta, weight) if x is not None]
+        if any(n != g.numel() for n in sizes):
+            raise ValueError(f"size mismatch with the gradient's {g.numel()} elements: {sizes}")
+        if weight is not None:
+            in_place = g.dtype == torch.bfloat16 and g.data_ptr() == weight.data_ptr()
+            others = [x for x in (p, *moments, a, delta) if x is not None] + ([] if in_place else [g])
+            if any(_overlaps(x, weight) for x in others):
+                raise ValueError("the bf16 weight may be the bf16 gradient itself (written in its place) and must "
+                                 "not overlap any other tensor of the step")
 
     def _launch(self, rows: list[tuple], bases: list[int], c: StepCoefficients, key: int, compact: bool) -> None:
         """One launch per kind of tensor (gradient and anchor dtypes, anchor and delta present)."""
@@ -348,22 +390,29 @@ class TritonProgram(TorchProgram):
         if (why := self.unavailable()) is not None:
             raise RuntimeError(why)
         kinds: dict[tuple, list[int]] = {}
-        for i, (p, g, m, v, a, delta) in enumerate(rows):
-            kinds.setdefault((g.dtype, None if a is None else a.dtype, delta is not None), []).append(i)
+        for i, (p, g, m, v, a, delta, weight) in enumerate(rows):
+            kinds.setdefault((g.dtype, None if a is None else a.dtype, delta is not None, weight is not None),
+                             []).append(i)
         interpret = interpreting()
         kernel = _jitted(interpret)
         block = self.block or (self.chunk if interpret else GPU_BLOCK)
-        for (grad_dtype, anchor_dtype, has_delta), idx in kinds.items():
+        for (grad_dtype, anchor_dtype, has_delta, weight_out), idx in kinds.items():
             has_anchor = anchor_dtype is not None
-            tables = self._tables.get([rows[i] for i in idx], [bases[i] for i in idx], rows[idx[0]][0].device,
+            tables = self._tables.get([rows[i] for i in idx], [bases[i] for i in idx], rows[idx[0]][1].device,
                                       self.chunk)
             flags = dict(GRAD_BF16=grad_dtype == torch.bfloat16, ANCHOR_BF16=anchor_dtype == torch.bfloat16,
                          ALIGNED=_aligned([rows[i] for i in idx], self.chunk, block),
                          HAS_ANCHOR=has_anchor,
                          HAS_PRE=_f32(c.pre_decay) != 0.0 or (has_anchor and _f32(c.pre_pull) != 0.0),
                          HAS_POST_DECAY=_f32(c.post_decay) != 0.0, COMPACT=compact, DELTA_MASTER=has_delta,
-                         FUSED_MUTANT=self.fused_mutant, CHUNK_ELEMS=self.chunk, BLOCK=block)
+                         WEIGHT_OUT=weight_out, FUSED_MUTANT=self.fused_mutant, CHUNK_ELEMS=self.chunk,
+                         BLOCK=block)
             kernel[(tables[3].numel(),)](*tables, *_scalars(c), _i32(key), **flags, **_launch_options(interpret))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _aligned(rows: Sequence[tuple], chunk: int, block: int) -> bool:

@@ -125,3 +125,40 @@ def test_the_roundings_owned_by_compact_map_every_nan_to_the_quiet_nan():
         bits = rounded.view(torch.int16).to(torch.int32) & 0xFFFF
         assert bits[nan].tolist() == [BF16_NAN_BITS] * int(nan.sum())
         assert bits[~nan][:4].tolist() == [0x3F80, 0xBF80, 0x7F80, 0xFF80]
+
+
+def _run_bf16_form(program: str, bf16_grad: bool, level: str | None = None):
+    """The bf16 weight form (the device-lean offload's): the new weight written in bf16, over the
+    bf16 gradient itself where the gradient is bf16; no fp32 weight of the delta master."""
+    if level is not None:
+        cpu_kernel.set_simd_level(level)
+    (_, g, m, v, delta, anchor, base), mask = _state(bf16_grad)
+    weight = g if bf16_grad else torch.empty(N, dtype=torch.bfloat16)
+    step_program(program).step_compact_bf16([(None, g, m, v, delta, anchor, base, weight)], C, seed=7, step=3)
+    return [weight, m, v, delta], mask
+
+
+@pytest.mark.parametrize("bf16_grad", [False, True], ids=["fp32_grad", "bf16_grad_in_place"])
+@pytest.mark.parametrize("program", SIMD_LEVELS + ["torch", "triton"])
+def test_the_bf16_weight_form_stores_a_nan_weight_as_the_quiet_nan(program, bf16_grad, monkeypatch):
+    """A NaN weight, as a NaN moment, is BF16_NAN_BITS in every program, and the finite elements'
+    bits are the scalar kernel's."""
+    level_or_skip("scalar")
+    want, mask = _run_bf16_form("cpu", bf16_grad, "scalar")
+    if program == "triton":
+        if triton_step.triton is None:
+            pytest.skip("triton is not installed (pip install triton)")
+        monkeypatch.setenv(triton_step.INTERPRET_ENV_VAR, "1")
+        got, _ = _run_bf16_form("triton", bf16_grad)
+    elif program == "torch":
+        got, _ = _run_bf16_form("torch", bf16_grad)
+    else:
+        level_or_skip(program)
+        got, _ = _run_bf16_form("cpu", bf16_grad, program)
+    for out in (want, got):
+        weight, m, v, delta = out
+        for name, stored in (("weight", weight), ("exp_avg", m), ("exp_avg_sq", v)):
+            bits = stored.view(torch.int16).to(torch.int32) & 0xFFFF
+            assert bits[mask].tolist() == [BF16_NAN_BITS] * int(mask.sum()), (name, [hex(b) for b in bits[mask].tolist()])
+            assert torch.isfinite(stored.float()[~mask]).all(), name
+    assert _same_bits(got, want, mask)

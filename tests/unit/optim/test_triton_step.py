@@ -158,6 +158,50 @@ def test_many_tensors_of_mixed_dtypes_across_chunk_boundaries_in_one_launch(stat
     assert _same_bits(_flat(rows), _flat(want))
 
 
+def _bf16_form_rows(sizes, gen, bf16_grads: bool):
+    """Rows of the bf16 weight form (master or None, grad, m, v, delta, anchor, base, weight): every
+    third tensor the head (an fp32 master, no anchor), the others delta masters with no fp32 weight;
+    with bf16_grads each gradient is its weight buffer (written in place)."""
+    rows = []
+    for i, (param, grad, m, v, anchor, delta) in enumerate(_rows(sizes, gen, compact=True)):
+        weight = torch.empty(param.shape, dtype=torch.bfloat16)
+        if bf16_grads:
+            weight.copy_(grad)
+            grad = weight
+        else:
+            grad = grad.float()
+        rows.append((None if delta is not None else param, grad, m, v, delta, anchor, 1000 + 70000 * i, weight))
+    return rows
+
+
+def _clone_bf16_form(rows):
+    out = []
+    for master, grad, m, v, delta, anchor, base, weight in rows:
+        weight2 = weight.clone()
+        grad2 = weight2 if grad is weight else grad.clone()
+        out.append((None if master is None else master.clone(), grad2, m.clone(), v.clone(),
+                    None if delta is None else delta.clone(), anchor if anchor is None else anchor.clone(), base,
+                    weight2))
+    return out
+
+
+@pytest.mark.parametrize("bf16_grads", [True, False], ids=["bf16_grad_in_place", "fp32_grad"])
+def test_the_bf16_weight_form_across_chunk_boundaries_equals_the_kernel(bf16_grads):
+    """The bf16 weight form (the device-lean offload's): 40 tensors across the boundaries of a
+    64-element chunk, anchors of both dtypes, heads with fp32 masters beside delta masters without
+    one; the weights, written over the bf16 gradients or beside fp32 ones, and every state are the
+    scalar kernel's bits."""
+    gen = torch.Generator().manual_seed(8)
+    sizes = [1, 63, 64, 65, 127, 128, 129, 7, 1000, 3] * 4
+    rows = _bf16_form_rows(sizes, gen, bf16_grads)
+    want = _clone_bf16_form(rows)
+    cpu_kernel.set_simd_level("scalar")
+    cpu_kernel.fused_step_compact_bf16_many(want, ALL_STAGES, rounding_key(7, 3))
+    TritonProgram(chunk=64, block=16).step_compact_bf16(rows, ALL_STAGES, 7, 3)
+    flat = [x for row in rows for x in row if isinstance(x, torch.Tensor)]
+    assert _same_bits(flat, [x for row in want for x in row if isinstance(x, torch.Tensor)])
+
+
 @pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
 def test_a_fused_multiply_add_is_caught(compact):
     """The mutation the exact program forbids, m = fma(1 - beta1, g, beta1 m), stores other bits."""
@@ -201,7 +245,7 @@ def test_without_triton_the_request_says_what_to_install(monkeypatch):
         build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))], impl="triton")
 
 
-def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True) -> str:
+def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True, weight_out: bool = False) -> str:
     """The kernel compiled for an H100 (sm_90) with the options a GPU launch uses, on this CPU
     (Triton's compiler and its bundled ptxas need no device)."""
     from triton.backends.compiler import GPUTarget
@@ -213,7 +257,7 @@ def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True) -> str
                                                 "post_decay")})
     signature["sr_key"] = "i32"
     constants = dict(GRAD_BF16=True, ANCHOR_BF16=compact, HAS_ANCHOR=True, HAS_PRE=True, HAS_POST_DECAY=True,
-                     COMPACT=compact, DELTA_MASTER=compact, FUSED_MUTANT=fused_mutant,
+                     COMPACT=compact, DELTA_MASTER=compact, WEIGHT_OUT=weight_out, FUSED_MUTANT=fused_mutant,
                      CHUNK_ELEMS=triton_step.CHUNK, BLOCK=triton_step.GPU_BLOCK, ALIGNED=aligned)
     signature.update({name: "constexpr" for name in constants})
     options = triton_step._launch_options(interpret=False)
@@ -222,19 +266,20 @@ def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True) -> str
     return kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("compact", [False, True], ids=["fp32", "compact"])
-def test_the_compiled_kernel_rounds_every_operation_once(compact, monkeypatch):
+@pytest.mark.parametrize("compact, weight_out", [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "compact", "compact-bf16-weight"])
+def test_the_compiled_kernel_rounds_every_operation_once(compact, weight_out, monkeypatch):
     """What the interpreter cannot show: on the GPU, Triton contracts a*b + c into an FMA unless
     launched with enable_fp_fusion=False (64 fma in this kernel without it), and its plain / and
     sqrt are approximate. The PTX of every stage holds only correctly rounded ops; the fused
     variant shows up."""
     monkeypatch.setenv(triton_step.INTERPRET_ENV_VAR, "0")
-    ptx = _ptx(compact)
+    ptx = _ptx(compact, weight_out=weight_out)
     assert not re.findall(r"\bfma\.", ptx)
     assert not re.findall(r"\b(mul|add|sub)\.f32", ptx)  # no .rn: ptxas may contract them
     assert re.findall(r"\bdiv\.rn\.f32", ptx) and not re.findall(r"\bdiv\.(full|approx)", ptx)
     assert re.findall(r"\bsqrt\.rn\.f32", ptx) and not re.findall(r"\bsqrt\.approx", ptx)
-    assert re.findall(r"\bfma\.", _ptx(compact, fused_mutant=True))
+    assert re.findall(r"\bfma\.", _ptx(compact, fused_mutant=True, weight_out=weight_out))
 
 
 def _global_accesses(ptx: str) -> dict[str, int]:
