@@ -303,7 +303,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ft-plan", description="Plan each rank's memory peak of a run (model states, activations traced on "
         "fake tensors, buckets, CUDA context) without loading weights; with a budget and --fit, find the largest "
-        "micro-batch, then checkpointing, then offload that fit, keeping the global batch (docs/memory.md).",
+        "micro-batch, then checkpointing, bf16, the compact optimizer state, then offload that fit, keeping the "
+        "global batch (docs/memory.md).",
         epilog="Example: ft-plan --config configs/albert_xxl_recadam.yaml --gpu-memory 16GiB --fit")
     add_run_config_arguments(parser)
     parser.add_argument("--ranks", type=int, default=1, help="number of ranks (processes) of the run (default 1)")
@@ -323,8 +324,8 @@ def plan_main(argv: list[str] | None = None) -> int:
         return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)
     import json
 
-    from ft_framework.strategies.memory_fit import fit_to_budget, load_architecture, parse_size, plan_run
-    from ft_framework.strategies.memory_plan import GIB, format_peak_plan, peak_plan_json
+    from ft_framework.strategies.memory_fit import NOTHING_FITS, fit_to_budget, load_architecture, parse_size, plan_run
+    from ft_framework.strategies.memory_plan import GIB, format_peak_plan, format_peaks, peak_plan_json
 
     try:
         budget = (parse_size(args.gpu_memory) if args.gpu_memory else
@@ -356,9 +357,11 @@ def plan_main(argv: list[str] | None = None) -> int:
                                        f"tokens, {cfg.training.precision}, {where}; every rank the same)"))
     if budget is not None:
         print(f"budget {budget / GIB:.1f} GiB: {'fits' if fits else 'does NOT fit'}")
+    if args.fit and fits:
+        print("fits as configured: no overrides needed")
     if args.fit and not fits:
-        print(f"fits with: {' '.join(fit.overrides)}  (peak {fit.plan.device_peak / GIB:.1f} GiB)" if fit else
-              "nothing fits: not even batch 1 with checkpointing and offload")
+        print(f"fits with: {' '.join(fit.overrides)}\n  {format_peaks(fit.plan)}" if fit else
+              f"nothing fits: {NOTHING_FITS}")
     return 0
 
 

@@ -70,6 +70,9 @@ def _shape(arch: Architecture, model_class: ModelClass):
     return _SHAPES[key]
 
 
+NOTHING_FITS = "not even batch 1 with checkpointing, bf16, the compact optimizer state and offload"
+
+
 @dataclass(frozen=True)
 class Fit:
     """Overrides (``key=value``) under which the plan fits the budget, and that plan."""
@@ -106,24 +109,53 @@ def _offload_overrides(run_cfg) -> dict[str, Any] | None:
 
 def fit_to_budget(run_cfg, *, budget_bytes: float, world_size: int, on_gpu: bool,
                   arch: Architecture | None = None) -> Fit | None:
-    """Searches, in order, the largest per-device micro-batch, then activation checkpointing, then
-    optimizer offload, for a plan whose device peak fits `budget_bytes`, keeping the global batch
-    (per_device_batch_size x gradient_accumulation_steps) through gradient accumulation. None when
-    nothing fits."""
+    """Searches, in order, the largest per-device micro-batch, then with activation checkpointing,
+    then in bf16 (an fp32 run), then with the compact optimizer state, then with the optimizer
+    offloaded, for a plan whose device peak fits `budget_bytes`, keeping the global batch
+    (per_device_batch_size x gradient_accumulation_steps) through gradient accumulation. Each stage
+    keeps what the ones before it turned on; one the run has already, or cannot take, is skipped.
+    None when nothing fits."""
     arch = arch or load_architecture(run_cfg.model)
     per_rank = run_cfg.training.per_device_batch_size * run_cfg.training.gradient_accumulation_steps
-    # Each stage keeps what the one before turned on; the batch search restarts in each.
     stages: list[dict[str, Any]] = [{}]
-    if not run_cfg.training.activation_checkpointing:
-        stages.append({"training.activation_checkpointing": True})
-    offload = _offload_overrides(run_cfg)
-    if offload is not None:
-        stages.append({**stages[-1], **offload})
+    for step in _stage_steps(run_cfg):
+        candidate = {**stages[-1], **step}
+        if _valid(run_cfg, candidate):
+            stages.append(candidate)
     for stage in stages:
         found = _largest_batch(run_cfg, stage, per_rank, budget_bytes, world_size, on_gpu, arch)
         if found is not None:
             return found
     return None
+
+
+def _stage_steps(run_cfg) -> list[dict[str, Any]]:
+    """The search's stages after the batch alone, cheapest in time first, each a set of overrides:
+    checkpointing (a recomputed forward), bf16 (half the activations and, with the offload, a 16-bit
+    device model), the compact state (bf16 moments and theta*: 10 B/param instead of 16, wherever the
+    state lives), the optimizer in host memory (a host step each iteration)."""
+    training, optimizer = run_cfg.training, run_cfg.optimizer
+    steps: list[dict[str, Any]] = []
+    if not training.activation_checkpointing:
+        steps.append({"training.activation_checkpointing": True})
+    if training.precision == "fp32":
+        steps.append({"training.precision": "bf16"})
+    if optimizer.state_dtype == "float32":
+        steps.append({"optimizer.anchor_dtype": "bfloat16", "optimizer.state_dtype": "bfloat16"})
+    offload = _offload_overrides(run_cfg)
+    if offload is not None:
+        steps.append(offload)
+    return steps
+
+
+def _valid(run_cfg, overrides: dict[str, Any]) -> bool:
+    """Whether the config takes `overrides` (an optimizer without a compact state, or DeepSpeed
+    ZeRO-3 with it, does not)."""
+    try:
+        _with(run_cfg, overrides)
+    except UserError:
+        return False
+    return True
 
 
 def _largest_batch(run_cfg, stage, per_rank, budget_bytes, world_size, on_gpu, arch) -> Fit | None:
@@ -164,8 +196,7 @@ def check_memory_budget(run_cfg, *, world_size: int, on_gpu: bool) -> None:
     where = "GPU" if on_gpu else "memory (CPU run)"
     fit = fit_to_budget(run_cfg, budget_bytes=budget * GIB, world_size=world_size, on_gpu=on_gpu, arch=arch)
     advice = (f"these overrides fit ({format_bytes(fit.plan.device_peak)}): {' '.join(fit.overrides)}"
-              if fit else "nothing fits: not even batch 1 with checkpointing and offload; raise the budget or "
-                          "use more ranks")
+              if fit else f"nothing fits: {NOTHING_FITS}; raise the budget or use more ranks")
     raise UserError(f"training.memory_budget_gib: the planned peak per rank is {format_bytes(plan.device_peak)} of "
                     f"{where}, over the budget of {budget:g} GiB; {advice} (ft-plan shows the plan)")
 

@@ -183,3 +183,74 @@ def test_ft_plan_on_a_causal_lm_config_prints_the_peaks_and_host_bytes_per_param
     rank = json.loads(out)["per_rank"][0]
     assert rank["num_params"] > 0
     assert rank["host_bytes_per_param"] == pytest.approx(rank["host_peak_bytes"] / rank["num_params"])
+
+
+@pytest.mark.slow
+def test_fit_reaches_bf16_the_compact_state_and_the_offload_in_that_order(tmp_path):
+    """From an fp32 run on the device (no checkpointing, fp32 optimizer state): with a budget that
+    the compact state on the device fits, the search stops there; with one only the offload fits,
+    it keeps every stage before it."""
+    from ft_framework.strategies.memory_fit import fit_to_budget
+
+    model_dir = decoder_dir(tmp_path)
+    base = dict(device="cuda", per_device_batch_size=2, gradient_accumulation_steps=2)
+    cfg = decoder_cfg(model_dir, **base)
+    compact_settings = dict(activation_checkpointing=True, precision="bf16")
+
+    def peak(strategy=None, compact=False, **training):
+        run = decoder_cfg(model_dir, strategy=strategy, **{**base, **training})
+        if compact:
+            run = run.model_copy(update={"optimizer": run.optimizer.model_copy(
+                update={"anchor_dtype": "bfloat16", "state_dtype": "bfloat16"})})
+        return plan_run(run, world_size=1, on_gpu=True).device_peak
+
+    bf16 = peak(per_device_batch_size=1, gradient_accumulation_steps=4, **compact_settings)
+    compact = peak(compact=True, per_device_batch_size=1, gradient_accumulation_steps=4, **compact_settings)
+    offload = peak({"name": "single", "offload_optimizer": {"overlap": True}}, compact=True,
+                   per_device_batch_size=1, gradient_accumulation_steps=4, **compact_settings)
+    assert offload < compact < bf16
+    fit = fit_to_budget(cfg, budget_bytes=(compact + bf16) / 2, world_size=1, on_gpu=True)
+    assert fit is not None and fit.plan.device_peak <= (compact + bf16) / 2
+    assert {"training.activation_checkpointing=true", "training.precision=bf16", "optimizer.anchor_dtype=bfloat16",
+            "optimizer.state_dtype=bfloat16"} <= set(fit.overrides)
+    assert not any(o.startswith("strategy.offload_optimizer") for o in fit.overrides)
+    fit = fit_to_budget(cfg, budget_bytes=(offload + compact) / 2, world_size=1, on_gpu=True)
+    assert fit is not None and "strategy.offload_optimizer={overlap: true}" in fit.overrides
+    assert "optimizer.state_dtype=bfloat16" in fit.overrides and "training.precision=bf16" in fit.overrides
+
+
+@pytest.mark.slow
+def test_the_llama_8b_recipe_fits_24_gib_as_ft_plan_fit_prints_it():
+    """configs/llama3_8b_sft_recadam.yaml: planned from the shipped architecture of Llama-3.1-8B
+    (8,030,261,248 parameters, the published count): the device-lean offload with the compact state
+    and checkpointing fits 24 GiB at one 2048-token sequence per micro-batch; ft-plan --fit prints
+    the device and host peaks and the host bytes per parameter."""
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "llama3_8b_sft_recadam.yaml")
+    code, out, err = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--fit")
+    assert code == 0, err
+    assert "meta-llama/Llama-3.1-8B-Instruct's published architecture" in out
+    assert "budget 24.0 GiB: fits" in out and "fits as configured" in out
+    assert "host bytes per parameter (8.03 B parameters)" in out
+    code, out, _ = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--json")
+    rank = json.loads(out)["per_rank"][0]
+    assert rank["num_params"] == 8_030_261_248
+    assert rank["device_peak_bytes"] <= 24 * 2**30
+    # The same run with one sequence more per micro-batch does not fit: the recipe's micro-batch is the largest.
+    code, out, _ = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--json", "training.per_device_batch_size=2",
+                           "training.gradient_accumulation_steps=8")
+    assert json.loads(out)["fits"] is False
+
+
+def test_the_published_decoder_architectures_have_their_published_parameter_counts():
+    from transformers import AutoModelForCausalLM
+
+    from ft_framework.config.schema import ModelConfig
+
+    llama, qwen = 8_030_261_248, 7_615_616_512  # the model cards' counts
+    for hub_id, count in (("meta-llama/Llama-3.1-8B", llama), ("meta-llama/Llama-3.1-8B-Instruct", llama),
+                          ("Qwen/Qwen2.5-7B", qwen), ("Qwen/Qwen2.5-7B-Instruct", qwen)):
+        arch = load_architecture(ModelConfig(name_or_path=hub_id))
+        assert "published architecture" in arch.source
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(arch.config)
+        assert sum(p.numel() for p in model.parameters()) == count, hub_id
