@@ -111,20 +111,31 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
                 PlanRow("anchors theta*", *_place(A * anchor_bytes / W, off))]
     offload = strategy.offload_optimizer if strategy.name == "single" else None
     if offload is not None:  # fp32 masters, their gradients and the state in host memory (offload.py)
+        # The device-lean offload with the compact state runs the bf16 weight form (offload.py): an
+        # anchored parameter keeps no fp32 weight (theta* + delta), the step writes the new bf16 weight
+        # into the gradient's landing buffer, and the overlapped path does not speculate.
+        bf16_form = mixed and compact
         # A speculative compact step keeps copies of the old bf16 m and v and the old fp32 master
         # (AnchoredOptimizer._keep_undo): what its rollback restores, stochastic rounding having no inverse.
         undo = [PlanRow("undo copies of speculative steps (bf16 m, v and the fp32 master)", 0.0, P * 8)] \
-            if compact and offload.overlap else []
-        host_state = [PlanRow("fp32 master weights" + (" (theta* + delta for the anchored)" if compact else ""), 0.0,
-                              P * 4),
-                      *[PlanRow(r.what, 0.0, r.device_bytes) for r in moment_rows],
+            if compact and offload.overlap and not bf16_form else []
+        if bf16_form:
+            master = PlanRow("fp32 master weights of the parameters without theta* (the anchored: theta* + delta)",
+                             0.0, (P - A) * 4)
+        else:
+            master = PlanRow("fp32 master weights" + (" (theta* + delta for the anchored)" if compact else ""), 0.0,
+                             P * 4)
+        host_state = [master, *[PlanRow(r.what, 0.0, r.device_bytes) for r in moment_rows],
                       PlanRow("anchors theta*", 0.0, A * anchor_bytes), *undo]
         if mixed:  # device-lean: the 16-bit model only; each gradient leaves the device as it is final
             low = _dtype_of(precision).itemsize
             accumulating = run_cfg.training.gradient_accumulation_steps > 1
             on_device = offload.accumulate == "device" and accumulating
+            landing = (f"gradients in, new weights out ({precision} host landing buffers: the step writes each "
+                       "weight in its gradient's place)" if bf16_form else
+                       f"gradients ({precision}, host landing buffers)")
             rows = [PlanRow(f"parameters ({precision} model, the only device copy)", P * low, 0.0),
-                    PlanRow(f"gradients ({precision}, host landing buffers)", 0.0, P * low)]
+                    PlanRow(landing, 0.0, P * low)]
             if on_device:
                 rows.append(PlanRow(f"gradients accumulated on the device ({precision}, between micro-batches)",
                                     P * low, 0.0))
@@ -301,6 +312,12 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
         window = offload.copies_in_flight or MAX_GRADS_IN_FLIGHT  # offload_optimizer.copies_in_flight
         extra.append(PlanRow(f"gradients in flight to the host (at most {window} of the largest "
                              "parameter)", window * shape.largest_param * low.itemsize, 0.0))
+        extra.append(_lean_staging_row(run_cfg, shape, window, low.itemsize, on_gpu))
+        if run_cfg.optimizer.state_dtype == "bfloat16" and _saves_checkpoints(run_cfg):
+            # The bf16 weight form keeps no fp32 weight: a save forms theta* + delta for the checkpoint's
+            # master weights, and DCP holds them until the rank's file is written (offload.py).
+            extra.append(PlanRow("fp32 weights theta* + delta formed while a checkpoint saves (the anchored keep "
+                                 "none)", 0.0, shape.num_anchored * 4))
     else:
         overlap = offload is not None and offload.overlap
         # fp32 weights; with bf16/fp16 the forward runs under autocast, by CUDA's op lists on a GPU
@@ -352,6 +369,25 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
                    PlanRow("CUDA context (about 0.5 GiB; not measured here)", CUDA_CONTEXT_BYTES, 0.0)]
     return PeakPlan(tensors=rows + extra, runtime=runtime, on_gpu=on_gpu, assumptions=assumptions,
                     num_params=P)
+
+
+def _lean_staging_row(run_cfg, shape: ModelShape, window: int, low_bytes: int, on_gpu: bool) -> PlanRow:
+    """The device-lean offload's staging of new weights on their way to the device: with the compact
+    state none (the bf16 landing buffers go as they are), on a CPU device none (a copy), else a
+    ring of `window` host buffers of the largest parameter (offload_transport.StagingRing)."""
+    if run_cfg.optimizer.state_dtype == "bfloat16":
+        return PlanRow("staging of the new weights for the device: none (the landing buffers go)", 0.0, 0.0)
+    if not on_gpu:
+        return PlanRow("staging of the new weights for the device: none (a CPU device copies)", 0.0, 0.0)
+    return PlanRow(f"staging of the new weights for the device ({window} pinned buffers of the largest parameter)",
+                   0.0, window * shape.largest_param * low_bytes)
+
+
+def _saves_checkpoints(run_cfg) -> bool:
+    """Whether the run may save a checkpoint while it trains: periodically, at its best evaluation,
+    for its export, or when a signal stops it (checkpoint.on_signal: save, the default)."""
+    ckpt = run_cfg.checkpoint
+    return bool(ckpt.every_steps or ckpt.export_dir or run_cfg.evaluation.select_best or ckpt.on_signal == "save")
 
 
 def lm_probe_reference_bytes(arch: Any, forgetting: Any, *, world_size: int) -> float:

@@ -32,10 +32,16 @@ Device-lean (``training.precision: bf16``, serial and overlapped): the device ho
 bf16 only (no fp32 device weights, no autocast, so no weight-cast cache); every gradient leaves
 the device as it becomes final (offload_transport.py: the hook copies it into a host landing
 buffer and frees it; micro-batches accumulate in fp32 on the host by default), the step reads the
-bf16 gradients there, and writes the new weights back rounded to bf16. With fp32 precision the
-model's parameters are fp32 (on a CPU, the masters themselves). A parameter's weights are
-written by the worker only after autograd has accumulated its gradient, when backward no longer
-reads them (a weight read in backward under ``torch.no_grad``/``detach`` would break that).
+bf16 gradients there, and writes the new weights back rounded to bf16. With the compact state
+(optimizer.state_dtype bfloat16) it runs in the bf16 weight form: an anchored parameter keeps no
+fp32 weight, the step reads its gradient in the landing buffer (or the fp32 sum) and writes the new
+bf16 weight theta* + delta in its place, and that buffer goes to the device: 12 host bytes per
+parameter with theta* (16 with the fp32 sums of accumulation); the overlapped path then does not
+speculate (an undo of the compact state would cost 8 B/param more, and the gradient it needs is
+overwritten). With fp32 precision the model's parameters are fp32 (on a CPU, the masters
+themselves). A parameter's weights are written by the worker only after autograd has accumulated
+its gradient, when backward no longer reads them (a weight read in backward under
+``torch.no_grad``/``detach`` would break that).
 """
 
 from __future__ import annotations
@@ -48,12 +54,14 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ft_framework.checkpointing.fragments import whole_tensor_fragments
+from ft_framework.checkpointing.fragments import MASTER, Fragment, whole_tensor_fragments
 from ft_framework.errors import UserError
 from ft_framework.optim.base import AnchoredOptimizer
+from ft_framework.optim.compact import round_nearest_bf16
 from ft_framework.strategies.base import anchors_for, mixout_reads_anchors
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
-from ft_framework.strategies.offload_transport import ACCUMULATE_ON, MAX_GRADS_IN_FLIGHT, Arrival, GradientTransport
+from ft_framework.strategies.offload_transport import (ACCUMULATE_ON, MAX_GRADS_IN_FLIGHT, Arrival, GradientTransport,
+                                                        StagingRing)
 from ft_framework.strategies.single import SingleDeviceStrategy
 
 __all__ = ["OffloadedSingleDeviceStrategy"]
@@ -125,7 +133,12 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self.device_dtype = torch.bfloat16 if self.lean else torch.float32
         self._transport: GradientTransport | None = None
         self._last_micro_batch = True
-        self._stage: dict[int, torch.Tensor] = {}  # bf16 pinned host copies of the new weights (CUDA)
+        # The new bf16 weights of the fp32 state on their way to a GPU: copies_in_flight pinned
+        # buffers of the largest parameter (the bf16 weight form needs none: its landing buffers go).
+        self._staging: StagingRing | None = None
+        # The bf16 weight form (lean and compact, set at set-up): each step writes the new weights
+        # into the landing buffers, and the overlapped path does not speculate.
+        self.bf16_weights = False
         if self.scaler is not None:
             raise UserError("strategy.offload_optimizer does not take training.precision fp16 (its loss "
                             "scaler skips steps the offloaded step cannot see); use bf16 or fp32")
@@ -177,13 +190,35 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
                             f"{bad[0]!r} is not an fp32 CPU tensor (load the model in fp32)")
         self._names = {id(p): n for n, p in model.named_parameters()}
         cuda = self.device.type == "cuda"
+        self.optimizer = optimizer
+        self.bf16_weights = self.lean and optimizer.compact and optimizer.delta_masters
+        self._speculate = not self.bf16_weights
+        # The bf16 weight form places theta* itself, parameter by parameter (below).
+        wanted = anchors_for(optimizer, anchors, self._names.values()) if anchors and self.bf16_weights else set()
+        landing: dict[int, torch.Tensor] = {}
         if self.device.type == "cpu" and not self.lean:
             self._pairs = [(m, m) for m in masters]
         else:
             # The model gets device copies of the masters, in the device dtype (bf16 when lean; on a
             # CPU too, so that the CPU runs the GPU's code path with host copies).
             copies = {}
-            for m in masters:
+            for m in masters:  # one at a time: the bf16 form frees each fp32 weight and theta* as it goes
+                if self.lean:
+                    # The landing buffer, holding the master rounded to bf16 (to nearest even) until
+                    # the first gradient lands: the device copy is made from it.
+                    buffer = torch.empty(m.shape, dtype=self.device_dtype, pin_memory=cuda)
+                    buffer.copy_(m.detach())
+                    landing[id(m)] = buffer
+                    copies[id(m)] = nn.Parameter(buffer.to(self.device) if cuda else buffer.clone(),
+                                                 requires_grad=m.requires_grad)
+                    name = self._names[id(m)]
+                    if name in wanted:
+                        # theta* taken out of `anchors` once placed (in bf16): set-up never holds the
+                        # fp32 theta*, the fp32 weight and the new state of the whole model at once.
+                        optimizer.set_anchor(m, anchors.pop(name), copy=False)
+                        optimizer.init_state(m)  # delta = theta - theta*, from the fp32 weight
+                        optimizer.keep_bf16_weight(m, buffer)  # the fp32 weight is freed
+                    continue
                 if cuda:
                     m.data = m.data.pin_memory()
                 copies[id(m)] = nn.Parameter(m.detach().to(self.device, self.device_dtype),
@@ -195,17 +230,20 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             self._pairs = [(copies[id(m)], m) for m in masters]
             if cuda and not self.lean:
                 self._host_grad = {id(m): torch.empty_like(m, pin_memory=True) for m in masters}
-            if cuda and self.lean:
-                self._stage = {id(m): torch.empty(m.shape, dtype=self.device_dtype, pin_memory=True) for m in masters}
+            if cuda and self.lean and not self.bf16_weights and masters:
+                self._staging = StagingRing(self.copies_in_flight, max(m.numel() for m in masters),
+                                            self.device_dtype, pin=True)
         self._master_of = {id(dev): m for dev, m in self._pairs}
         # Lean: frozen parameters and floating buffers go to bf16 as well (no fp32 left on the device).
         self.model = model.to(self.device, self.device_dtype) if self.lean else model.to(self.device)
         self._model_params = list(self.model.parameters())
-        self.optimizer = optimizer
-        if anchors:
+        if wanted:
+            mixout_reads_anchors(self.model, optimizer)
+        elif anchors:
             self.place_anchors(anchors)
         if self.lean:
-            self._transport = GradientTransport(self._pairs, self.device, self.accumulate, self.copies_in_flight)
+            self._transport = GradientTransport(self._pairs, self.device, self.accumulate, self.copies_in_flight,
+                                                landing=landing)
         if self.overlap:
             self._start_worker()
         if self.overlap or self.lean:
@@ -231,6 +269,33 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     def worker_thread(self) -> threading.Thread | None:
         """The thread that steps during backward (None unless overlapped), e.g. to pin it to a core."""
         return self._worker
+
+    def host_tensors(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(role, name, tensor) of every tensor this strategy keeps in host memory for the step: the
+        masters (an fp32 weight; in the bf16 weight form an anchored master's data is its landing
+        buffer), their optimizer state (moments, delta, theta*, step counts, undo copies of
+        speculative compact steps), the landing buffers, the fp32 sums of accumulation, the staging
+        of new weights and the fp32 host gradients of the fp32 offload on a GPU. Some share memory
+        (a bf16-weight master is its landing buffer): count each storage once. On a CPU device
+        without bf16 the masters are the model's parameters."""
+        out = []
+        for name, m in self._named_masters():
+            out.append(("master", name, m.detach()))
+            for key, value in self.optimizer.state.get(m, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out.append((key, name, value))
+            undo = self.optimizer._undo.get(id(m))
+            if undo is not None and undo[0] is m:
+                out += [("undo", name, t) for t in undo[2:]]
+            if id(m) in self._host_grad:
+                out.append(("host gradient", name, self._host_grad[id(m)]))
+        if self._transport is not None:
+            names = {id(m): n for n, m in self._named_masters()}
+            out += [("landing", names[key], t) for key, t in self._transport.landing.items()]
+            out += [("fp32 sum", names[key], t) for key, t in self._transport._sums.items()]
+        if self._staging is not None:
+            out += [("staging", f"slot {i}", t) for i, t in enumerate(self._staging.buffers)]
+        return out
 
     def _named_masters(self):
         return [(self._names[id(m)], m) for _, m in self._pairs]
@@ -327,8 +392,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
                 self._speculated.append(_Speculation(master, grad, norm, refused=True))
         if not finite:
             return
-        used = self.optimizer.step_tensors([m for m, _, _, _ in finite], [g for _, g, _, _ in finite],
-                                           num_threads=self.worker_threads, known_finite=True, keep_undo=True)
+        used = self._step_tensors([m for m, _, _, _ in finite], [g for _, g, _, _ in finite], keep_undo=True)
         for (master, grad, norm, dev), c in zip(finite, used):
             self._speculated.append(_Speculation(master, grad, norm, c))
             if c is not None:
@@ -337,17 +401,27 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
     def _copy_to_device(self, dev: torch.Tensor, master: torch.Tensor) -> None:
         if dev is master:
             return  # fp32 on a CPU: the master is the model's parameter
+        if self.bf16_weights:
+            # The step wrote the new bf16 weight into the landing buffer (pinned on CUDA): it goes as is.
+            master = self._transport.landing[id(master)]
         if self._h2d is None:
             with torch.no_grad():
                 dev.copy_(master)  # rounded to the device dtype (to nearest even, as DeepSpeed's copy)
             return
-        if self.lean:
+        if self._staging is not None:
             # Rounded to bf16 on the host: the copy moves 2 B/param and no fp32 lands on the device.
-            stage = self._stage[id(master)]
-            stage.copy_(master)
-            master = stage
+            self._staging.stage(master, lambda staged: self._send(dev, staged))
+            return
         with torch.no_grad(), torch.cuda.stream(self._h2d):
             dev.copy_(master, non_blocking=True)
+
+    def _send(self, dev: torch.Tensor, staged: torch.Tensor):
+        """Copies `staged` to `dev` on the host-to-device stream; returns the copy's event."""
+        with torch.no_grad(), torch.cuda.stream(self._h2d):
+            dev.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._h2d)
+        return done
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool = True) -> None:
         self._armed = self.overlap and last_micro_batch
@@ -379,21 +453,34 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
                 out.append((dev, m, host))
         return out
 
-    @staticmethod
-    def _clip(grads: list[torch.Tensor], max_grad_norm: float | None, norm: torch.Tensor) -> list[torch.Tensor]:
-        """`grads` clipped as torch.nn.utils.clip_grad_norm_ clips them: fp32 ones in place, 16-bit
-        ones into fp32 copies (scaled in bf16 they would round again)."""
-        if not max_grad_norm or not grads:
-            return grads
-        coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)
-        if not bool(coef < 1.0):
-            return grads
+    def _step_now(self, masters: list[torch.Tensor], grads: list[torch.Tensor], max_grad_norm: float | None,
+                  norm: torch.Tensor) -> None:
+        """Steps `masters` with `grads` (every one finite), clipped as torch.nn.utils.clip_grad_norm_
+        clips them, and copies the new weights to the device. fp32 gradients are scaled in place;
+        16-bit ones into fp32 copies (scaled in bf16 they would round again), one tensor at a time,
+        so that at most one tensor's fp32 copy exists (all at once they would take 4 B/param)."""
+        coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0) if max_grad_norm and grads else None
+        if coef is None or not bool(coef < 1.0):
+            self._step_tensors(masters, grads)
+            self._copy_all_to_device(masters)
+            return
         # fp32 in place with one foreach op, as clip_grad_norm_ multiplies (on a CPU, torch 2.13's
         # foreach mul by a 0-dim tensor rounds differently from a per-tensor mul_).
-        exact = [g for g in grads if g.dtype == torch.float32]
+        exact = [(m, g) for m, g in zip(masters, grads) if g.dtype == torch.float32]
         if exact:
-            torch._foreach_mul_(exact, coef.to(exact[0].device))
-        return [g if g.dtype == torch.float32 else g.float().mul_(coef) for g in grads]
+            torch._foreach_mul_([g for _, g in exact], coef.to(exact[0][1].device))
+            self._step_tensors([m for m, _ in exact], [g for _, g in exact])
+        for m, g in zip(masters, grads):
+            if g.dtype != torch.float32:
+                self._step_tensors([m], [g.float().mul_(coef)])
+        self._copy_all_to_device(masters)
+
+    def _step_tensors(self, masters: list[torch.Tensor], grads: list[torch.Tensor], keep_undo: bool = False):
+        """optimizer.step_tensors with finite gradients; in the bf16 weight form each new weight is
+        written into its landing buffer (over the gradient, where that is what the step reads)."""
+        weights = [self._transport.landing[id(m)] for m in masters] if self.bf16_weights else None
+        return self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads, known_finite=True,
+                                           keep_undo=keep_undo, weights=weights)
 
     def clip_and_step(self, max_grad_norm: float | None) -> float:
         norm = self._overlapped_step(max_grad_norm) if self.overlap else self._serial_step(max_grad_norm)
@@ -415,13 +502,9 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         if not torch.isfinite(norm):
             self.skipped_steps += 1
             return norm
-        grads = self._clip(grads, max_grad_norm, norm)
-        masters = [m for _, m, _ in entries]
         # A finite global norm means every element is finite: the kernel need not check again
         # (as after the decision below), and the tensors go to it in one call.
-        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads, known_finite=True)
-        for dev, m, _ in entries:
-            self._copy_to_device(dev, m)
+        self._step_now([m for _, m, _ in entries], grads, max_grad_norm, norm)
         return norm
 
     def _overlapped_step(self, max_grad_norm: float | None) -> torch.Tensor:
@@ -447,15 +530,13 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         clips = finite and self._would_clip(max_grad_norm, norm)
         # A step whose coefficients changed since it ran (the lr was set after backward) is redone too.
         stale = self.optimizer.coefficients_changed([s.master for s in stepped], [s.coefficients for s in stepped])
-        self._speculate = finite and not clips
+        self._speculate = finite and not clips and not self.bf16_weights
         if stepped:
             self.speculated_steps += 1
         if finite and not clips and not stale:
             keep = {id(s.master) for s in stepped}
             todo = [s for s in spec if id(s.master) not in keep]  # not speculated: step them now
-            self.optimizer.step_tensors([s.master for s in todo], [s.grad for s in todo],
-                                        num_threads=self.worker_threads, known_finite=True)
-            self._copy_all_to_device([s.master for s in todo])
+            self._step_now([s.master for s in todo], [s.grad for s in todo], None, norm)
             return norm
         if stepped:
             self.rollbacks += 1
@@ -465,10 +546,7 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
             self.skipped_steps += 1
             self._copy_all_to_device([s.master for s in stepped])
             return norm
-        grads = self._clip(grads, max_grad_norm, norm)
-        masters = [s.master for s in spec]
-        self.optimizer.step_tensors(masters, grads, num_threads=self.worker_threads, known_finite=True)
-        self._copy_all_to_device(masters)
+        self._step_now([s.master for s in spec], grads, max_grad_norm, norm)
         return norm
 
     def _copy_all_to_device(self, masters: list[torch.Tensor]) -> None:
@@ -538,8 +616,20 @@ class _OffloadCheckpoint(StrategyCheckpoint):
     """The fp32 host masters and their state; a load refreshes the device weights from them."""
 
     def fragments(self) -> list:
+        """A bf16-weight master has no fp32 weight: its fragment is theta* + delta, formed here (4 B
+        per such parameter while a save or load holds the fragments; a load into it is dropped, or
+        gives delta where the checkpoint has none)."""
         s = self.strategy
-        return whole_tensor_fragments(s._named_masters(), s.optimizer, s.is_main_process)
+        out = []
+        for name, m in s._named_masters():
+            fragments = whole_tensor_fragments([(name, m)], s.optimizer, s.is_main_process)
+            if s.optimizer.has_bf16_weight(m):
+                state = s.optimizer.state[m]
+                weight = (state["anchor"].float() + state["delta"]).reshape(-1)
+                fragments = [Fragment(name, MASTER, weight, 0, s.is_main_process) if f.field == MASTER else f
+                             for f in fragments]
+            out += fragments
+        return out
 
     def prepare_load(self) -> None:
         for _, m in self.strategy._pairs:
@@ -548,6 +638,10 @@ class _OffloadCheckpoint(StrategyCheckpoint):
     def after_load(self) -> None:
         s = self.strategy
         for dev, m in s._pairs:
+            if s.bf16_weights:  # the weight the device gets, as a step writes it
+                state = s.optimizer.state[m]
+                s._transport.landing[id(m)].copy_(round_nearest_bf16(state["anchor"].float() + state["delta"])
+                                                  if s.optimizer.has_bf16_weight(m) else m.detach())
             s._copy_to_device(dev, m)
         if s._h2d is not None:
             s._h2d.synchronize()

@@ -15,17 +15,24 @@ micro-batch in fp32 instead of in the model's 16-bit dtype. ``accumulate="device
 autograd's accumulation in the device gradient (one 16-bit gradient per parameter held on the
 device until the last micro-batch) and copies only the final one.
 
+The landing buffers are the strategy's (it may make a buffer serve twice: with the compact state
+each anchored parameter's buffer also receives the new bf16 weight the step writes in the
+gradient's place, offload.py). ``StagingRing`` bounds the other direction's host copies: the new
+weights of the fp32 state on their way to a GPU, a few tensors' worth, not the model's.
+
 On a CPU device the same code runs, the copies being host copies (so the tests run it).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from typing import Callable
 
 import torch
 
-__all__ = ["ACCUMULATE_ON", "MAX_GRADS_IN_FLIGHT", "Arrival", "CopyWindow", "GradientTransport"]
+__all__ = ["ACCUMULATE_ON", "MAX_GRADS_IN_FLIGHT", "Arrival", "CopyWindow", "GradientTransport", "StagingRing"]
 
 # The default of how many device gradients' copies to the host may still be running: one more
 # copy waits for the oldest, so a slow copy stream cannot keep a growing number of freed gradients
@@ -88,12 +95,42 @@ class CopyWindow:
         self._events.clear()
 
 
+class StagingRing:
+    """`size` host buffers of `numel` elements each (pinned when `pin`), through which new weights
+    go to the device: `stage` rounds a weight into the next buffer, once that buffer's previous copy
+    has run (its event synchronized), and hands it to `send`, which starts the copy and returns its
+    event. So staging holds `size` tensors' worth (the largest parameter's), whatever the model's
+    size. Thread-safe: the overlapped offload's worker and the training thread both stage."""
+
+    def __init__(self, size: int, numel: int, dtype: torch.dtype, pin: bool):
+        if size < 1:
+            raise ValueError(f"a staging ring needs at least one buffer, got {size}")
+        self.buffers = [torch.empty(numel, dtype=dtype, pin_memory=pin) for _ in range(size)]
+        self._events: list = [None] * size
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def stage(self, weight: torch.Tensor, send: Callable[[torch.Tensor], object]) -> None:
+        with self._lock:
+            i, self._next = self._next, (self._next + 1) % len(self.buffers)
+            if self._events[i] is not None:
+                self._events[i].synchronize()  # its last copy has read it
+            staged = self.buffers[i][:weight.numel()].view(weight.shape)
+            staged.copy_(weight)  # rounded to the buffer's dtype (to nearest even, as DeepSpeed's copy)
+            self._events[i] = send(staged)
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
 class GradientTransport:
-    """Moves each gradient of `pairs` ((device parameter, fp32 host master)) to host memory as it
-    becomes final, and frees it on the device."""
+    """Moves each gradient of `pairs` ((device parameter, host master)) to host memory as it
+    becomes final, and frees it on the device. `landing`: the host buffer of each master (by id),
+    in the device parameter's dtype; made here when not given."""
 
     def __init__(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]], device: torch.device,
-                 accumulate: str = "host", copies_in_flight: int = MAX_GRADS_IN_FLIGHT):
+                 accumulate: str = "host", copies_in_flight: int = MAX_GRADS_IN_FLIGHT,
+                 landing: dict[int, torch.Tensor] | None = None):
         if accumulate not in ACCUMULATE_ON:
             raise ValueError(f"accumulate must be one of {', '.join(ACCUMULATE_ON)}, got {accumulate!r}")
         self.device = device
@@ -103,7 +140,8 @@ class GradientTransport:
         # One landing buffer per parameter in the device dtype (2 B/param for bf16), pinned on CUDA
         # so the copy is asynchronous DMA. They stay valid until the step has read them (the
         # overlapped step's rollback reads the same gradient again).
-        self.landing = {id(m): torch.empty(dev.shape, dtype=dev.dtype, pin_memory=cuda) for dev, m in pairs}
+        self.landing = landing if landing is not None else {
+            id(m): torch.empty(dev.shape, dtype=dev.dtype, pin_memory=cuda) for dev, m in pairs}
         self._sums: dict[int, torch.Tensor] = {}  # fp32 host sums, made at the first accumulation
         self._summed: set[int] = set()            # masters whose sum holds this step's earlier micro-batches
         self._pending: list[Arrival] = []         # earlier micro-batches' copies, added at the next backward

@@ -20,6 +20,7 @@ from ft_framework.config.schema import StrategyConfig  # noqa: E402
 from ft_framework.distributed.rendezvous import free_port  # noqa: E402
 from ft_framework.errors import UserError  # noqa: E402
 from ft_framework.strategies import OffloadedSingleDeviceStrategy  # noqa: E402
+from ft_framework.strategies.offload import _bucket_norms, _total_norm  # noqa: E402
 from ft_framework.strategies.offload_transport import MAX_GRADS_IN_FLIGHT  # noqa: E402
 
 STATES = {"fp32_state": {}, "compact_state": {"state_dtype": "bfloat16"}}
@@ -64,21 +65,31 @@ def test_the_device_holds_the_bf16_model_and_at_most_two_gradients(overlap, stat
     assert all(not t.is_floating_point() or t.dtype == torch.bfloat16 for role, _, t in tensors if role == "buffer")
     assert not [n for role, n, _ in tensors if role == "gradient"]
     # The masters, their moments and theta* are the optimizer's, in host memory, and none is a
-    # device tensor.
+    # device tensor. With the compact state an anchored master keeps no fp32 weight: its data is its
+    # bf16 landing buffer (the bf16 weight form); the new head keeps its fp32 master.
     device_ids = {id(t) for _, _, t in tensors} | {t.untyped_storage().data_ptr() for _, _, t in tensors}
-    for m in (p for g in strategy.optimizer.param_groups for p in g["params"]):
-        assert m.dtype == torch.float32 and m.untyped_storage().data_ptr() not in device_ids
+    opt = strategy.optimizer
+    for m in (p for g in opt.param_groups for p in g["params"]):
+        assert m.untyped_storage().data_ptr() not in device_ids
+        if state == "compact_state" and "anchor" in opt.state[m]:
+            assert opt.has_bf16_weight(m) and m.dtype == torch.bfloat16
+            assert m.data_ptr() == strategy._transport.landing[id(m)].data_ptr()
+        else:
+            assert m.dtype == torch.float32 and not opt.has_bf16_weight(m)
     # No autocast, and the gradients leave as they arrive: never more than two on the device.
     assert seen["autocast"] == [False] * 3 and seen["hooks"] == 3 * len(weights)
     assert max(seen["grad_bytes"]) <= MAX_GRADS_IN_FLIGHT * largest_grad
 
 
-def _reference_accumulation(accumulate: str, steps: int = 3, accum: int = 2):
+def _reference_accumulation(accumulate: str, steps: int = 3, accum: int = 2, state: str = "fp32_state",
+                            max_grad_norm: float | None = None):
     """The same run written out by hand: a bf16 model, each micro-batch's gradient summed in fp32
-    (host) or by autograd in bf16 (device), the optimizer stepping fp32 masters with the sum and
-    the bf16 model copying the masters, rounded."""
+    (host) or by autograd in bf16 (device), the optimizer stepping fp32 masters with the sum (clipped
+    as clip_grad_norm_ clips: fp32 sums in place, bf16 gradients into fp32 copies) and the bf16
+    model copying the masters, rounded. With the compact state the masters are fp32 weights written
+    as theta* + delta (the fp32-weight form), whose rounding the bf16 weight form must store."""
     model, anchors = make_model_and_anchors()
-    optimizer = make_optimizer(model, anchors)
+    optimizer = make_optimizer(model, anchors, **STATES[state])
     for name, p in model.named_parameters():
         if name in anchors:
             optimizer.set_anchor(p, anchors[name])
@@ -87,23 +98,39 @@ def _reference_accumulation(accumulate: str, steps: int = 3, accum: int = 2):
     device_model = device_model.bfloat16()
     device_params = dict(device_model.named_parameters())
     names = {id(p): n for n, p in model.named_parameters()}
+    model_order = {n: i for i, n in enumerate(device_params)}
+    norms = []
     for step in range(steps):
         full = batch(step)
         sums = {}
         for micro in range(accum):
             part = {k: v[micro::accum] for k, v in full.items()}
-            (device_model(**part).loss / accum).backward()
-            if accumulate == "host":
+            loss = device_model(**part).loss
+            (loss / accum if accum > 1 else loss).backward()
+            if accumulate == "host" and accum > 1:
                 for n, p in device_params.items():
                     sums[n] = p.grad.float() if n not in sums else sums[n].add_(p.grad)
                     p.grad = None
-        grads = [sums[names[id(m)]] if accumulate == "host" else device_params[names[id(m)]].grad for m in masters]
+        if accumulate == "host" and accum > 1:
+            grads = [sums[names[id(m)]] for m in masters]
+        else:
+            grads = [device_params[names[id(m)]].grad for m in masters]
+        # summed in the model's order, as the strategy sums the norms
+        in_model_order = sorted(range(len(masters)), key=lambda i: model_order[names[id(masters[i])]])
+        norm = _total_norm(_bucket_norms([grads[i] for i in in_model_order]))
+        coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0) if max_grad_norm else None
+        if coef is not None and bool(coef < 1.0):
+            exact = [g for g in grads if g.dtype == torch.float32]
+            if exact:
+                torch._foreach_mul_(exact, coef)
+            grads = [g if g.dtype == torch.float32 else g.float().mul_(coef) for g in grads]
+        norms.append(float(norm))
         optimizer.step_tensors(masters, grads, known_finite=True)
         with torch.no_grad():
             for m in masters:
                 device_params[names[id(m)]].copy_(m)
                 device_params[names[id(m)]].grad = None
-    return device_model, dict(zip([names[id(m)] for m in masters], masters))
+    return device_model, dict(zip([names[id(m)] for m in masters], masters)), optimizer, norms
 
 
 @pytest.mark.parametrize("accumulate", ["host", "device"])
@@ -125,11 +152,55 @@ def test_micro_batches_accumulate_where_configured(accumulate):
     strategy.close()
     n_params = len(list(strategy.model.parameters()))
     assert held == ([0] * 3 if accumulate == "host" else [n_params] * 3)
-    want_model, want_masters = _reference_accumulation(accumulate)
+    want_model, want_masters, _, _ = _reference_accumulation(accumulate)
     for (name, p), q in zip(strategy.model.named_parameters(), want_model.parameters()):
         assert torch.equal(p, q), name
     for name, m in strategy._named_masters():
         assert torch.equal(m, want_masters[name]), name
+
+
+def _train_clipped(strategy, steps: int, accum: int, max_grad_norm: float | None) -> list[float]:
+    norms = []
+    for step in range(steps):
+        full = batch(step)
+        for micro in range(accum):
+            part = {k: v[micro::accum] for k, v in full.items()}
+            loss = strategy.forward(part).loss
+            strategy.backward(loss / accum if accum > 1 else loss, last_micro_batch=micro == accum - 1)
+        norms.append(strategy.clip_and_step(max_grad_norm))
+    return norms
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_the_compact_state_writes_its_bf16_weights_in_place_as_the_fp32_weight_form_rounds_them(
+        overlap, accum, max_grad_norm):
+    """The bf16 weight form: the step reads each gradient in its landing buffer (or the fp32 sum
+    of the micro-batches) and writes the new bf16 weight there, with no fp32 weight of an anchored
+    parameter; the bf16 model, delta, m, v and the head's master are the bits of the same run
+    written out by hand with fp32 masters rounded to bf16 after each step, clipped or not. The
+    overlapped path does not speculate with it (nothing to roll back: the gradient is overwritten)."""
+    strategy = _lean(overlap, "compact_state")
+    _train_clipped(strategy, steps=4, accum=accum, max_grad_norm=max_grad_norm)
+    strategy.close()
+    assert strategy.train_metrics()["offload_speculated_steps"] == 0
+    assert strategy.train_metrics()["offload_rollbacks"] == 0
+    want_model, want_masters, want_opt, norms = _reference_accumulation(
+        "host", steps=4, accum=accum, state="compact_state", max_grad_norm=max_grad_norm)
+    if max_grad_norm is not None:
+        assert all(n > max_grad_norm for n in norms)  # every step clipped
+    for (name, p), q in zip(strategy.model.named_parameters(), want_model.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), name
+    opt = strategy.optimizer
+    for name, m in strategy._named_masters():
+        want = want_masters[name]
+        for key in ("exp_avg", "exp_avg_sq", "delta"):
+            if key in want_opt.state[want]:
+                assert torch.equal(opt.state[m][key], want_opt.state[want][key]), (name, key)
+        assert opt.has_bf16_weight(m) == ("delta" in want_opt.state[want]), name
+        if not opt.has_bf16_weight(m):
+            assert torch.equal(m, want), name  # the head's fp32 master
 
 
 def test_fp32_precision_keeps_the_fp32_offload_and_a_bad_accumulate_is_one_line():

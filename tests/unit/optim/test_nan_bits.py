@@ -159,6 +159,7 @@ def test_the_bf16_weight_form_stores_a_nan_weight_as_the_quiet_nan(program, bf16
         weight, m, v, delta = out
         for name, stored in (("weight", weight), ("exp_avg", m), ("exp_avg_sq", v)):
             bits = stored.view(torch.int16).to(torch.int32) & 0xFFFF
-            assert bits[mask].tolist() == [BF16_NAN_BITS] * int(mask.sum()), (name, [hex(b) for b in bits[mask].tolist()])
+            nans = bits[mask].tolist()
+            assert nans == [BF16_NAN_BITS] * int(mask.sum()), (name, [hex(b) for b in nans])
             assert torch.isfinite(stored.float()[~mask]).all(), name
     assert _same_bits(got, want, mask)
