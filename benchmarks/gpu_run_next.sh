@@ -13,7 +13,8 @@
 #    benchmarks/gpu_part_f.py F_BUDGET_S, counted from its launch), then tests/gpu's
 #    single_offload_lean case alone (FT_LIMIT_T, default 75: the lean offload's CUDA path, side
 #    streams and record_stream included), then part a with what is left of FT_TOTAL (default
-#    530 s, at most FT_LIMIT_A, default 180).
+#    530 s, at most FT_LIMIT_A, default 180); then part g (FT_LIMIT_G, default 210, outside FT_TOTAL:
+#    benchmarks/gpu_part_g.py, issue 43).
 #
 # Every part writes its rows as it measures them, and its output as it comes, into a work folder
 # ($FT_WORK, default /tmp/gpu_run_work). Every SYNC_S seconds (default 10) and at the end the work
@@ -87,4 +88,18 @@ echo "== tests_lean: exit $? after $(elapsed) s"; tail -15 "$WORK/tests_lean.log
 sync_out
 LEFT=$(( ${FT_TOTAL:-530} - $(elapsed) ))
 part a $(( LEFT < ${FT_LIMIT_A:-180} ? LEFT : ${FT_LIMIT_A:-180} ))
+# Part g (issue 43): a 1B decoder, the device-lean offload against DeepSpeed ZeRO-2 and ZeRO-3
+# offload (benchmarks/gpu_part_g.py), FT_LIMIT_G seconds (default 210; under 30 skips it), outside
+# FT_TOTAL: with it the call takes up to about 12.5 minutes (FT_LIMIT_F=0 FT_LIMIT_A=0 leave room).
+LIMIT_G=${FT_LIMIT_G:-210}
+if [ "$LIMIT_G" -ge 30 ]; then
+  echo "== part g: limit $LIMIT_G s, $(elapsed) s elapsed"
+  # shellcheck disable=SC2086  # FT_SUITE_ARGS: the CPU rehearsal's --tiny
+  timeout -k 15 "$LIMIT_G" "$PY" benchmarks/gpu_part_g.py --out "$WORK/part_g.md" ${FT_SUITE_ARGS:-} \
+    > "$WORK/part_g.log" 2>&1
+  echo "== part g: exit $? after $(elapsed) s"; tail -20 "$WORK/part_g.log"
+  sync_out
+else
+  echo "== part g: skipped (FT_LIMIT_G=$LIMIT_G)"
+fi
 echo "== done after $(elapsed) s: $OUT_DIR/gpu_results.md, everything in $OUT_DIR/gpu_run.tar.gz"

@@ -26,6 +26,7 @@ PUBLISHED_ARCHITECTURES = {
     "google-bert/bert-large-uncased": "bert-large-uncased.json", "bert-large-uncased": "bert-large-uncased.json",
     # A base model and its -Instruct share the architecture (their config.json differ in token ids only).
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b.json", "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b.json",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b.json", "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b.json",
     "Qwen/Qwen2.5-7B": "qwen2.5-7b.json", "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b.json",
 }
 

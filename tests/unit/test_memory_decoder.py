@@ -246,9 +246,10 @@ def test_the_published_decoder_architectures_have_their_published_parameter_coun
 
     from ft_framework.config.schema import ModelConfig
 
-    llama, qwen = 8_030_261_248, 7_615_616_512  # the model cards' counts
+    llama, qwen, small = 8_030_261_248, 7_615_616_512, 1_235_814_400  # the model cards' counts
     for hub_id, count in (("meta-llama/Llama-3.1-8B", llama), ("meta-llama/Llama-3.1-8B-Instruct", llama),
-                          ("Qwen/Qwen2.5-7B", qwen), ("Qwen/Qwen2.5-7B-Instruct", qwen)):
+                          ("Qwen/Qwen2.5-7B", qwen), ("Qwen/Qwen2.5-7B-Instruct", qwen),
+                          ("meta-llama/Llama-3.2-1B", small), ("meta-llama/Llama-3.2-1B-Instruct", small)):
         arch = load_architecture(ModelConfig(name_or_path=hub_id))
         assert "published architecture" in arch.source
         with torch.device("meta"):
