@@ -362,8 +362,8 @@ def format_g(rows: list[dict[str, Any]], header: str) -> str:
            "", f"Llama-3.2-1B's architecture ({_fmt(first.get('params'))} parameters), random weights, bf16, "
            f"activation checkpointing, batch {first.get('batch')} x {first.get('seq')} tokens, fp32 next-token loss "
            f"over every position, max_grad_norm {MAX_GRAD_NORM}; GPU: {first.get('gpu')}. Device peak: "
-           "max_memory_allocated (reserved). Host peak: the worker's VmHWM while it trains (reset once set up), and during its set-up "
-           "(the fp32 random init, theta* and the engine's buffers). Planned: ft-plan's library before the model "
+           "max_memory_allocated (reserved). Host peak: the worker's VmHWM while it trains (reset once set up), "
+           "and during its set-up (the fp32 random init, theta* and the engine's buffers). Planned: ft-plan's library before the model "
            f"is built. Largest batch: under a {(first.get('cap') or {}).get('cap_gb', 24)} GB cap.", ""]
     body = []
     for x in rows:
