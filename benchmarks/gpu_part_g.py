@@ -358,13 +358,15 @@ def format_g(rows: list[dict[str, Any]], header: str) -> str:
     from gpu_suite import markdown_table
 
     first = rows[0] if rows else {}
+    cap_gb = (first.get("cap") or {}).get("cap_gb", 24)
     out = [header, "## g. A 1B decoder: the device-lean offload against DeepSpeed ZeRO-2 and ZeRO-3 offload (issue 43)",
            "", f"Llama-3.2-1B's architecture ({_fmt(first.get('params'))} parameters), random weights, bf16, "
-           f"activation checkpointing, batch {first.get('batch')} x {first.get('seq')} tokens, fp32 next-token loss "
-           f"over every position, max_grad_norm {MAX_GRAD_NORM}; GPU: {first.get('gpu')}. Device peak: "
-           "max_memory_allocated (reserved). Host peak: the worker's VmHWM while it trains (reset once set up), "
-           "and during its set-up (the fp32 random init, theta* and the engine's buffers). Planned: ft-plan's library before the model "
-           f"is built. Largest batch: under a {(first.get('cap') or {}).get('cap_gb', 24)} GB cap.", ""]
+           f"activation checkpointing, batch {first.get('batch')} x {first.get('seq')} tokens, fp32 next-token "
+           f"loss over every position, max_grad_norm {MAX_GRAD_NORM}; GPU: {first.get('gpu')}. "
+           "Device peak: max_memory_allocated (reserved). Host peak: the worker's VmHWM while it trains "
+           "(reset once set up), and during its set-up (the fp32 random init, theta* and the engine's "
+           "buffers). Planned: ft-plan's library before the model is built. "
+           f"Largest batch: under a {cap_gb} GB cap.", ""]
     body = []
     for x in rows:
         cap = x.get("cap") or {}
