@@ -6,7 +6,8 @@ averaged over every label token of the optimizer step on every rank, and its met
 - completion_loss: the mean next-token loss over the evaluation split's completion tokens, and its
   perplexity exp(completion_loss);
 - exact_match (data.main_metric: exact_match): the fraction of rows whose greedy completion equals
-  the reference token for token, end-of-sequence token included;
+  the reference token for token, end-of-sequence token included (read from the same forward as the
+  loss: greedy_matches);
 - a few greedy generations for the selection split's first prompts (evaluation.generation), and
 - forgetting on held-out text (models/lm_forgetting.py): the LM loss gained, the KL from θ*, the
   CKA drift.
@@ -33,7 +34,8 @@ from ft_framework.models.loading import ModelClass
 from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
                                          TaskKind, to_device)
 
-__all__ = ["CausalLMKind", "DEFAULT_TOKEN_CACHE", "IGNORE_INDEX", "greedy_completions", "label_token_count",
+__all__ = ["CausalLMKind", "DEFAULT_TOKEN_CACHE", "IGNORE_INDEX", "greedy_completions", "greedy_matches",
+           "label_token_count",
            "next_token_losses"]
 
 IGNORE_INDEX = -100  # a label that no loss counts (prompt tokens, padding): transformers' convention
@@ -54,6 +56,19 @@ def next_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
 def label_token_count(batch: dict[str, torch.Tensor]) -> int:
     """The tokens whose prediction the loss counts in a collated batch."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def greedy_matches(logits: torch.Tensor, input_ids: Sequence[int], prompt_length: int, completion_length: int) -> bool:
+    """Whether greedy decoding after the row's prompt writes its completion, read from one forward
+    over prompt + completion (`logits`: that row's, (T, vocab)). Greedy decoding writes token k of
+    the completion when the model's most likely token after the prompt and the completion's first k
+    tokens is it; as long as every earlier token matched, that context is exactly the reference's,
+    so the completion is written iff the argmax at every completion position is the reference's
+    next token (its end-of-sequence token included): the same answer as decoding, in one pass."""
+    positions = slice(prompt_length - 1, prompt_length + completion_length - 1)
+    reference = torch.as_tensor(list(input_ids[prompt_length:prompt_length + completion_length]),
+                                device=logits.device)
+    return bool(torch.equal(logits[positions].argmax(-1), reference))
 
 
 @torch.no_grad()
@@ -159,10 +174,11 @@ class CausalLMKind(TaskKind):
     # ---- metrics -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, data: Any, ctx: EvalContext) -> dict[str, dict[str, Any]]:
+        exact = "exact_match" in self.spec.metrics
         out = {}
         for split, dataset in data.eval.items():
             shard = eval_shard(len(dataset), ctx.rank, ctx.world_size)
-            total, count = 0.0, 0
+            total, count, hits = 0.0, 0, 0
             rows = [dataset[i] for i in shard.padded]
             for start in range(0, len(rows), ctx.batch_size):
                 chunk = rows[start:start + ctx.batch_size]
@@ -172,30 +188,16 @@ class CausalLMKind(TaskKind):
                 if real:
                     s, n = next_token_losses(logits[:real], batch["labels"][:real].to(logits.device))
                     total, count = total + float(s), count + n
-            sums = ctx.gather((total, count))
-            loss = sum(s for s, _ in sums) / max(1, sum(n for _, n in sums))
+                    if exact:
+                        hits += sum(greedy_matches(logits[r], row["input_ids"], row["prompt_length"],
+                                                   row["completion_length"]) for r, row in enumerate(chunk[:real]))
+            sums = ctx.gather((total, count, hits))
+            loss = sum(s[0] for s in sums) / max(1, sum(s[1] for s in sums))
             metrics = {"completion_loss": loss, "perplexity": math.exp(min(loss, 700.0))}
-            if "exact_match" in self.spec.metrics:
-                metrics["exact_match"] = self._exact_match(dataset, shard, ctx)
+            if exact:
+                metrics["exact_match"] = sum(s[2] for s in sums) / len(dataset)
             out[split] = {name: metrics[name] for name in self.spec.metrics}
         return out
-
-    def _exact_match(self, dataset: Any, shard: Any, ctx: EvalContext) -> float:
-        """Greedy completions of this rank's rows against their references, counted over every rank."""
-        # One length for every rank and batch: the longest reference of the split.
-        max_new = int(dataset.completion_lengths.max())
-        rows = [dataset[i] for i in shard.padded]
-        hits = 0
-        for start in range(0, len(rows), ctx.batch_size):
-            chunk = rows[start:start + ctx.batch_size]
-            real = max(0, min(shard.num_real - start, len(chunk)))
-            prompts = [r["input_ids"][:r["prompt_length"]] for r in chunk]
-            answers = greedy_completions(ctx.forward, prompts, max_new, self.pad_id, ctx.device)
-            for row, answer in zip(chunk[:real], answers[:real]):
-                reference = row["input_ids"][row["prompt_length"]:row["prompt_length"] + row["completion_length"]]
-                hits += answer[:len(reference)] == list(reference)
-        counts = ctx.gather((hits, shard.num_real))
-        return sum(h for h, _ in counts) / max(1, sum(n for _, n in counts))
 
     def baseline(self, data: Any, evaluate: Callable[[], dict[str, dict[str, Any]]]) -> Baseline:
         return Baseline("pretrained model", evaluate())

@@ -160,3 +160,33 @@ def test_a_resume_refuses_a_tampered_probe_reference_in_one_line(setup, tmp_path
         signal.alarm(0)
     assert "forgetting" in str(refused.value) or "named pipe" in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_exact_match_from_one_forward_is_greedy_decodings(setup, tmp_path):
+    """The evaluation scores exact match from the loss's forward (greedy_matches); decoding each
+    prompt greedily, token by token with the cache, must give the same verdict row by row."""
+    import torch
+
+    from ft_framework.task_kinds.causal_lm import greedy_completions, greedy_matches
+
+    config = write_sft_run_config(tmp_path / "run.yaml", setup["model"], tmp_path / "run", setup["files"],
+                                  data={"main_metric": "exact_match"}, training={"max_steps": 30},
+                                  optimizer={"name": "adamw", "hparams": {"lr": 1e-2}},
+                                  evaluation={"num_evals": 1, "forgetting": {"enabled": False}})
+    trainer = Trainer(load_config(config))
+    results = trainer.fit()
+    model = trainer.strategy.unwrapped_model().eval()
+    dataset = trainer.data.eval["validation"]
+    verdicts = []
+    for i in range(len(dataset)):
+        row = dataset[i]
+        prompt, length = row["prompt_length"], row["completion_length"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0]
+        decoded = greedy_completions(lambda batch: model(**batch), [row["input_ids"][:prompt]], length, 0,
+                                     torch.device("cpu"))[0]
+        by_decoding = decoded == row["input_ids"][prompt:prompt + length]
+        assert greedy_matches(logits, row["input_ids"], prompt, length) == by_decoding, i
+        verdicts.append(by_decoding)
+    assert any(verdicts) and not all(verdicts)  # both verdicts occur, so the agreement means something
+    assert results["final"]["metrics"]["validation"]["exact_match"] == pytest.approx(sum(verdicts) / len(verdicts))
