@@ -57,7 +57,7 @@ def setting(tmp_path_factory):
             "files": {"prompt_completion": files, "text": text_files}}
 
 
-def ft_train(setting, name: str, shape: str, batch: int, accumulation: int) -> tuple[list[dict], dict]:
+def ft_train_run(setting, name: str, shape: str, batch: int, accumulation: int) -> tuple[list[dict], dict]:
     from ft_framework.config import load_config
     from ft_framework.trainer import Trainer
 
@@ -78,7 +78,7 @@ def ft_train(setting, name: str, shape: str, batch: int, accumulation: int) -> t
     return [r for r in records if r["type"] == "train"], results
 
 
-def trl(setting, name: str, shape: str, batch: int, accumulation: int) -> list[dict]:
+def trl_run(setting, name: str, shape: str, batch: int, accumulation: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rows = [json.loads(line) for line in Path(setting["files"][shape]["train"]).read_text().splitlines()]
@@ -99,8 +99,8 @@ def trl(setting, name: str, shape: str, batch: int, accumulation: int) -> list[d
 @pytest.mark.parametrize("name", CASES)
 def test_losses_equal_trl_step_by_step(setting, name):
     shape, batch, accumulation = CASES[name]
-    ours, results = ft_train(setting, name, shape, batch, accumulation)
-    theirs = trl(setting, name, shape, batch, accumulation)
+    ours, results = ft_train_run(setting, name, shape, batch, accumulation)
+    theirs = trl_run(setting, name, shape, batch, accumulation)
     assert results["sft"]["train"]["truncated"] == results["sft"]["train"]["dropped_no_completion"] == 0
     assert [r["step"] for r in ours] == list(range(1, STEPS + 1)) and len(theirs) == STEPS
     assert abs(ours[0]["loss"] - theirs[0]["loss"]) <= 1e-5
