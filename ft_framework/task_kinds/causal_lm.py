@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ft_framework import resources
-from ft_framework.data.sft import SFTCollator, SFTSettings, attention_windows, load_sft_data
+from ft_framework.data.sft import DEFAULT_CACHE_DIR, SFTCollator, SFTSettings, attention_windows, load_sft_data
+from ft_framework.data.sft_collate import IGNORE_INDEX
 from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.lm_forgetting import build_lm_probe
@@ -34,12 +35,10 @@ from ft_framework.models.loading import ModelClass
 from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
                                          TaskKind, to_device)
 
-__all__ = ["CausalLMKind", "DEFAULT_TOKEN_CACHE", "IGNORE_INDEX", "greedy_completions", "greedy_matches",
+__all__ = ["CausalLMKind", "greedy_completions", "greedy_matches",
            "label_token_count",
            "next_token_losses"]
 
-IGNORE_INDEX = -100  # a label that no loss counts (prompt tokens, padding): transformers' convention
-DEFAULT_TOKEN_CACHE = Path("~/.cache/ft_framework/tokens")
 # Keys of a collated batch that the model's forward takes (the labels stay with the loss).
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -133,7 +132,7 @@ class CausalLMKind(TaskKind):
         data = self.cfg.data
         settings = SFTSettings(max_seq_length=data.max_seq_length, train_on_prompt=data.train_on_prompt,
                                chat_template=self._chat_template(), packing=data.packing)
-        cache = Path(data.token_cache_dir).expanduser() if data.token_cache_dir else DEFAULT_TOKEN_CACHE.expanduser()
+        cache = Path(data.token_cache_dir).expanduser() if data.token_cache_dir else DEFAULT_CACHE_DIR.expanduser()
         loaded = load_sft_data(self._files(), tokenizer, settings, cache_dir=cache, is_main=run.is_main,
                                barrier=run.barrier, max_train_examples=data.max_train_examples,
                                max_eval_examples=data.max_eval_examples, progress=run.progress)
