@@ -278,7 +278,7 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
     rows = plan_memory(run_cfg, world_size=W, num_params=P, num_anchored=shape.num_anchored, device_is_host=not on_gpu)
     offload = strategy.offload_optimizer if strategy.name == "single" else None
     extra: list[PlanRow] = []
-    step_temporaries = bucket_epilogue = 0.0
+    step_temporaries = bucket_epilogue = checkpoint_masters = 0.0
     if strategy.name == "deepspeed":
         ds = strategy.deepspeed
         zero = dict((ds.config or {}).get("zero_optimization", {}))
@@ -316,8 +316,7 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
         if run_cfg.optimizer.state_dtype == "bfloat16" and _saves_checkpoints(run_cfg):
             # The bf16 weight form keeps no fp32 weight: a save forms theta* + delta for the checkpoint's
             # master weights, and DCP holds them until the rank's file is written (offload.py).
-            extra.append(PlanRow("fp32 weights theta* + delta formed while a checkpoint saves (the anchored keep "
-                                 "none)", 0.0, shape.num_anchored * 4))
+            checkpoint_masters = shape.num_anchored * 4.0
     else:
         overlap = offload is not None and offload.overlap
         # fp32 weights; with bf16/fp16 the forward runs under autocast, by CUDA's op lists on a GPU
@@ -341,6 +340,13 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
     if bucket_epilogue:
         extra.append(PlanRow("DeepSpeed last bucket reduce after backward (its gradients + their flattened copy), "
                              "beyond the activations", max(0.0, bucket_epilogue - activations), 0.0))
+    if checkpoint_masters:
+        # A save runs between steps: on a CPU run (one memory) it needs what it holds beyond the step's
+        # activations and gradients in flight, freed by then; on a GPU all of it, in host memory.
+        step_bytes = sum(r.device_bytes for r in extra)
+        extra.append(PlanRow("fp32 weights theta* + delta formed while a checkpoint saves (the anchored keep none)"
+                             + ("" if on_gpu else ", beyond the step's activations and gradients in flight"), 0.0,
+                             checkpoint_masters if on_gpu else max(0.0, checkpoint_masters - step_bytes)))
     if strategy.name == "deepspeed" and strategy.deepspeed.zero_stage == 3:
         # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers
         extra.append(PlanRow("parameters gathered by ZeRO-3 (prefetch)", shape.largest_block * low.itemsize, 0.0))

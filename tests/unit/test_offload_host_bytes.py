@@ -213,3 +213,39 @@ def test_the_staging_ring_holds_a_few_tensors_and_reuses_a_buffer_once_its_copy_
     assert len({ptr for ptr, _ in sent}) == 2
     for (_, staged), w in zip(sent, weights):
         assert staged.dtype == torch.bfloat16 and torch.equal(staged, w.to(torch.bfloat16))
+
+
+def test_the_plan_keeps_room_for_the_fp32_masters_a_checkpoint_save_forms():
+    """The bf16 weight form keeps no fp32 weight, so a save forms theta* + delta (4 B per anchored
+    parameter) and DCP holds it until the file is written: on a GPU all of it in host memory; on a
+    CPU run (one memory) what it needs beyond the step's activations and gradients in flight, freed
+    by then. Only where the run can save; the fp32 state keeps its masters and forms nothing. The
+    staging row: none with the compact state, a ring of two of the largest parameter with the fp32
+    state on a GPU."""
+    from ft_framework.strategies.memory_plan import model_shape, plan_peak
+    from ft_framework.task_kinds import model_class_of
+
+    arch = make_model_and_anchors()[0].config
+
+    def plan(on_gpu: bool, state: str = "bfloat16", **checkpoint):
+        data = _run_cfg(overlap=True, accum=1).model_dump()
+        data["checkpoint"] = {**data["checkpoint"], **checkpoint}
+        data["optimizer"]["state_dtype"] = state
+        data["data"]["max_seq_length"] = 16  # the tiny BERT's positions
+        data["training"]["per_device_batch_size"] = 4
+        cfg = validate_config(data)
+        shape = model_shape(arch, model_class=model_class_of(cfg.data.task_spec(), cfg))
+        return {r.what.split(" (")[0]: r for r in plan_peak(cfg, arch, world_size=1, on_gpu=on_gpu).rows}, shape
+
+    save = "fp32 weights theta* + delta formed while a checkpoint saves"
+    gpu, shape = plan(True)
+    assert gpu[save].cpu_bytes == 4 * shape.num_anchored and gpu[save].device_bytes == 0
+    assert gpu["staging of the new weights for the device: none"].cpu_bytes == 0
+    cpu, _ = plan(False, every_steps=5)
+    step = cpu["activations"].device_bytes + cpu["gradients in flight to the host"].device_bytes
+    assert cpu[save].cpu_bytes == max(0.0, 4 * shape.num_anchored - step)
+    assert save not in plan(True, on_signal="exit")[0]  # no save: no row
+    fp32, _ = plan(True, state="float32")
+    assert save not in fp32
+    ring = [r for what, r in fp32.items() if what.startswith("staging")]
+    assert [r.cpu_bytes for r in ring] == [2 * shape.largest_param * 2]
