@@ -255,3 +255,22 @@ def test_the_published_decoder_architectures_have_their_published_parameter_coun
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(arch.config)
         assert sum(p.numel() for p in model.parameters()) == count, hub_id
+
+
+@pytest.mark.slow
+def test_a_decoder_run_over_its_budget_is_refused_in_one_line_naming_what_fits(tmp_path):
+    """training.memory_budget_gib on a causal LM run (the old plan built a classifier of 0 labels
+    and crashed): refused before anything loads, with the micro-batch that fits."""
+    from ft_framework.errors import UserError
+    from ft_framework.strategies.memory_fit import check_memory_budget
+
+    model_dir = decoder_dir(tmp_path)
+    peaks = {b: plan_run(decoder_cfg(model_dir, per_device_batch_size=b), world_size=1, on_gpu=False).device_peak
+             for b in (4, 8)}
+    budget_gib = (peaks[4] + peaks[8]) / 2 / 2**30
+    cfg = decoder_cfg(model_dir, per_device_batch_size=8, memory_budget_gib=budget_gib)
+    with pytest.raises(UserError) as caught:
+        check_memory_budget(cfg, world_size=1, on_gpu=False)
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1 and message.startswith("training.memory_budget_gib")
+    assert "training.per_device_batch_size=4 training.gradient_accumulation_steps=2" in message
