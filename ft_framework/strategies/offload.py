@@ -46,6 +46,8 @@ its gradient, when backward no longer reads them (a weight read in backward unde
 
 from __future__ import annotations
 
+import logging
+
 import contextlib
 import queue
 import threading
@@ -65,6 +67,8 @@ from ft_framework.strategies.offload_transport import (ACCUMULATE_ON, MAX_GRADS_
 from ft_framework.strategies.single import SingleDeviceStrategy
 
 __all__ = ["OffloadedSingleDeviceStrategy"]
+
+logger = logging.getLogger(__name__)
 
 
 # Overlapped offload: gradients handed to the CPU worker at a time. Large enough that a bucket's
@@ -193,6 +197,10 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         self.optimizer = optimizer
         self.bf16_weights = self.lean and optimizer.compact and optimizer.delta_masters
         self._speculate = not self.bf16_weights
+        if self.overlap and self.bf16_weights:  # the run says what it does instead of what was asked
+            logger.warning("strategy.offload_optimizer.overlap: with the compact state in bf16 weights the step "
+                           "runs after backward, not during it (speculating would keep 8 more host bytes per "
+                           "parameter to undo a step); gradients still stream to the host during backward")
         # The bf16 weight form places theta* itself, parameter by parameter (below).
         wanted = anchors_for(optimizer, anchors, self._names.values()) if anchors and self.bf16_weights else set()
         landing: dict[int, torch.Tensor] = {}

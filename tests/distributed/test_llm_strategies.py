@@ -125,7 +125,7 @@ def test_the_offloads_equal_one_process(runs, offload, tmp_path):
     assert_same_run(tmp_path / "offload", runs["llama"]["single"])
 
 
-def test_the_device_lean_offload_with_the_compact_state_trains_a_decoder(runs, tmp_path):
+def test_the_device_lean_offload_with_the_compact_state_trains_a_decoder(runs, tmp_path, caplog):
     """bf16 weights on the device, fp32 masters and the compact state on the host: the first step
     sees θ* in bf16, so its loss is the bf16 model's; the run then follows the fp32 one closely."""
     root = runs["root"]
@@ -133,8 +133,12 @@ def test_the_device_lean_offload_with_the_compact_state_trains_a_decoder(runs, t
                                 strategy={"name": "single", "offload_optimizer": {"overlap": True}},
                                 training={"precision": "bf16"},
                                 optimizer={"state_dtype": "bfloat16", "anchor_dtype": "bfloat16"})
-    fit(lean)
+    with caplog.at_level("WARNING", logger="ft_framework.strategies.offload"):
+        fit(lean)
+    # 12 host bytes per parameter: the step runs after backward, and the run says so.
+    assert "runs after backward, not during it" in caplog.text
     got, want = records(tmp_path / "lean", "train"), records(runs["llama"]["single"], "train")
+    assert all(r["offload_speculated_steps"] == 0 for r in got)
     assert [r["step"] for r in got] == list(range(1, 7))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=2e-2)
     results = json.loads((tmp_path / "lean" / "results.json").read_text())
