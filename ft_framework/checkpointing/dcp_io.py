@@ -1,15 +1,29 @@
 """What the checkpoint layout needs of torch.distributed.checkpoint (DCP): the planners that write
 and read fragments as chunks of one 1-D tensor per key, tensors handed to DCP's writer without a
-copy, DCP's one-process warnings silenced, and its failures as one line per rank."""
+copy, values formed only when the writer reaches them (one alive at a time), DCP's one-process
+warnings silenced, and its failures as one line per rank."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from ft_framework.checkpointing.dcp_read import read_bytes_as_data
+
+# The torch releases whose DCP writer was read and tested to write each value before it resolves
+# the next under file_writer's settings (one thread, no copy-ahead: its _SerialCpuLoader), which
+# freeing a formed value once the next is asked for relies on. Under any other torch a save forms
+# every value before DCP starts (4 B per anchored parameter for the offload's masters, as before).
+STREAMED_FORMS_TORCH = ((2, 13), (2, 13))
+
+# Threads of a rank's checkpoint writer (DCP's FileSystemWriter thread_count): one, writing the
+# rank's one file. With it, values formed for a save (Fragment.form) are alive one at a time:
+# the memory plan's row for them is this many of the largest parameter.
+WRITER_THREADS = 1
 
 
 # ---- DCP planners -----------------------------------------------------------------------------
@@ -29,10 +43,16 @@ def _planners():
         `ranges` maps the state-dict key of a fragment (fragment_key) to (fqn, offset, full numel);
         a rank may hold several fragments of one fqn."""
 
-        def __init__(self, ranges: dict[str, tuple[str, int, int]]):
+        def __init__(self, ranges: dict[str, tuple[str, int, int]],
+                     formed: dict[str, Callable[[], torch.Tensor]] | None = None):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
             self.ranges = ranges
+            # Fragments whose value is made when the writer reaches them (Fragment.formed); their
+            # state-dict value is a meta tensor of its size and dtype.
+            self.formed = formed or {}
             self.by_chunk: dict[tuple[str, int], torch.Tensor] = {}
+            self.forms: dict[tuple[str, int], Callable[[], torch.Tensor]] = {}
+            self.alive: list[torch.Tensor] = []  # formed values handed to the writer, not yet freed
 
         def create_local_plan(self) -> SavePlan:
             items = []
@@ -40,6 +60,8 @@ def _planners():
                 if key in self.ranges:
                     fqn, offset, total = self.ranges[key]
                     self.by_chunk[(fqn, offset)] = value
+                    if key in self.formed:
+                        self.forms[(fqn, offset)] = self.formed[key]
                     items.append(WriteItem(
                         index=MetadataIndex(fqn, torch.Size([offset])), type=WriteItemType.SHARD,
                         tensor_data=TensorWriteData(
@@ -53,7 +75,24 @@ def _planners():
         def lookup_object(self, index):
             if index.fqn in self.state_dict:
                 return self.state_dict[index.fqn]
-            return self.by_chunk[(index.fqn, index.offset[0])]
+            chunk = (index.fqn, index.offset[0])
+            form = self.forms.get(chunk)
+            if form is None:
+                return self.by_chunk[chunk]
+            # The writer (one thread, no copy-ahead: file_writer) writes each value before it
+            # resolves the next, and keeps every written tensor until its file is closed: the
+            # value formed before this one is written, and its memory is freed here.
+            self.free_formed()
+            value = form()
+            self.alive.append(value)
+            return value
+
+        def free_formed(self) -> None:
+            # The storage itself is emptied: the writer holds its own alias of each value (a
+            # detached view) until the file is closed, so dropping ours would free nothing.
+            for value in self.alive:
+                value.untyped_storage().resize_(0)
+            self.alive = []
 
     class FragmentLoadPlanner(DefaultLoadPlanner):
         """Reads into each fragment target the range [offset, offset + n) of its fqn: only the
@@ -88,6 +127,42 @@ def _planners():
             self.state_dict[read_item.dest_index.fqn] = read_bytes_as_data(value)
 
     return FragmentSavePlanner, FragmentLoadPlanner
+
+
+def file_writer(directory: Path, *, formed: bool):
+    """DCP's file writer for the layout: one file per rank, WRITER_THREADS threads. With `formed`
+    values (Fragment.form) it copies nothing ahead (per_thread_copy_ahead 0, which on a machine
+    with CUDA would otherwise resolve about 10 MB of values before writing them): each value is
+    then written before the next is resolved, which lets the planner free it."""
+    import torch.distributed.checkpoint as dcp
+
+    ahead = {"per_thread_copy_ahead": 0} if formed else {}
+    return dcp.FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=WRITER_THREADS, **ahead)
+
+
+def save_state(directory: Path, state: dict[str, Any], ranges: dict[str, tuple[str, int, int]],
+               formed: dict[str, Callable[[], torch.Tensor]], *, no_dist: bool) -> None:
+    """One DCP save of `state` into `directory`: fragments by `ranges` (FragmentSavePlanner), the
+    values of `formed` made as the writer reaches them and freed once written, so that the save
+    holds WRITER_THREADS of them at a time (under STREAMED_FORMS_TORCH; under another torch, all
+    formed first). Raises DCP's CheckpointException as DCP does."""
+    import torch.distributed.checkpoint as dcp
+
+    if formed and not streams_formed_values():
+        state = {key: formed[key]() if key in formed else value for key, value in state.items()}
+        formed = {}
+    save_planner, _ = _planners()
+    planner = save_planner(ranges, formed)
+    try:
+        dcp.save(state, storage_writer=file_writer(directory, formed=bool(formed)), planner=planner, no_dist=no_dist)
+    finally:
+        planner.free_formed()
+
+
+def streams_formed_values() -> bool:
+    """Whether this torch is one whose writer forms values one at a time (STREAMED_FORMS_TORCH)."""
+    low, high = STREAMED_FORMS_TORCH
+    return low <= tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) <= high
 
 
 def _no_dist(strategy) -> bool:

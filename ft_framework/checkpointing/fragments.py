@@ -7,8 +7,8 @@ See layout.py for the layout as a whole."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ EXTRA_PREFIX = "extra/"
 
 __all__ = ["ANCHOR", "BUFFER_PREFIX", "DELTA", "EXTRA_PREFIX", "MASTER", "PARAM_PREFIX", "STEP", "Fragment", "ParamInfo",
            "ShardedCheckpointable", "buffer_key", "checkpoint_fields", "dtensor_fragments", "dtensor_shard_offset",
-           "fragment_key", "param_info", "param_key", "parse_param_key", "whole_tensor_fragments"]
+           "formed_fragment", "fragment_key", "param_info", "param_key", "parse_param_key", "whole_tensor_fragments"]
 
 
 @dataclass
@@ -32,13 +32,40 @@ class Fragment:
 
     `tensor` is a 1-D view into the live state (0-d for ``step``): saving writes it, loading
     copies into it. `write` is False for replicated copies that another rank writes (DDP, ZeRO
-    stage 0, a step shared by a flat partition), which still load here."""
+    stage 0, a step shared by a flat partition), which still load here.
+
+    `form`, where set, makes a value the live state does not hold (the fp32 master theta* + delta
+    of the offload's bf16 weight form): it fills a new 1-D host tensor with it. `tensor` is then
+    on the meta device (the value's size and dtype only); a save forms the value when its writer
+    reaches the fragment and frees it once written (checkpointing/dcp_io.py), so that it holds
+    one such value at a time, not every one (see `formed_fragment`)."""
 
     name: str
     field: str
     tensor: torch.Tensor
     offset: int = 0
     write: bool = True
+    form: Callable[[torch.Tensor], None] | None = None
+
+    def formed(self) -> torch.Tensor:
+        """The value this fragment saves: its live view, or a new host tensor `form` filled."""
+        if self.form is None:
+            return self.tensor
+        out = torch.empty(self.tensor.shape, dtype=self.tensor.dtype)
+        self.form(out)
+        return out
+
+    def with_value(self) -> "Fragment":
+        """This fragment with a tensor holding its value: itself, or a formed one's value in a
+        tensor of its own (a load's target for it: what is loaded there is read, then dropped)."""
+        return self if self.form is None else replace(self, tensor=self.formed(), form=None)
+
+
+def formed_fragment(name: str, field: str, numel: int, dtype: torch.dtype, form: Callable[[torch.Tensor], None],
+                    offset: int = 0, write: bool = True) -> Fragment:
+    """A fragment of `numel` elements of `dtype` whose value `form` makes when it is saved (it
+    fills the new 1-D host tensor it is given), instead of a view into the live state."""
+    return Fragment(name, field, torch.empty(numel, dtype=dtype, device="meta"), offset, write, form)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ chunks that overlap them, one saved chunk at a time.
 
 Memory: saving clones one fragment at a time to write it; loading reads one saved chunk at a time
 into the live state. Besides its own shard, a rank holds at most about one parameter's worth
-(a saved chunk is at most one parameter) during a save or a load; no rank gathers anything.
+(a saved chunk is at most one parameter) during a save or a load; no rank gathers anything. A value
+the live state does not hold (``Fragment.form``: the offload's fp32 master theta* + delta) is formed
+when the writer reaches it and freed once written, one at a time (dcp_io.py).
 
 What is saved comes from one object (``fragments.ShardedCheckpointable``, every member required):
 ``fragments()`` (views into the live tensors, used for saving *and* as load targets),
@@ -50,7 +52,7 @@ import torch
 
 from ft_framework.optim.base import check_loaded_anchors
 from ft_framework.checkpointing.dcp_io import (CheckpointReadError, _failure, _no_dist, _own_storage, _planners,
-                                              _quiet_dcp)
+                                              _quiet_dcp, save_state)
 from ft_framework.checkpointing.dcp_read import check_claimed_bytes, checkpoint_reader
 from ft_framework.checkpointing.fragments import (ANCHOR, BUFFER_PREFIX, DELTA, EXTRA_PREFIX, MASTER, Fragment,
                                                   ParamInfo, ShardedCheckpointable, buffer_key, checkpoint_fields,
@@ -87,6 +89,7 @@ def save_sharded(directory: Path, source: ShardedCheckpointable, *, tokenizer: A
     params = {p.name: p for p in source.params()}
     state: dict[str, Any] = {}
     ranges: dict[str, tuple[str, int, int]] = {}
+    formed: dict[str, Any] = {}  # values made as the writer reaches them (Fragment.form)
     for frag in source.fragments():
         if not frag.write or (frag.tensor.dim() > 0 and frag.tensor.numel() == 0):
             continue
@@ -101,6 +104,8 @@ def save_sharded(directory: Path, source: ShardedCheckpointable, *, tokenizer: A
             raise RuntimeError(f"two fragments of {key} at offset {frag.offset} on rank {source.rank}")
         state[skey] = _own_storage(frag.tensor.detach())
         ranges[skey] = (key, int(frag.offset), params[frag.name].numel)
+        if frag.form is not None:
+            formed[skey] = frag.formed
     model = source.model()
     if is_main:
         for name, buf in (buffers if buffers is not None else _buffers(model)):
@@ -114,12 +119,9 @@ def save_sharded(directory: Path, source: ShardedCheckpointable, *, tokenizer: A
         info = {"strategy": source.name, "world_size": source.world_size, "torch": torch.__version__}
         info.update(source.info())
         write_manifest(directory, list(params.values()), info, model, tokenizer)
-    save_planner, _ = _planners()
     try:
         with _quiet_dcp():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), single_file_per_rank=True,
-                                                                thread_count=1),
-                     planner=save_planner(ranges), no_dist=_no_dist(source))
+            save_state(directory, state, ranges, formed, no_dist=_no_dist(source))
     except dcp.api.CheckpointException as exc:  # a BaseException: make it an ordinary error
         raise RuntimeError(f"saving the checkpoint into {directory} failed ({_failure(exc)})") from exc
 
@@ -173,7 +175,7 @@ def load_sharded(directory: Path, target: ShardedCheckpointable) -> dict[str, An
     available = metadata.state_dict_metadata
     state: dict[str, Any] = {}
     targets: dict[str, tuple[str, int]] = {}
-    fragments = target.fragments()
+    fragments = [f.with_value() for f in target.fragments()]  # a formed value's target: a tensor of its own
     derived = _delta_conversion(directory, checkpoint_fields(metadata), fragments, target.rank)
     # A step shared by a flat partition (ZeRO) is the target of every parameter in it: each key
     # loads into it in turn, and they all hold the same count.

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ft_framework.checkpointing import dcp_io
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from ft_framework.models.forgetting import _mlm_head
 from ft_framework.models.loading import ModelClass
@@ -315,8 +316,10 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
         extra.append(_lean_staging_row(run_cfg, shape, window, low.itemsize, on_gpu))
         if run_cfg.optimizer.state_dtype == "bfloat16" and _saves_checkpoints(run_cfg):
             # The bf16 weight form keeps no fp32 weight: a save forms theta* + delta for the checkpoint's
-            # master weights, and DCP holds them until the rank's file is written (offload.py).
-            checkpoint_masters = shape.num_anchored * 4.0
+            # master weights, one at a time as DCP's writer reaches them (dcp_io.py; under a torch
+            # whose writer was not checked for that, all of them before it starts).
+            checkpoint_masters = 4.0 * (dcp_io.WRITER_THREADS * shape.largest_param if dcp_io.streams_formed_values()
+                                        else shape.num_anchored)
     else:
         overlap = offload is not None and offload.overlap
         # fp32 weights; with bf16/fp16 the forward runs under autocast, by CUDA's op lists on a GPU
@@ -344,8 +347,9 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
         # A save runs between steps: on a CPU run (one memory) it needs what it holds beyond the step's
         # activations and gradients in flight, freed by then; on a GPU all of it, in host memory.
         step_bytes = sum(r.device_bytes for r in extra)
-        extra.append(PlanRow("fp32 weights theta* + delta formed while a checkpoint saves (the anchored keep none)"
-                             + ("" if on_gpu else ", beyond the step's activations and gradients in flight"), 0.0,
+        extra.append(PlanRow("fp32 weights theta* + delta formed while a checkpoint saves (the anchored keep none; "
+                             + ("one parameter's at a time" if dcp_io.streams_formed_values() else "all at once")
+                             + (")" if on_gpu else "), beyond the step's activations and gradients in flight"), 0.0,
                              checkpoint_masters if on_gpu else max(0.0, checkpoint_masters - step_bytes)))
     if strategy.name == "deepspeed" and strategy.deepspeed.zero_stage == 3:
         # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers

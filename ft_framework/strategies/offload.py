@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 
 import contextlib
+import functools
 import queue
 import threading
 from typing import Any, Mapping
@@ -56,7 +57,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ft_framework.checkpointing.fragments import MASTER, Fragment, whole_tensor_fragments
+from ft_framework.checkpointing.fragments import MASTER, formed_fragment, whole_tensor_fragments
 from ft_framework.errors import UserError
 from ft_framework.optim.base import AnchoredOptimizer
 from ft_framework.optim.compact import round_nearest_bf16
@@ -620,22 +621,32 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         super().close()
 
 
+def _theta_star_plus_delta(state: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """The fp32 weight theta* + delta of a bf16-weight master into `out` (1-D, fp32), without a
+    temporary: theta* widened exactly, then one fp32 addition per element, the bits of
+    ``state["anchor"].float() + state["delta"]``."""
+    out.copy_(state["anchor"].reshape(-1))
+    out.add_(state["delta"].reshape(-1))
+
+
 class _OffloadCheckpoint(StrategyCheckpoint):
     """The fp32 host masters and their state; a load refreshes the device weights from them."""
 
     def fragments(self) -> list:
-        """A bf16-weight master has no fp32 weight: its fragment is theta* + delta, formed here (4 B
-        per such parameter while a save or load holds the fragments; a load into it is dropped, or
-        gives delta where the checkpoint has none)."""
+        """A bf16-weight master has no fp32 weight: its fragment's value is theta* + delta in fp32,
+        formed when the checkpoint writer reaches it and freed once written (formed_fragment), so a
+        save holds one parameter's at a time, not 4 B per anchored parameter. A load gives it a
+        tensor of its own: what is loaded there is dropped, or gives delta where the checkpoint has
+        none (layout.py)."""
         s = self.strategy
         out = []
         for name, m in s._named_masters():
             fragments = whole_tensor_fragments([(name, m)], s.optimizer, s.is_main_process)
             if s.optimizer.has_bf16_weight(m):
                 state = s.optimizer.state[m]
-                weight = (state["anchor"].float() + state["delta"]).reshape(-1)
-                fragments = [Fragment(name, MASTER, weight, 0, s.is_main_process) if f.field == MASTER else f
-                             for f in fragments]
+                master = formed_fragment(name, MASTER, m.numel(), torch.float32,
+                                         functools.partial(_theta_star_plus_delta, state), write=s.is_main_process)
+                fragments = [master if f.field == MASTER else f for f in fragments]
             out += fragments
         return out
 

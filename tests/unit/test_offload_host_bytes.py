@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ft_framework.checkpointing import dcp_io
+
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
@@ -215,13 +217,14 @@ def test_the_staging_ring_holds_a_few_tensors_and_reuses_a_buffer_once_its_copy_
         assert staged.dtype == torch.bfloat16 and torch.equal(staged, w.to(torch.bfloat16))
 
 
-def test_the_plan_keeps_room_for_the_fp32_masters_a_checkpoint_save_forms():
-    """The bf16 weight form keeps no fp32 weight, so a save forms theta* + delta (4 B per anchored
-    parameter) and DCP holds it until the file is written: on a GPU all of it in host memory; on a
-    CPU run (one memory) what it needs beyond the step's activations and gradients in flight, freed
-    by then. Only where the run can save; the fp32 state keeps its masters and forms nothing. The
-    staging row: none with the compact state, a ring of two of the largest parameter with the fp32
-    state on a GPU."""
+def test_the_plan_keeps_room_for_the_fp32_masters_a_checkpoint_save_forms(monkeypatch):
+    """The bf16 weight form keeps no fp32 weight, so a save forms theta* + delta, one parameter's at
+    a time as DCP's writer reaches it (4 B per element of the largest parameter; under a torch whose
+    writer was not checked for that, 4 B per anchored parameter, all formed first): on a GPU in host
+    memory; on a CPU run (one memory) what it needs beyond the step's activations and gradients in
+    flight, freed by then. Only where the run can save; the fp32 state keeps its masters and forms
+    nothing. The staging row: none with the compact state, a ring of two of the largest parameter
+    with the fp32 state on a GPU."""
     from ft_framework.strategies.memory_plan import model_shape, plan_peak
     from ft_framework.task_kinds import model_class_of
 
@@ -239,11 +242,15 @@ def test_the_plan_keeps_room_for_the_fp32_masters_a_checkpoint_save_forms():
 
     save = "fp32 weights theta* + delta formed while a checkpoint saves"
     gpu, shape = plan(True)
-    assert gpu[save].cpu_bytes == 4 * shape.num_anchored and gpu[save].device_bytes == 0
+    assert gpu[save].cpu_bytes == 4 * shape.largest_param and gpu[save].device_bytes == 0
     assert gpu["staging of the new weights for the device: none"].cpu_bytes == 0
     cpu, _ = plan(False, every_steps=5)
     step = cpu["activations"].device_bytes + cpu["gradients in flight to the host"].device_bytes
-    assert cpu[save].cpu_bytes == max(0.0, 4 * shape.num_anchored - step)
+    assert cpu[save].cpu_bytes == max(0.0, 4 * shape.largest_param - step)
+    monkeypatch.setattr(dcp_io, "STREAMED_FORMS_TORCH", ((1, 0), (1, 0)))
+    assert plan(True)[0][save].cpu_bytes == 4 * shape.num_anchored
+    assert plan(False, every_steps=5)[0][save].cpu_bytes == max(0.0, 4 * shape.num_anchored - step)
+    monkeypatch.undo()
     assert save not in plan(True, on_signal="exit")[0]  # no save: no row
     fp32, _ = plan(True, state="float32")
     assert save not in fp32
