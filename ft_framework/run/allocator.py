@@ -1,5 +1,5 @@
 """The host allocator policy ft-train sets at start, so that the process's memory follows its live
-tensors (the memory plan's host side, docs/memory.md).
+tensors (the memory plan's host side, docs/memory.md) without costing a CPU run its time.
 
 Why: glibc's malloc serves a request below its mmap threshold from the heap (the main arena), and
 the threshold grows, by default, up to 32 MiB as large blocks are freed. A CPU run frees
@@ -7,15 +7,20 @@ activations of many sizes every step; the holes they leave in the heap cannot be
 the kernel while a block above them lives, and later requests of other sizes do not fit them. On
 a RoBERTa-base-size run (batch 8 x 256 tokens, fp32, CPU) the process peaked at 5.24-5.36 GiB for
 3.79 GiB of live tensors; ``MALLOC_ARENA_MAX=2`` changed nothing and ``malloc_trim`` at phase
-boundaries saved 0.4 GiB. A fixed threshold of 128 KiB (``mallopt(M_MMAP_THRESHOLD, 131072)``,
-which also turns off the threshold's growth) serves every tensor of 128 KiB or more by its own
-mmap, returned to the kernel when it is freed: the same run peaked at 4.31 GiB.
+boundaries saved 0.4 GiB. A fixed threshold (``mallopt(M_MMAP_THRESHOLD, ...)``, which also turns
+off the threshold's growth) serves every block at or above it by its own mmap, returned to the
+kernel when it is freed: at 128 KiB the same run peaked at 4.31 GiB.
 
-Its cost: each such tensor is a fresh mapping whose pages the kernel zeroes on first touch. On
-small CPU runs (MiniLM-size, 4 steps) it took 16-19% off the peak and added 33-50% wall time on a
-busy machine, and the quickstart took 15.3-16.2 s against 12.1-12.7 s on a quiet one (-4.5% peak)
-(docs/benchmarks.md, "The ft-train process against its plan"); GPU runs allocate few large host
-blocks through malloc. So it is a choice, ``training.host_allocator`` (predictable by default).
+Which threshold: each block served by mmap is a fresh mapping whose pages the kernel zeroes on
+first touch, every time, where the heap would have reused them. At 128 KiB that covered the
+quickstart's small activations too (16 short sentences: a hidden state is a few hundred KiB), and
+the quickstart took 1.24x as long (30.7 s against 24.7 s, system time 11 s against 3.5 s, for
+4.5% less peak memory). At :data:`MMAP_THRESHOLD_BYTES` (1 MiB) a block below it reuses the heap,
+and the quickstart runs as fast as under glibc's own policy, while the tensors that make a large
+run's peak (a batch's activations, a layer's gradients: megabytes each) still go back to the
+system when freed (docs/benchmarks.md, "The host allocator's cost"). Holes below 1 MiB can stay in
+the heap; they are a small share of a run whose tensors are large. ``training.host_allocator:
+glibc`` keeps glibc's own policy.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ import ctypes
 import ctypes.util
 import platform
 
-M_MMAP_THRESHOLD = -3           # <malloc.h>: mallopt's parameter number of the mmap threshold
-MMAP_THRESHOLD_BYTES = 128 * 1024
+M_TRIM_THRESHOLD = -1           # <malloc.h>: mallopt's parameter numbers
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1024 * 1024
+# Free memory at the top of the heap that glibc keeps instead of handing it back (sbrk): twice the
+# mmap threshold, as glibc's own policy sets it when it raises that threshold. At glibc's default
+# (128 KiB, kept once the mmap threshold is fixed) a freed block below the mmap threshold at the
+# heap's top went back to the kernel and the next one was faulted in afresh, each time.
+TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 
 
 def set_host_allocator_policy(policy: str = "predictable") -> str:
@@ -45,8 +56,14 @@ def set_host_allocator_policy(policy: str = "predictable") -> str:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
         return "host allocator: left as it is (glibc's mallopt refused M_MMAP_THRESHOLD)"
-    return (f"host allocator: glibc mmap threshold fixed at {MMAP_THRESHOLD_BYTES // 1024} KiB "
-            "(mallopt M_MMAP_THRESHOLD): freed tensors return to the system, the process follows its live tensors")
+    if mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) != 1:
+        return "host allocator: glibc mmap threshold fixed, its trim threshold refused (mallopt M_TRIM_THRESHOLD)"
+    return (f"host allocator: glibc mmap threshold fixed at {_size(MMAP_THRESHOLD_BYTES)} (mallopt "
+            "M_MMAP_THRESHOLD): freed tensors of that size or more return to the system, smaller ones reuse the heap")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 2**20} MiB" if nbytes % 2**20 == 0 else f"{nbytes // 1024} KiB"
 
 
 __all__ = ["MMAP_THRESHOLD_BYTES", "set_host_allocator_policy"]
