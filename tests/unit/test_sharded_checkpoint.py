@@ -183,19 +183,19 @@ class WrongAnchorProvider(Provider):
 
 
 def test_misshaped_anchor_is_refused(tmp_path, monkeypatch):
-    from ft_framework.checkpointing import dcp_io, layout
+    from ft_framework.checkpointing import dcp_io
 
     key = fragment_key(param_key(WrongAnchorProvider.NAME, "anchor"), 0)
     save_planner, load_planner = dcp_io._planners()
 
     class ShrunkAnchor(save_planner):  # the anchor's full size in the checkpoint: 3 short
-        def __init__(self, ranges):
+        def __init__(self, ranges, formed=None):
             fqn, offset, total = ranges[key]
-            super().__init__({**ranges, key: (fqn, offset, total - 3)})
+            super().__init__({**ranges, key: (fqn, offset, total - 3)}, formed)
 
     with monkeypatch.context() as patch:
-        # save_sharded looks the planners up in layout, which imports them from dcp_io.
-        patch.setattr(layout, "_planners", lambda: (ShrunkAnchor, load_planner))
+        # save_sharded's save (dcp_io.save_state) looks the planners up in dcp_io.
+        patch.setattr(dcp_io, "_planners", lambda: (ShrunkAnchor, load_planner))
         save_sharded(tmp_path / "ck", WrongAnchorProvider(*build()))
     model2, opt2 = build()
     with pytest.raises(ValueError, match=r"anchor \(theta\*\) for parameter 'albert\.embeddings\.word_embeddings"
