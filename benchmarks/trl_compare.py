@@ -120,7 +120,7 @@ class StepClock:
 
 def work_ours(spec: dict, clock_fds: tuple[int, int]) -> dict:
     from ft_framework.config.loading import validate_config
-    from ft_framework.run.allocator import set_host_allocator_policy
+    from ft_framework.run.allocator import apply_run_policy
 
     cfg = validate_config({
         "model": {"name_or_path": spec["model"]},
@@ -135,7 +135,7 @@ def work_ours(spec: dict, clock_fds: tuple[int, int]) -> dict:
                        "generation": {"samples": 0}},
         "logging": {"output_dir": spec["out"], "log_every_steps": spec["log_every"], "progress_bar": False},
     })
-    set_host_allocator_policy(cfg.training.host_allocator)  # what ft-train's CLI does before it loads anything
+    apply_run_policy(cfg.training.host_allocator, cfg.training.memory_budget_gib)  # as ft-train's CLI, before it loads anything
     from ft_framework.trainer import Trainer
 
     trainer = Trainer(cfg)

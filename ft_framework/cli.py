@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ft_framework.errors import UserError
-from ft_framework.run.allocator import set_host_allocator_policy
+from ft_framework.run.allocator import apply_run_policy
 from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, print_user_error, report_failure
 from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, RunPaths
 from ft_framework.run.results import format_results_table
@@ -54,7 +54,7 @@ def train_main(argv: list[str] | None = None) -> int:
     # Before anything large is allocated (reading the config allocates little): with the default
     # policy the host memory then follows the live tensors (run/allocator.py).
     logging.getLogger("ft_framework.run.allocator").info(
-        "%s", set_host_allocator_policy(cfg.training.host_allocator))
+        "%s", apply_run_policy(cfg.training.host_allocator, cfg.training.memory_budget_gib))
     from ft_framework.trainer import Trainer  # the config is good: now torch (module docstring)
 
     trainer = None

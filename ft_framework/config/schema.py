@@ -463,11 +463,12 @@ class TrainingConfig(_Section):
     # Refuse, before anything loads, a run whose planned peak per rank (ft-plan; on a CPU run, its
     # memory) exceeds this many GiB of the device; the error names overrides that fit.
     memory_budget_gib: float | None = Field(None, gt=0)
-    # The host allocator (run/allocator.py). predictable: glibc's mmap threshold fixed at 128 KiB, so
+    # The host allocator (run/allocator.py). predictable: glibc's mmap threshold fixed at 1 MiB, so
     # freed tensors go back to the system and the process follows its live tensors (and the memory
-    # plan); each large tensor then costs fresh zeroed pages (the quickstart took 1.25x the time).
-    # glibc: glibc's own growing threshold, faster on small CPU runs, its heap keeps freed holes.
-    host_allocator: Literal["predictable", "glibc"] = "predictable"
+    # plan); each large tensor then costs fresh zeroed pages (a decoder's SFT step: 1.4x the time).
+    # glibc: glibc's own growing threshold, no such cost, its heap keeps freed holes. auto:
+    # predictable where memory_budget_gib is set (the run is held to its plan), glibc otherwise.
+    host_allocator: Literal["auto", "predictable", "glibc"] = "auto"
     # R3F's penalty (classification tasks only); None: off.
     r3f: R3FConfig | None = None
 

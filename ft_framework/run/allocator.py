@@ -19,8 +19,13 @@ the quickstart took 1.24x as long (30.7 s against 24.7 s, system time 11 s again
 and the quickstart runs as fast as under glibc's own policy, while the tensors that make a large
 run's peak (a batch's activations, a layer's gradients: megabytes each) still go back to the
 system when freed (docs/benchmarks.md, "The host allocator's cost"). Holes below 1 MiB can stay in
-the heap; they are a small share of a run whose tensors are large. ``training.host_allocator:
-glibc`` keeps glibc's own policy.
+the heap; they are a small share of a run whose tensors are large.
+
+Its cost where activations are megabytes: a decoder's SFT step (SmolLM2-135M, 4 x 256 tokens)
+allocates its activations, each 2-200 MB, afresh every step; mapped and zeroed each time, the step
+took 1.4x as long as under glibc's own policy, which reuses them in its heap (docs/benchmarks.md).
+So the policy is on where a run is held to its plan, ``training.memory_budget_gib`` (``auto``, the
+default), or where asked (``predictable``); ``glibc`` keeps glibc's own policy.
 """
 
 from __future__ import annotations
@@ -39,12 +44,24 @@ MMAP_THRESHOLD_BYTES = 1024 * 1024
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 
 
-def set_host_allocator_policy(policy: str = "predictable") -> str:
-    """With `policy` "predictable" (``training.host_allocator``), sets glibc's mmap threshold to
+def resolve_policy(host_allocator: str, memory_budget_gib: float | None) -> str:
+    """The policy a run's ``training.host_allocator`` names: "auto" is "predictable" where the run
+    has a memory budget (``training.memory_budget_gib``: it is held to its plan) and "glibc"
+    otherwise (no time lost to fresh pages: a decoder's SFT step took 1.4x as long under the
+    predictable policy, docs/benchmarks.md)."""
+    if host_allocator == "auto":
+        return "predictable" if memory_budget_gib is not None else "glibc"
+    return host_allocator
+
+
+def set_host_allocator_policy(policy: str = "predictable", *, why: str | None = None) -> str:
+    """With `policy` "predictable" (resolve_policy), sets glibc's mmap threshold to
     :data:`MMAP_THRESHOLD_BYTES` where glibc is the allocator; "glibc" leaves glibc's own policy.
-    Returns one line for the run's log saying what was done (or why nothing was)."""
+    `why`: the setting that chose it, for the line. Returns one line for the run's log saying what
+    was done (or why nothing was)."""
     if policy == "glibc":
-        return "host allocator: glibc's own (training.host_allocator: glibc; freed tensors may stay in its heap)"
+        return (f"host allocator: glibc's own ({why or 'training.host_allocator: glibc'}; freed tensors may stay in "
+                "its heap, so the process can hold more than the memory plan's tensors)")
     libc_name, _ = platform.libc_ver()
     if libc_name != "glibc":
         return f"host allocator: left as it is (the C library is {libc_name or 'not glibc'}; the policy is glibc's)"
@@ -59,11 +76,24 @@ def set_host_allocator_policy(policy: str = "predictable") -> str:
     if mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) != 1:
         return "host allocator: glibc mmap threshold fixed, its trim threshold refused (mallopt M_TRIM_THRESHOLD)"
     return (f"host allocator: glibc mmap threshold fixed at {_size(MMAP_THRESHOLD_BYTES)} (mallopt "
-            "M_MMAP_THRESHOLD): freed tensors of that size or more return to the system, smaller ones reuse the heap")
+            "M_MMAP_THRESHOLD): freed tensors of that size or more return to the system, smaller ones reuse the heap"
+            + (f" ({why})" if why else ""))
+
+
+def apply_run_policy(host_allocator: str, memory_budget_gib: float | None) -> str:
+    """resolve_policy, then set_host_allocator_policy, with the line saying which setting chose it."""
+    policy = resolve_policy(host_allocator, memory_budget_gib)
+    if host_allocator != "auto":
+        why = f"training.host_allocator: {host_allocator}"
+    elif memory_budget_gib is not None:
+        why = "training.host_allocator: auto, with training.memory_budget_gib set"
+    else:
+        why = "training.host_allocator: auto, without training.memory_budget_gib"
+    return set_host_allocator_policy(policy, why=why)
 
 
 def _size(nbytes: int) -> str:
     return f"{nbytes // 2**20} MiB" if nbytes % 2**20 == 0 else f"{nbytes // 1024} KiB"
 
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "set_host_allocator_policy"]
+__all__ = ["MMAP_THRESHOLD_BYTES", "apply_run_policy", "resolve_policy", "set_host_allocator_policy"]

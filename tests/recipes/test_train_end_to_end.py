@@ -148,7 +148,9 @@ def test_cli_runs_and_prints_the_results_table(tiny_bert_dir, tmp_path):
                           "evaluation.num_evals=1"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "majority class" in out.stdout and "accuracy" in out.stdout
-    assert "host allocator: glibc mmap threshold fixed at 1 MiB" in out.stderr  # the default policy, said
+    # the default (auto) without a memory budget: glibc's own policy, said with the setting that chose it
+    assert "host allocator: glibc's own (training.host_allocator: auto, without training.memory_budget_gib" \
+        in out.stderr
     bad = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", str(cfg),
                           "training.max_stepz=3"], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "max_stepz" in bad.stderr and "max_steps" in bad.stderr

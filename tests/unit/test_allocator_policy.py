@@ -99,3 +99,33 @@ def test_a_block_below_the_threshold_reuses_the_heap_without_fresh_pages():
     policy, default = probe("policy", REUSE), probe("default", REUSE)
     assert policy["faults"] < policy["pages"] / 10, policy   # 200 reuses: about one block's pages in all
     assert default["faults"] < default["pages"] / 10, default
+
+
+def test_auto_holds_a_run_with_a_memory_budget_to_its_plan_and_leaves_the_others_to_glibc():
+    """training.host_allocator: auto (the default) is the predictable policy where the run has a
+    memory budget and glibc's own otherwise; an explicit choice is kept either way."""
+    from ft_framework.config.schema import TrainingConfig
+    from ft_framework.run.allocator import resolve_policy
+
+    assert TrainingConfig(max_steps=1).host_allocator == "auto"
+    assert resolve_policy("auto", None) == "glibc"
+    assert resolve_policy("auto", 20.0) == "predictable"
+    assert resolve_policy("predictable", None) == "predictable"
+    assert resolve_policy("glibc", 20.0) == "glibc"
+
+
+AUTO = r"""
+import sys
+from ft_framework.run.allocator import apply_run_policy
+print(apply_run_policy("auto", float(sys.argv[1]) if sys.argv[1] != "none" else None))
+"""
+
+
+@needs_glibc
+@pytest.mark.parametrize("budget, policy", [("none", "glibc's own"), ("20", "glibc mmap threshold fixed at 1 MiB")])
+def test_the_line_names_the_policy_and_the_setting_that_chose_it(budget, policy):
+    line = subprocess.run([sys.executable, "-c", AUTO, budget], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert line.startswith(f"host allocator: {policy}"), line
+    assert ("with training.memory_budget_gib set" if budget != "none" else "without training.memory_budget_gib") \
+        in line, line
