@@ -21,7 +21,18 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)  # no thread pool in the parent: forking it is safe
 
+import threading  # noqa: E402
+
+import tqdm.std  # noqa: E402
+
 from ft_framework.checkpointing.export import export_pretrained  # noqa: E402
+
+# tqdm's write lock is a multiprocessing lock, a semaphore every forked child shares with this
+# process: a child killed while its progress bar holds it leaves it taken for good, and the next
+# child's progress bar waits forever. Each child gets a lock of its own (a thread lock, copied by
+# fork), and no monitor thread that could hold it at a fork.
+tqdm.std.tqdm.set_lock(threading.RLock())
+tqdm.std.tqdm.monitor_interval = 0
 
 
 def main(checkpoint: str, out: str, warm_up: str) -> None:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from ft_framework.cli import export_main, train_main
 HERE = Path(__file__).parent
 KILLS = 10
 KILL_SEED = 38  # the kill moments: fixed, so a failure replays
+WORKER_DEADLINE_S = 300  # the whole exchange; it takes about 10 s
 
 
 def _tiny_model():
@@ -99,6 +101,11 @@ def test_ten_kills_leave_a_complete_export_or_none(checkpoint, tmp_path):
                                str(tmp_path / "warm_up")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
 
+    # A worker that stops answering (a child that never ends) is killed: its stdout closes, and the
+    # test fails in bounded time instead of hanging the suite.
+    watchdog = threading.Timer(WORKER_DEADLINE_S, worker.kill)
+    watchdog.start()
+
     def ask(command: str) -> tuple[float, int]:
         worker.stdin.write(command + "\n")
         worker.stdin.flush()
@@ -133,6 +140,7 @@ def test_ten_kills_leave_a_complete_export_or_none(checkpoint, tmp_path):
         load_whole(out, weights)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "warm_up"]
     finally:
+        watchdog.cancel()
         worker.stdin.close()
         worker.wait(timeout=60)
 

@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -176,8 +177,8 @@ def mapped_kib(path) -> int | None:
     current = None
     for line in open("/proc/self/smaps"):
         fields = line.split()
-        if len(fields) >= 6 and "-" in fields[0]:
-            current = fields[5]
+        if fields and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping's first line
+            current = fields[5] if len(fields) >= 6 else None  # an anonymous one names no file
         elif fields and fields[0] == "Rss:" and current == str(path):
             found, total = True, total + int(fields[1])
     return total if found else None
@@ -196,7 +197,7 @@ def test_the_writers_checks_map_no_token_page(tmp_path):
     assert entry_name(data.train._key) == entry.path.name
 
 
-def _load_in_child(tmp_path, log):
+def _load_in_child(tmp_path, log, paths):
     real = RowTokenizer.tokenize
 
     def logged(self, rows):
@@ -205,14 +206,15 @@ def _load_in_child(tmp_path, log):
         return real(self, rows)
 
     RowTokenizer.tokenize = logged
-    load(tmp_path, rows=ROWS * 3000)
+    load_sft_data(paths, build_tiny_tokenizer(), SFTSettings(max_seq_length=64), cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.slow
 def test_two_runs_starting_together_tokenize_once(tmp_path):
     log = tmp_path / "tokenized_by"
+    paths = files(tmp_path, ROWS * 3000)  # written once, before either starts: both read the same files
     context = multiprocessing.get_context("fork")
-    children = [context.Process(target=_load_in_child, args=(tmp_path, log)) for _ in range(2)]
+    children = [context.Process(target=_load_in_child, args=(tmp_path, log, paths)) for _ in range(2)]
     for child in children:
         child.start()
     for child in children:
