@@ -226,10 +226,13 @@ def worker(args) -> None:
 
     tmp = Path(args.rows_out).parent
     cfg = run_config(section, optimizer, args.batch, args.seq, cuda, tmp)
+    # The dry run plans too, so the plan's code runs before a GPU window depends on it; its plan is
+    # of the config's architecture (the 1B), not of the toy model the dry run trains.
+    plan = plan_run(cfg, world_size=1, on_gpu=cuda)
+    row.update(planned_device_gb=plan.device_peak / 1e9, planned_live_gb=plan.live_bytes / 1e9,
+               planned_host_gb=plan.host_peak / 1e9)
     if not args.tiny:
-        plan = plan_run(cfg, world_size=1, on_gpu=cuda)
-        row.update(planned_device_gb=plan.device_peak / 1e9, planned_live_gb=plan.live_bytes / 1e9,
-                   planned_host_gb=plan.host_peak / 1e9, params=plan.num_params)
+        row["params"] = plan.num_params
     emit("planned")
     rss_start = _status_kib("VmRSS")
     strategy = setup_strategy(cfg, build_model(args.tiny), optimizer)

@@ -381,3 +381,26 @@ def test_the_wheels_check_says_in_one_line_what_to_carry(tmp_path):
         lines = [line for line in out.stdout.splitlines() if line.strip()]
         assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stdout, out.stderr[-2000:])
         assert "gpu_run.sh prepare wheels" in lines[0] and 'carry=["wheels"]' in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_part_g_tiny_smoke_run(tmp_path):
+    """Part g (issue 43) end to end at toy sizes on the CPU: each candidate (ours, DeepSpeed ZeRO-2
+    and ZeRO-3 offload) planned, set up, trained and its batch searched in a worker of its own, its
+    rows written as measured (the last one finished), and the report tabled."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_part_g.py"), "--tiny", "--out",
+                          str(tmp_path / "part_g.md")], capture_output=True, text=True, env=env, cwd=REPO,
+                         timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    rows = {}
+    for rows_file in sorted(tmp_path.glob("part_g_g*.rows.jsonl")):
+        last = [json.loads(line) for line in rows_file.read_text().splitlines()][-1]
+        rows[last["name"]] = last
+    assert len(rows) == 3 and any(name.startswith("ours") for name in rows), list(rows)
+    for name, row in rows.items():
+        assert row["stage"] == "done" and not row.get("error"), row
+        assert row["tokens_per_s"] > 0 and row["planned_host_gb"] > 0 and row["train_peak_rss_gb"] > 0, row
+        assert row["cap"]["largest_batch"] >= 1, row
+    report = (tmp_path / "part_g.md").read_text()
+    assert "## g. A 1B decoder" in report and report.count("DeepSpeedCPUAdam") >= 2
