@@ -217,6 +217,14 @@ def versions() -> dict[str, str]:
     return out
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file renamed over it: a reader, or a kill at any
+    moment, finds the old file or the new one, never a truncated one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def report_header(v: dict[str, str], command: str, tiny: bool) -> str:
     lines = ["# GPU suite results", ""]
     if tiny:
@@ -1255,8 +1263,9 @@ def main(argv: list[str] | None = None) -> int:
     def write() -> str:
         footer = f"\n_Total wall time: {time.perf_counter() - started:.0f} s._\n"
         text = build_report(report_header(v, command, args.tiny), list(sections.values())) + footer
-        out_path.write_text(text)
-        out_path.with_suffix(".json").write_text(json.dumps(raw, indent=1, default=str))
+        # Each file whole or its previous version: a kill between two writes leaves no truncated file.
+        replace_text(out_path, text)
+        replace_text(out_path.with_suffix(".json"), json.dumps(raw, indent=1, default=str))
         return text
 
     def run_worker(kind: str, launcher: str) -> dict[str, Any]:

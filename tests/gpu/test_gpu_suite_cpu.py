@@ -364,8 +364,11 @@ def test_part_a_checks_bits_first_and_a_kill_keeps_every_finished_row(tmp_path):
     assert rows >= seen
     assert raw["bit_equality"] and all(x.get("equal") for x in raw["bit_equality"]), raw["bit_equality"]
     assert not raw["candidates"] or len(raw["bit_equality"]) == 16  # every check before the first timing
-    report = out.read_text()
-    assert report.count("| yes") == len(raw["bit_equality"])
+    # The bit checks come first (16): every one the run announced is in each file, each file whole
+    # (written by renaming; the report may hold one row more or less than the JSON beside it).
+    announced_checks = min(seen, 16)
+    assert len(raw["bit_equality"]) >= announced_checks
+    assert out.read_text().count("| yes") >= announced_checks
 
 
 
