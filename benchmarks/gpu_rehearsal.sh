@@ -103,6 +103,12 @@ a = json.load(open(sys.argv[1]))["a"]
 assert len(a["bit_equality"]) == 16 and all(x.get("equal") for x in a["bit_equality"]), a["bit_equality"]
 assert len(a["candidates"]) >= 6 and not a.get("error"), (a.get("error"), [c["name"] for c in a["candidates"]])
 EOF
+check "window: part g, three candidates trained to the end, none failed" "$PY" - "$W" <<'EOF'
+import json, pathlib, sys
+files = sorted(pathlib.Path(sys.argv[1]).glob("part_g_g*.rows.jsonl"))
+last = [[json.loads(line) for line in f.read_text().splitlines()][-1] for f in files]
+assert len(last) == 3 and all(r["stage"] == "done" and r.get("tokens_per_s") and not r.get("error") for r in last), last
+EOF
 check "window: \$OUT holds the joined report and one archive (the device tool brings back 8 files)" \
   bash -c "grep -q '## f. ' '$WINDOW_OUT/gpu_results.md' && grep -q '## a. ' '$WINDOW_OUT/gpu_results.md' \
            && tar tzf '$WINDOW_OUT/gpu_run.tar.gz' | grep -q part_f.json && [ \$(ls -A '$WINDOW_OUT' | wc -l) -le 8 ]"
