@@ -48,8 +48,9 @@ def make_optimizer(model, anchors, rule: str = "recadam", state_dtype: str = "fl
     return build_optimizer(rule, groups, impl="auto", **HPARAMS, **extra)
 
 
-def train(strategy, steps: int = STEPS, accum: int = 1) -> list[float]:
-    """As the trainer does: each micro-batch's loss divided by `accum`; the gradient norms."""
+def train(strategy, steps: int = STEPS, accum: int = 1, max_grad_norm: float | None = None) -> list[float]:
+    """As the trainer does: each micro-batch's loss divided by `accum`, clipped at `max_grad_norm`
+    (None: not clipped); the gradient norms."""
     norms = []
     for step in range(steps):
         full = batch(step)
@@ -57,5 +58,5 @@ def train(strategy, steps: int = STEPS, accum: int = 1) -> list[float]:
             part = {k: v[micro::accum] for k, v in full.items()}
             loss = strategy.forward(part).loss
             strategy.backward(loss / accum if accum > 1 else loss, last_micro_batch=micro == accum - 1)
-        norms.append(strategy.clip_and_step(None))
+        norms.append(strategy.clip_and_step(max_grad_norm))
     return norms

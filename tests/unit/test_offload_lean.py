@@ -159,18 +159,6 @@ def test_micro_batches_accumulate_where_configured(accumulate):
         assert torch.equal(m, want_masters[name]), name
 
 
-def _train_clipped(strategy, steps: int, accum: int, max_grad_norm: float | None) -> list[float]:
-    norms = []
-    for step in range(steps):
-        full = batch(step)
-        for micro in range(accum):
-            part = {k: v[micro::accum] for k, v in full.items()}
-            loss = strategy.forward(part).loss
-            strategy.backward(loss / accum if accum > 1 else loss, last_micro_batch=micro == accum - 1)
-        norms.append(strategy.clip_and_step(max_grad_norm))
-    return norms
-
-
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["unclipped", "clipped"])
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
@@ -182,7 +170,7 @@ def test_the_compact_state_writes_its_bf16_weights_in_place_as_the_fp32_weight_f
     written out by hand with fp32 masters rounded to bf16 after each step, clipped or not. The
     overlapped path does not speculate with it (nothing to roll back: the gradient is overwritten)."""
     strategy = _lean(overlap, "compact_state")
-    _train_clipped(strategy, steps=4, accum=accum, max_grad_norm=max_grad_norm)
+    train(strategy, steps=4, accum=accum, max_grad_norm=max_grad_norm)
     strategy.close()
     assert strategy.train_metrics()["offload_speculated_steps"] == 0
     assert strategy.train_metrics()["offload_rollbacks"] == 0
