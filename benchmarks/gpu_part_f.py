@@ -23,7 +23,6 @@ The suite module is passed in (`suite`), so this file imports nothing of it.
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import time
@@ -195,8 +194,14 @@ def worker_f(suite, args, cuda: bool, device: str, tmp: Path) -> dict[str, Any]:
         row["cap"] = cap
         emit("cap")
 
-    row["cap"] = _largest_batch(suite, args, cfg, optimizer_name, strategy, build, cuda, deadline=deadline,
-                                on_probe=probed)
+    def train_one(probing, batch: int) -> None:
+        suite.train_candidate(cfg, optimizer_name, args, batch=batch, offload=True, steps=1, warmup=1,
+                              strategy=probing)
+
+    cap, searched = suite.largest_batch_under_cap(args, strategy, build, train_one, cuda, deadline, on_probe=probed)
+    if searched is not None:
+        cap["probes"] = searched
+    row["cap"] = cap
     emit("done")
     return row
 
@@ -218,70 +223,6 @@ def _snapshot_one_step(suite, args, cfg, optimizer_name: str, strategy, name: st
         pickle.dump(snapshot, f)  # written for pytorch.org/memory_viz; never read back here
     traces = snapshot.get("device_traces") or [[]]
     return {"file": str(path), **top_lines_at_peak(traces[0])}
-
-
-def _largest_batch(suite, args, cfg, optimizer_name: str, strategy, build, cuda: bool,
-                   deadline: float, on_probe=lambda cap: None) -> dict[str, Any]:
-    """The largest batch under --cap-gb, doubling then bisecting (gpu_suite.largest_fitting_batch);
-    stopped at `deadline` (then a lower bound). After an out-of-memory probe our offload abandons
-    the half-done step and the same strategy probes on (its model and pinned masters stay); a
-    DeepSpeed engine is rebuilt (its buffers may be half-built), from the model built once.
-    `on_probe(result)` after every probe: the caller writes it down."""
-    import torch
-
-    result: dict[str, Any] = {"cap_gb": args.cap_gb, "complete": True, "probes": []}
-    if cuda:
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total))
-    simulated = None if cuda else max(1, args.max_batch // 4)
-    state = {"strategy": strategy}
-
-    def fits(batch: int) -> bool:
-        if time.perf_counter() > deadline:
-            result["complete"] = False
-            return False
-        ok = _probe(batch)
-        result["probes"].append((batch, ok))
-        good = [b for b, fit in result["probes"] if fit]
-        result["largest_batch"] = max(good) if good else None
-        on_probe(result)
-        return ok
-
-    def _probe(batch: int) -> bool:
-        try:
-            if simulated is not None and batch > simulated:
-                raise torch.cuda.OutOfMemoryError(f"simulated: batch {batch} > {simulated}")
-            if state["strategy"] is None:
-                state["strategy"] = build()
-            suite.train_candidate(cfg, optimizer_name, args, batch=batch, offload=True, steps=1, warmup=1,
-                                  strategy=state["strategy"])
-            return True
-        except Exception as exc:  # noqa: BLE001
-            if not suite.is_oom(exc):
-                raise
-            current = state["strategy"]
-            if current is not None and hasattr(current, "abandon_step"):
-                current.abandon_step()  # our offload: the same strategy goes on
-            elif current is not None:  # half-way through a DeepSpeed step: rebuilt for the next probe
-                suite.release(current)
-                current.close()
-                state["strategy"] = None
-            gc.collect()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            return False
-
-    try:
-        largest, probes = suite.largest_fitting_batch(fits, args.batch, args.max_batch)
-        result.update(largest_batch=largest, probes=probes)
-    except Exception as exc:  # noqa: BLE001 - reported in the row
-        result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if state["strategy"] is not None:
-        suite.release(state["strategy"])
-        state["strategy"].close()
-    return result
 
 
 # ---- the parent's side ---------------------------------------------------------------------------

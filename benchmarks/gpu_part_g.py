@@ -34,7 +34,6 @@ import gc
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -208,7 +207,7 @@ def worker(args) -> None:
     import torch
 
     from ft_framework.strategies.memory_fit import plan_run
-    from gpu_suite import is_oom, largest_fitting_batch, release
+    from gpu_suite import largest_batch_under_cap
 
     started = time.perf_counter()
     name = list(G_CANDIDATES)[int(args.worker)]
@@ -246,75 +245,25 @@ def worker(args) -> None:
     row["train_peak_rss_gb"] = _status_kib("VmHWM") * 1024 / 1e9
     emit("measured")
 
-    cap: dict[str, Any] = {"cap_gb": args.cap_gb, "complete": True}
-    row["cap"] = cap
-    if cuda:
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total))
-    simulated = None if cuda else max(1, args.max_batch // 4)  # the dry run's stand-in for the cap
-    state = {"strategy": strategy}
-
-    def fits(batch: int) -> bool:
-        if time.perf_counter() > deadline:
-            cap["complete"] = False
-            return False
-        try:
-            if simulated is not None and batch > simulated:
-                raise torch.OutOfMemoryError(f"simulated: batch {batch} > {simulated}")
-            if state["strategy"] is None:
-                state["strategy"] = setup_strategy(cfg, build_model(args.tiny), optimizer)
-            train_steps(state["strategy"], make_batch(batch, args.seq, vocab, device), 1, 1, cuda)
-            ok = True
-        except Exception as exc:  # noqa: BLE001
-            if not is_oom(exc):
-                raise
-            current = state["strategy"]
-            if current is not None and hasattr(current, "abandon_step"):
-                current.abandon_step()  # our offload: the same strategy probes on
-            elif current is not None:   # half-way through a DeepSpeed step: rebuilt for the next probe
-                release(current)
-                current.close()
-                state["strategy"] = None
-            gc.collect()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-            ok = False
-        cap.setdefault("probes", []).append((batch, ok))
-        good = [b for b, fit in cap["probes"] if fit]
-        cap["largest_batch"] = max(good) if good else None
+    def probed(cap: dict[str, Any]) -> None:
+        row["cap"] = cap
         emit("cap")
-        return ok
 
-    try:
-        largest, _ = largest_fitting_batch(fits, args.batch, args.max_batch)
-        cap["largest_batch"] = largest
-    except Exception as exc:  # noqa: BLE001 - the row says what failed
-        cap["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if state["strategy"] is not None:
-        release(state["strategy"])
-        state["strategy"].close()
+    def train_one(probing, batch: int) -> None:
+        train_steps(probing, make_batch(batch, args.seq, vocab, device), 1, 1, cuda)
+
+    def rebuild():
+        return setup_strategy(cfg, build_model(args.tiny), optimizer)
+
+    row["cap"], _ = largest_batch_under_cap(args, strategy, rebuild, train_one, cuda, deadline, on_probe=probed)
     emit("done")
 
 
 # ---- the parent ----------------------------------------------------------------------------------
-RUNNING: set[int] = set()
-
-
-def _stop(signum, frame) -> None:
-    """A time limit's SIGTERM: the running worker's whole process group goes too."""
-    for pid in list(RUNNING):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    raise SystemExit(124)
-
-
 def launch(index: int, args, budget: float) -> dict[str, Any]:
     """Worker `index` under torchrun (world size 1) within `budget` seconds; its last row."""
     from ft_framework.distributed.ports import free_port
+    from gpu_suite import run_in_session, worker_env
 
     out = Path(args.out)
     rows_path = out.with_name(f"{out.stem}_g{index}.rows.jsonl")
@@ -324,24 +273,12 @@ def launch(index: int, args, budget: float) -> dict[str, Any]:
            str(Path(__file__).resolve()), "--worker", str(index), "--rows-out", str(rows_path), "--out", args.out,
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--cap-gb", str(args.cap_gb), "--max-batch", str(args.max_batch)] + (["--tiny"] if args.tiny else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GPU_PART_G_LEFT_S=str(budget))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    if args.tiny:
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    env = worker_env(args.tiny)
+    env["GPU_PART_G_LEFT_S"] = str(budget)
     log(f"g{index}: limit {budget:.0f} s: {shlex.join(cmd)}")
     t0 = time.perf_counter()
-    with open(log_path, "w", buffering=1) as log_file:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        RUNNING.add(proc.pid)
-        try:
-            rc, note = proc.wait(timeout=budget), ""
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc, note = -1, f"stopped at its limit of {budget:.0f} s"
-        finally:
-            RUNNING.discard(proc.pid)
+    rc = run_in_session(cmd, env, log_path, budget)
+    rc, note = (-1, f"stopped at its limit of {budget:.0f} s") if rc is None else (rc, "")
     rows = read_rows(rows_path)
     row = rows[-1] if rows else {"name": list(G_CANDIDATES)[index]}
     if rc != 0:
@@ -405,9 +342,9 @@ def main() -> int:
     if args.worker is not None:
         worker(args)
         return 0
-    from gpu_suite import report_header, versions
+    from gpu_suite import report_header, stop_workers_and_exit, versions
 
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, stop_workers_and_exit)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/gpu_part_g.py " + " ".join(sys.argv[1:])
     header = report_header(versions(), command, args.tiny)

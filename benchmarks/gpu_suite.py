@@ -850,6 +850,73 @@ def release(strategy) -> None:
         torch.cuda.empty_cache()
 
 
+
+def largest_batch_under_cap(args, strategy, build: Callable[[], Any], train_one: Callable[[Any, int], None],
+                            cuda: bool, deadline: float, on_probe: Callable[[dict[str, Any]], None] = lambda cap: None
+                            ) -> tuple[dict[str, Any], list[tuple[int, bool]] | None]:
+    """The largest batch under --cap-gb (parts f and g), doubling then bisecting
+    (largest_fitting_batch); stopped at `deadline` (then a lower bound). `train_one(strategy, batch)`
+    runs one step; `build()` makes a strategy anew. On the CPU (no cap) a batch above
+    --max-batch / 4 stands in for an out-of-memory error. After an out-of-memory probe our offload
+    abandons the half-done step and the same strategy probes on (its model and pinned masters stay);
+    a DeepSpeed engine is rebuilt (its buffers may be half-built). `on_probe(cap)` after every probe:
+    the caller writes it down. Returns (cap: cap_gb, complete, the probes run, largest_batch and
+    any error; the search's own probes, a deadline's refusals among them, None if it failed)."""
+    import torch
+
+    cap: dict[str, Any] = {"cap_gb": args.cap_gb, "complete": True, "probes": []}
+    if cuda:
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total))
+    simulated = None if cuda else max(1, args.max_batch // 4)  # the dry run's stand-in for the cap
+    state = {"strategy": strategy}
+
+    def probe(batch: int) -> bool:
+        try:
+            if simulated is not None and batch > simulated:
+                raise torch.OutOfMemoryError(f"simulated: batch {batch} > {simulated}")
+            if state["strategy"] is None:
+                state["strategy"] = build()
+            train_one(state["strategy"], batch)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if not is_oom(exc):
+                raise
+            current = state["strategy"]
+            if current is not None and hasattr(current, "abandon_step"):
+                current.abandon_step()  # our offload: the same strategy probes on
+            elif current is not None:  # half-way through a DeepSpeed step: rebuilt for the next probe
+                release(current)
+                current.close()
+                state["strategy"] = None
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            return False
+
+    def fits(batch: int) -> bool:
+        if time.perf_counter() > deadline:
+            cap["complete"] = False
+            return False
+        ok = probe(batch)
+        cap["probes"].append((batch, ok))
+        good = [b for b, fit in cap["probes"] if fit]
+        cap["largest_batch"] = max(good) if good else None
+        on_probe(cap)
+        return ok
+
+    searched = None
+    try:
+        cap["largest_batch"], searched = largest_fitting_batch(fits, args.batch, args.max_batch)
+    except Exception as exc:  # noqa: BLE001 - the row says what failed
+        cap["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if state["strategy"] is not None:
+        release(state["strategy"])
+        state["strategy"].close()
+    return cap, searched
+
 def emit(args, key: str, value: Any) -> None:
     """A worker's finished row, on disk at once (--rows-out): `key` names the list of the worker's
     result it belongs to, or "row" for a worker whose result is one row written again as it grows
@@ -1118,6 +1185,35 @@ def stop_workers_and_exit(signum, frame) -> None:
     raise SystemExit(124)
 
 
+def worker_env(tiny: bool) -> dict[str, str]:
+    """The environment a worker of this suite (or of parts f and g) starts in: output unbuffered,
+    the repository importable, and on a --tiny dry run DeepSpeed on the CPU with one thread."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if tiny:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
+def run_in_session(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int | None:
+    """Runs `cmd` from the repository, its output streamed to `log_path`, in a session of its own:
+    at `timeout` seconds (or at this process's SIGTERM, stop_workers_and_exit) the whole tree goes
+    (a launcher's worker and a JIT compiler under it too), so no orphan holds GPU memory while the
+    next part measures. Its exit code, or None when its time ran out."""
+    with open(log_path, "w", buffering=1) as log_file:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        RUNNING_WORKERS.add(proc.pid)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+        finally:
+            RUNNING_WORKERS.discard(proc.pid)
+
+
 # A worker's wall-clock deadline (time.time()), set by the parent at launch: its time limit counts
 # from before the launcher and the imports, which the worker cannot see from inside.
 DEADLINE_ENV = "GPU_SUITE_WORKER_DEADLINE"
@@ -1153,28 +1249,12 @@ def launch_worker(kind: str, args, launcher: str) -> dict[str, Any]:
             cmd += [flag, str(value)]
     if args.tiny:
         cmd.append("--tiny")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = worker_env(args.tiny)
     env[DEADLINE_ENV] = repr(time.time() + args.timeout)
-    if args.tiny:
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     log(f"launching {kind} (limit {args.timeout} s, output {log_path}): {shlex.join(cmd)}")
     t0 = time.perf_counter()
-    with open(log_path, "w", buffering=1) as log_file:
-        # A session of its own: at the time limit the whole tree goes (the launcher's worker and a
-        # JIT compiler under it too), so no orphan holds GPU memory while the next part measures.
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        RUNNING_WORKERS.add(proc.pid)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-            note = ""
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc, note = -1, f"timeout after {args.timeout}s: "
-        finally:
-            RUNNING_WORKERS.discard(proc.pid)
+    rc = run_in_session(cmd, env, log_path, args.timeout)
+    rc, note = (-1, f"timeout after {args.timeout}s: ") if rc is None else (rc, "")
     tail = note + log_path.read_text(errors="replace")[-3000:]
     log(f"{kind}: exit {rc} after {time.perf_counter() - t0:.0f} s")
     if out_json.is_file():
@@ -1203,20 +1283,11 @@ def part_tests(args, log_path: Path) -> dict[str, Any]:
     if args.tiny:
         env.update(FT_GPU_TESTS_DEVICE="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     t0 = time.perf_counter()
-    with open(log_path, "w", buffering=1) as log_file:
-        # A session of its own, which its launches share: a time limit ends them all.
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        RUNNING_WORKERS.add(proc.pid)
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    rc = run_in_session(cmd, env, log_path, args.timeout)  # its launches share its session: a limit ends them all
+    if rc is None:
+        with open(log_path, "a") as log_file:
             log_file.write(f"\nTIMEOUT after {args.timeout}s\n")
-            rc = -1
-        finally:
-            RUNNING_WORKERS.discard(proc.pid)
+        rc = -1
     text = log_path.read_text(errors="replace")
     result = {"command": ("FT_GPU_TESTS_DEVICE=cpu " if args.tiny else "") + shlex.join(cmd[2:]).replace("pytest", "python -m pytest", 1),
               "returncode": rc, "seconds": time.perf_counter() - t0, "log": str(log_path)}
