@@ -44,6 +44,26 @@ PYEOF
     ;;
 esac
 if [ "$EXTRAS" = test ]; then
+  # DeepSpeed JIT-builds its CPU ops (DeepSpeedCPUAdam's, and the shared-memory all-reduce of its CPU
+  # accelerator) the first time a run uses them: ~45 s of both cores here, ~2 minutes on a slower
+  # 2-core host, which the first DeepSpeed run (or test) would otherwise spend while the others wait
+  # on torch's build lock. Built once here, into torch's extension cache, on a CPU-only torch (a GPU
+  # build's ops need the CUDA toolkit: see docs/gpu.md).
+  DS_ACCELERATOR=cpu "$PY" - <<'PYEOF'
+import time
+
+import torch
+
+if torch.cuda.is_available():
+    print("DeepSpeed's CPU ops: not prebuilt on a CUDA torch (they build on first use)")
+else:
+    from deepspeed.accelerator import get_accelerator
+
+    started = time.perf_counter()
+    for builder in ("CPUAdamBuilder", "ShareMemCommBuilder"):
+        get_accelerator().create_op_builder(builder).load(verbose=False)
+    print(f"DeepSpeed's CPU ops (cpu_adam, shm_comm) built or found in {time.perf_counter() - started:.0f} s")
+PYEOF
   # The SLURM tests (tests/slurm/) start a real two-node cluster on this host (scripts/slurm_cluster.sh).
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "scripts/install.sh: no apt-get here: SLURM (slurm-wlm, munge) not installed; tests/slurm will skip"
