@@ -110,9 +110,9 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         self.precision = training_cfg.precision
         self.ds_config = build_deepspeed_config(ds_cfg, training_cfg)
         self.zero_stage = int(self.ds_config["zero_optimization"]["stage"])
-        import deepspeed
+        from ft_framework.strategies import deepspeed_adapter  # checks the DeepSpeed version; imports it first
 
-        from ft_framework.strategies import deepspeed_adapter  # checks the DeepSpeed version
+        import deepspeed
 
         self._deepspeed = deepspeed
         self._adapter = deepspeed_adapter

@@ -31,18 +31,41 @@ Importing this module checks the DeepSpeed version against SUPPORTED_DEEPSPEED.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import sys
 from pathlib import Path
 
-import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 
-from ft_framework.distributed import collectives
-from ft_framework.checkpointing.fragments import MASTER as CKPT_MASTER
-from ft_framework.checkpointing.fragments import STEP, Fragment, whole_tensor_fragments
-from ft_framework.optim.compact import element_offsets
+
+@contextlib.contextmanager
+def _unimportable(module: str):
+    """`import module` raises ImportError inside the block, unless `module` is imported already;
+    afterwards it imports as usual."""
+    hidden = module not in sys.modules
+    if hidden:
+        sys.modules[module] = None  # the import system's "not importable" marker
+    try:
+        yield
+    finally:
+        if hidden and sys.modules.get(module, 0) is None:
+            del sys.modules[module]
+
+
+# DeepSpeed's autotuner (deepspeed/autotuning/autotuner.py) imports mlflow at import time whenever
+# it is installed, to log its own autotuning experiments (`deepspeed --autotuning`, which no run of
+# ours starts): 1.1 s of CPU and 117 MB of RAM in every rank. Hidden from it while deepspeed is
+# imported; our MLflow tracking (run/tracking.py) imports mlflow afterwards as usual.
+with _unimportable("mlflow"):
+    import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param  # noqa: E402
+
+from ft_framework.distributed import collectives  # noqa: E402
+from ft_framework.checkpointing.fragments import MASTER as CKPT_MASTER  # noqa: E402
+from ft_framework.checkpointing.fragments import STEP, Fragment, whole_tensor_fragments  # noqa: E402
+from ft_framework.optim.compact import element_offsets  # noqa: E402
 
 MASTER = "fp32"
 # Lower bound: the ZeRO-3 partition accessor takes release_swap_buffers since DeepSpeed's NVMe

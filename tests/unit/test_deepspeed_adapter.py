@@ -1,7 +1,10 @@
 """DeepSpeed's internals are read in strategies/deepspeed_adapter.py only, and that module refuses
 DeepSpeed versions outside the range it was written for."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,27 @@ def test_versions_outside_the_supported_range_are_refused_in_one_line():
         assert "\n" not in msg
         assert msg.startswith("ft_framework's DeepSpeed strategy supports deepspeed>=0.17,<0.20")
         assert f"found {bad}: pip install 'deepspeed>=0.17,<0.20'" in msg
+
+
+IMPORT_PROBE = """
+import sys{first}
+from ft_framework.strategies import deepspeed_adapter
+import deepspeed.autotuning.autotuner as autotuner
+loaded_with_deepspeed = "mlflow" in sys.modules
+import mlflow
+print(loaded_with_deepspeed, autotuner.has_mlflow, mlflow.__name__)
+"""
+
+
+@pytest.mark.parametrize("mlflow_first", [False, True], ids=["deepspeed_first", "mlflow_first"])
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_imports_after(mlflow_first):
+    """DeepSpeed's autotuner imports mlflow when it is installed; the adapter keeps it out of a
+    rank (1.1 s, 117 MB), and a process that imported mlflow before (our tracking) keeps it."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("mlflow")
+    code = IMPORT_PROBE.format(first="\nimport mlflow" if mlflow_first else "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = "True True mlflow" if mlflow_first else "False False mlflow"
+    assert out.stdout.strip().splitlines()[-1] == want, out.stdout
