@@ -1,20 +1,11 @@
-"""torchrun worker of test_r3f_distributed.py: one R3F run (argv[1]: its config) on these ranks."""
+"""torchrun worker of test_r3f_distributed.py: the R3F runs of a plan (argv[1]: runs_in_one_launch's
+plan, one run per backend, DeepSpeed's first) one after another on these ranks, in one process group."""
 
 from __future__ import annotations
 
-import logging
 import sys
 
-from ft_framework.config import load_config
-from ft_framework.trainer import Trainer
-from worker_exit import finish
-
-
-def main(config: str) -> None:
-    logging.basicConfig(level=logging.INFO)
-    Trainer(load_config(config)).fit()
-    finish()
-
+from runs_in_one_launch import close_and_finish, fit, read_plan
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    close_and_finish([fit(step) for step in read_plan(sys.argv[1])])

