@@ -1,15 +1,15 @@
-"""torchrun worker of test_compact_state_distributed.py.
+"""torchrun worker of test_compact_state_distributed.py: `compact_state_worker.py PLAN` does the
+steps of runs_in_one_launch's plan one after another on these ranks, in one process group
+(DeepSpeed's steps first). A step is a trainer run (runs_in_one_launch.fit_step) or
 
-    compact_state_worker.py train <config>    one run of the trainer (argv[2]: its config)
-    compact_state_worker.py pieces <out_dir>  FSDP2 steps of the compact state on a few parameters
-                                              with given gradients; each rank writes its local pieces
-    compact_state_worker.py zero <out_dir>    the same steps under DeepSpeed ZeRO 0-2 (DS_ACCELERATOR=cpu);
-                                              rank 0 writes the gathered state
+    {"mode": "pieces", "out": DIR}  FSDP2 steps of the compact state on a few parameters with given
+                                    gradients; each rank writes its local pieces
+    {"mode": "zero", "out": DIR}    the same steps under DeepSpeed ZeRO 0-2 (DS_ACCELERATOR=cpu);
+                                    rank 0 writes the gathered state
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from worker_exit import finish
+from runs_in_one_launch import close_and_finish, fit, read_plan
 
 SEED = 97
 STEPS = 3
@@ -59,9 +59,9 @@ class Pieces(nn.Module):
         return SimpleNamespace(loss=sum((getattr(self, name) * t).sum() for name, t in targets.items()))
 
 
-def pieces(out_dir: Path) -> None:
+def pieces(out_dir: Path) -> list:
     """Per variant (impl, FSDP2's cpu_offload): each step's local pieces of every parameter and its
-    state, and the index base each rank's optimizer rounds them with."""
+    state, and the index base each rank's optimizer rounds them with. Returns the strategies."""
     from torch.distributed.tensor import distribute_tensor
 
     from ft_framework.config.schema import FSDPConfig
@@ -70,10 +70,11 @@ def pieces(out_dir: Path) -> None:
     from ft_framework.strategies.fsdp import FSDPStrategy
 
     impls = ["torch"] + (["cpu"] if cpu_kernel.kernel_available() else [])
-    results = {}
+    results, strategies = {}, []
     for impl in impls:
         for offload in (False, True):
             strategy = FSDPStrategy(FSDPConfig(cpu_offload=offload))
+            strategies.append(strategy)
             model, opt = strategy.setup(
                 Pieces(), lambda m: build_optimizer("recadam", groups(dict(m.named_parameters())), impl=impl,
                                                     state_dtype="bfloat16", anchor_dtype="bfloat16",
@@ -101,6 +102,7 @@ def pieces(out_dir: Path) -> None:
     except ValueError as exc:
         results["unnumbered"] = str(exc)
     torch.save(results, out_dir / f"pieces_rank{strategy.rank}.pt")
+    return strategies
 
 
 # (ZeRO stage, offload_optimizer, impl) of the zero mode: every stage, each impl twice (the
@@ -109,21 +111,22 @@ def pieces(out_dir: Path) -> None:
 ZERO_VARIANTS = ((0, False, "torch"), (1, False, "cpu"), (2, False, "torch"), (2, True, "cpu"))
 
 
-def zero(out_dir: Path) -> None:
+def zero(out_dir: Path) -> list:
     """Per (impl, stage, offload) of ZERO_VARIANTS: each step's full master, moments and theta* of every parameter,
     gathered from the ZeRO partitions (the strategy's gather_full_state), and each partition's
-    index base on each rank."""
+    index base on each rank. Returns the strategies."""
     from ft_framework.config.schema import DeepSpeedConfig, TrainingConfig
     from ft_framework.optim import build_optimizer
     from ft_framework.optim import cpu as cpu_kernel
     from ft_framework.strategies.deepspeed import DeepSpeedStrategy
 
-    results, strategy = {}, None
+    results, strategies = {}, []
     for stage, offload, wanted in ZERO_VARIANTS:
         impl = wanted if wanted == "torch" or cpu_kernel.kernel_available() else "torch"
         strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload),
                                      TrainingConfig(max_steps=STEPS, per_device_batch_size=1, device="cpu",
                                                     max_grad_norm=None))
+        strategies.append(strategy)
         model, opt = strategy.setup(
             Pieces(), lambda m: build_optimizer("recadam", groups(dict(m.named_parameters())), impl=impl,
                                                 state_dtype="bfloat16", anchor_dtype="bfloat16",
@@ -141,19 +144,18 @@ def zero(out_dir: Path) -> None:
         results[(impl, stage, offload)] = record
     if strategy.rank == 0:
         torch.save(results, out_dir / "zero.pt")
+    return strategies
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    mode, arg = sys.argv[1], sys.argv[2]
-    if mode == "train":
-        from ft_framework.config import load_config
-        from ft_framework.trainer import Trainer
-
-        Trainer(load_config(arg)).fit()
-    elif mode == "zero":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        zero(Path(arg))
-    else:
-        pieces(Path(arg))
-    finish()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
+    strategies = []
+    for step in read_plan(sys.argv[1]):
+        mode = step.get("mode", "train")
+        if mode == "zero":
+            strategies += zero(Path(step["out"]))
+        elif mode == "pieces":
+            strategies += pieces(Path(step["out"]))
+        else:
+            strategies.append(fit(step))
+    close_and_finish(strategies)

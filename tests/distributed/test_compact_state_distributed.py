@@ -1,5 +1,6 @@
 """The compact optimizer state (optimizer.state_dtype bfloat16) on 2 ranks (gloo, CPU) under DDP,
-FSDP2 and DeepSpeed ZeRO 0-2, with `torchrun compact_state_worker.py`.
+FSDP2 and DeepSpeed ZeRO 0-2, with `torchrun compact_state_worker.py`: one launch does every 2-rank
+case of this file one after another in one process group (DeepSpeed's first).
 
 v's stochastic rounding is keyed on (training.seed, step, the element's index in the full model),
 so a rank rounds each element with the bits one process uses for it: under DDP every rank steps the
@@ -16,10 +17,8 @@ world size and engine) with the same global element indices.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,9 @@ import torch
 
 import compact_state_worker as worker
 from ft_framework.checkpointing.layout import read_fields
-from ft_framework.distributed.rendezvous import free_port
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.compact import element_offsets, rounding_bits, stochastic_round_bf16
+from runs_in_one_launch import fit_step, launch, run_log
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 HERE = Path(__file__).resolve().parent
@@ -44,17 +43,6 @@ BACKENDS = {"ddp": {"name": "ddp"}, "fsdp": {"name": "fsdp"},
 # DeepSpeed owns the fp32 masters: its runs keep no delta (the parameter is the master).
 WITHOUT_DELTA = {"zero2_offload"}
 FIELDS = ["master", "exp_avg", "exp_avg_sq", "delta", "anchor", "step"]
-
-
-def torchrun(args: list[str], cwd: Path, **env: str) -> str:
-    """The worker on 2 ranks (`env`: more environment variables); returns its output (stdout and
-    stderr)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(HERE / "compact_state_worker.py"), *args],
-                         capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return out.stdout + out.stderr
 
 
 def state_at(run_dir: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -127,40 +115,50 @@ def single(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(model_dir, tmp_path_factory):
-    """backend -> its 2-rank run's directory, each run launched once."""
-    runs = {}
+def launched(single, model_dir, tmp_path_factory) -> dict[str, Path]:
+    """The one 2-rank launch of this file; what each case wrote: the runs of every backend (by its
+    name), the FSDP2 run resumed from its step-2 checkpoint ("fsdp_again"), ZeRO-2 with offload
+    resumed from the one-process run's step-2 checkpoint ("zero_from_single", its ranks' log
+    "zero_from_single_log"), and the files of the pieces and zero modes ("out"). DeepSpeed's cases
+    go first, where it is installed."""
+    tmp = tmp_path_factory.mktemp("compact_two_ranks")
+    runs = {backend: tmp / backend for backend in BACKENDS}
+    runs.update(fsdp_again=tmp / "fsdp_again", zero_from_single=tmp / "zero_from_single",
+                zero_from_single_log=tmp / "zero_from_single.log", out=tmp)
 
-    def run(backend: str) -> Path:
-        if backend not in runs:
-            tmp = tmp_path_factory.mktemp(f"compact_{backend}")
-            cfg = run_config(tmp / "run.yaml", model_dir, tmp / "run", 4, strategy=BACKENDS[backend])
-            torchrun(["train", str(cfg)], tmp)
-            runs[backend] = tmp / "run"
-        return runs[backend]
+    def train(name: str, backend: str, resume_from: Path | None = None, **step) -> dict:
+        checkpoint = {} if resume_from is None else {"resume_from": str(resume_from)}
+        return fit_step(run_config(tmp / f"{name}.yaml", model_dir, runs[name], 4, strategy=BACKENDS[backend],
+                                   checkpoint=checkpoint), **step)
 
-    return run
+    plan = []
+    if importlib.util.find_spec("deepspeed") is not None:
+        plan += [{"mode": "zero", "out": str(tmp)}, train("zero2_offload", "zero2_offload"),
+                 train("zero_from_single", "zero2_offload", single / "checkpoints" / "step_00000002",
+                       log=runs["zero_from_single_log"])]
+    plan += [train("ddp", "ddp"), train("fsdp", "fsdp"),
+             train("fsdp_again", "fsdp", runs["fsdp"] / "checkpoints" / "step_00000002"),
+             {"mode": "pieces", "out": str(tmp)}]
+    launch(HERE / "compact_state_worker.py", plan, tmp)
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_two_ranks_train_like_one_process(single, two_ranks, backend):
+def test_two_ranks_train_like_one_process(single, launched, backend):
     want = state_at(single, 4)
     start = state_at(single, 2)
     assert any(not torch.equal(want[n]["master"], start[n]["master"]) for n in want), "the run trained nothing"
-    assert_like_one_process(state_at(two_ranks(backend), 4), want, got_delta=backend not in WITHOUT_DELTA)
+    assert_like_one_process(state_at(launched[backend], 4), want, got_delta=backend not in WITHOUT_DELTA)
 
 
 @pytest.mark.slow
-def test_a_compact_fsdp_checkpoint_resumes_on_the_same_ranks_bit_for_bit(two_ranks, model_dir, tmp_path):
+def test_a_compact_fsdp_checkpoint_resumes_on_the_same_ranks_bit_for_bit(launched):
     """The bf16 moments, fp32 delta and bf16 theta* come back exactly through DCP, so the resumed
     steps 3 and 4 are the uninterrupted run's, bit for bit."""
-    fsdp = two_ranks("fsdp")
-    cfg = run_config(tmp_path / "again.yaml", model_dir, tmp_path / "again", 4, strategy=BACKENDS["fsdp"],
-                     checkpoint={"resume_from": str(fsdp / "checkpoints" / "step_00000002")})
-    torchrun(["train", str(cfg)], tmp_path)
-    assert train_steps(tmp_path / "again") == [3, 4]  # resumed, not started afresh
-    resumed, want = state_at(tmp_path / "again", 4), state_at(fsdp, 4)
+    fsdp, again = launched["fsdp"], launched["fsdp_again"]
+    assert train_steps(again) == [3, 4]  # resumed, not started afresh
+    resumed, want = state_at(again, 4), state_at(fsdp, 4)
     assert sorted(resumed) == sorted(want)
     for name, fields in want.items():
         assert sorted(resumed[name]) == sorted(fields), name
@@ -169,13 +167,13 @@ def test_a_compact_fsdp_checkpoint_resumes_on_the_same_ranks_bit_for_bit(two_ran
 
 
 @pytest.mark.slow
-def test_a_compact_fsdp_checkpoint_resumes_in_one_process(two_ranks, model_dir, tmp_path):
+def test_a_compact_fsdp_checkpoint_resumes_in_one_process(launched, model_dir, tmp_path):
     """Another world size and strategy: the checkpoint reshards, and the global element indices give
     each element the bits the 2 ranks gave it."""
     from ft_framework.config import load_config
     from ft_framework.trainer import Trainer
 
-    fsdp = two_ranks("fsdp")
+    fsdp = launched["fsdp"]
     cfg = run_config(tmp_path / "one.yaml", model_dir, tmp_path / "one", 8,
                      checkpoint={"resume_from": str(fsdp / "checkpoints" / "step_00000002")})
     Trainer(load_config(cfg)).fit()
@@ -184,7 +182,7 @@ def test_a_compact_fsdp_checkpoint_resumes_in_one_process(two_ranks, model_dir, 
 
 
 @pytest.mark.slow
-def test_a_compact_zero_checkpoint_resumes_in_one_process_with_delta_derived(two_ranks, model_dir, tmp_path,
+def test_a_compact_zero_checkpoint_resumes_in_one_process_with_delta_derived(launched, model_dir, tmp_path,
                                                                               caplog):
     """A ZeRO-2 checkpoint holds DeepSpeed's fp32 masters and no delta: one process (which keeps
     delta) derives delta = master - theta* on load, says so once, and trains on like one process;
@@ -192,7 +190,7 @@ def test_a_compact_zero_checkpoint_resumes_in_one_process_with_delta_derived(two
     from ft_framework.config import load_config
     from ft_framework.trainer import Trainer
 
-    zero = two_ranks("zero2_offload")
+    zero = launched["zero2_offload"]
     saved = read_fields(zero / "checkpoints" / "step_00000002", fields=FIELDS)
     assert not any("delta" in fields for fields in saved.values())
     cfg = run_config(tmp_path / "one.yaml", model_dir, tmp_path / "one", 8,
@@ -211,16 +209,14 @@ def test_a_compact_zero_checkpoint_resumes_in_one_process_with_delta_derived(two
 
 
 @pytest.mark.slow
-def test_a_compact_checkpoint_with_delta_resumes_under_zero2_from_its_masters(single, model_dir, tmp_path):
+def test_a_compact_checkpoint_with_delta_resumes_under_zero2_from_its_masters(single, launched):
     """The other direction: one process's checkpoint (delta kept) resumed by DeepSpeed ZeRO-2 with
     offload on 2 ranks, which keeps no delta: it starts from the saved masters (theta* + delta,
     rounded once), says so once, and ends like the uninterrupted one-process run."""
-    cfg = run_config(tmp_path / "zero.yaml", model_dir, tmp_path / "zero", 4, strategy=BACKENDS["zero2_offload"],
-                     checkpoint={"resume_from": str(single / "checkpoints" / "step_00000002")})
-    log = torchrun(["train", str(cfg)], tmp_path)
+    zero, log = launched["zero_from_single"], run_log(launched["zero_from_single_log"])
     assert log.count("this run keeps its fp32 masters in the parameters (DeepSpeed)") == 1, log[-3000:]
-    assert train_steps(tmp_path / "zero") == [3, 4]
-    assert_like_one_process(state_at(tmp_path / "zero", 4), state_at(single, 4), got_delta=False)
+    assert train_steps(zero) == [3, 4]
+    assert_like_one_process(state_at(zero, 4), state_at(single, 4), got_delta=False)
 
 
 def _chunk_offsets(shape: tuple[int, ...], world: int) -> list[int]:
@@ -234,15 +230,14 @@ def _chunk_offsets(shape: tuple[int, ...], world: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_each_rank_rounds_its_piece_with_the_full_models_bits(tmp_path):
+def test_each_rank_rounds_its_piece_with_the_full_models_bits(launched):
     """FSDP2 steps a few unevenly sharded parameters (rank 1 holds no row of one) with given
     gradients. Each rank's index base is its parameter's global base plus its piece's offset; at
     step 1 its v is the fp32 v rounded with rounding_bits(seed, 1, global base, numel) sliced at its
     piece (with the parameter's base alone, rank 1 would round otherwise); after 3 steps every
     piece equals one process's full-tensor state, bit for bit, on the torch path and the kernel,
     with and without cpu_offload. An optimizer not told its shards' offsets refuses to number them."""
-    torchrun(["pieces", str(tmp_path)], tmp_path)
-    ranks = [torch.load(tmp_path / f"pieces_rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(launched["out"] / f"pieces_rank{r}.pt") for r in range(2)]
     full, grads = worker.parameters(), worker.gradients()
     bases = element_offsets(full[n] for n in (*worker.ANCHORED, "head"))
     beta2 = 0.999  # recadam's default
@@ -287,7 +282,7 @@ def test_each_rank_rounds_its_piece_with_the_full_models_bits(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero_partitions_step_like_one_process_bit_for_bit(tmp_path):
+def test_zero_partitions_step_like_one_process_bit_for_bit(launched):
     """DeepSpeed ZeRO 0-2 (with offload_optimizer at stage 2) on 2 ranks, the torch path at stages
     0 and 2, the kernel at 1 and 2 with offload (worker.ZERO_VARIANTS), given gradients (the same on both ranks, so ZeRO's average is them exactly): DeepSpeed keeps the
     fp32 masters, the optimizer keeps no delta, bf16 moments and theta* beside them, and every
@@ -297,8 +292,7 @@ def test_zero_partitions_step_like_one_process_bit_for_bit(tmp_path):
     keep_masters_in_params), bit for bit; step 1's v is the fp32 v rounded with the full model's
     bits, computed here from counter_rng."""
     pytest.importorskip("deepspeed")
-    torchrun(["zero", str(tmp_path)], tmp_path, DS_ACCELERATOR="cpu")
-    results = torch.load(tmp_path / "zero.pt")
+    results = torch.load(launched["out"] / "zero.pt")
     full, grads = worker.parameters(), worker.gradients()
     order = (*worker.ANCHORED, "head")
     bases = element_offsets(full[n] for n in order)
