@@ -49,6 +49,7 @@ def run_log(log: Path) -> str:
 
 # ---- the worker's side ------------------------------------------------------------------------
 def read_plan(path: str) -> list[dict]:
+    """The plan's steps; the worker's log records from INFO up go to stderr (the launch's output)."""
     logging.basicConfig(level=logging.INFO)
     return json.loads(Path(path).read_text())
 
