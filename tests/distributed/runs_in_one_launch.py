@@ -7,7 +7,9 @@ and ends with `close_and_finish`. DeepSpeed's steps go first: its strategy's set
 process group the way DeepSpeed wants it (deepspeed.init_distributed), and the other strategies
 join the group as it is. A trainer run's step is {"config": path, "overrides": [...], "log": path};
 with "log", every rank keeps that run's log records in LOG.rank<R> (`run_log` reads them back), so
-a test reads what one run said, not the whole launch."""
+a test reads what one run said, not the whole launch. Run as the worker itself (FIT_WORKER), it
+does a plan of trainer runs and nothing else; a worker with steps of its own kinds imports the
+worker's side below."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from pathlib import Path
 from ft_framework.distributed import collectives
 from ft_framework.distributed.ports import free_port
 from worker_exit import finish
+
+FIT_WORKER = Path(__file__)  # `python runs_in_one_launch.py PLAN`: a plan of trainer runs (fit_step) only
 
 
 # ---- the test's side --------------------------------------------------------------------------
@@ -82,3 +86,7 @@ def close_and_finish(strategies) -> None:
     for strategy in strategies:
         strategy.close()
     finish()
+
+
+if __name__ == "__main__":
+    close_and_finish([fit(step) for step in read_plan(sys.argv[1])])

