@@ -1,9 +1,10 @@
-"""Runs every DeepSpeed case of tests/distributed/test_deepspeed.py inside ONE launch (launching
-costs far more than a case) and writes what the test compares to RESULTS_DIR/<case>.pt.
+"""Runs every DeepSpeed case of tests/distributed/test_deepspeed.py inside ONE process that forks
+the ranks of each phase (tests/distributed/forked_ranks.py: a launch costs far more than a case)
+and writes what the test compares to RESULTS_DIR/<case>.pt.
 
-    python -m torch.distributed.run --nproc_per_node N ds_worker.py RESULTS_DIR PHASE
-PHASE: "main" (2 ranks: every stage, resume, save for resharding), "reshard_load_save" (1 rank:
-load the 2-rank checkpoint, save a 1-rank one), "reshard_load" (2 ranks: load the 1-rank one).
+    python ds_worker.py RESULTS_DIR
+Phases, in order: "main" (2 ranks: every stage, resume, save for resharding), "reshard_load_save"
+(1 rank: load the 2-rank checkpoint, save a 1-rank one), "reshard_load" (2 ranks: load the 1-rank one).
 """
 
 import dataclasses
@@ -11,7 +12,6 @@ import os
 import pickle
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -28,7 +28,7 @@ from ft_framework.models.loading import apply_mixout  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
-from worker_exit import finish  # noqa: E402
+from forked_ranks import run_phases  # noqa: E402
 
 
 def make_strategy(case: str, checkpointing: bool | None = None):
@@ -201,18 +201,8 @@ def reshard_phase(out: Path, load_from: str, save_to: str | None) -> None:
 
 
 if __name__ == "__main__":
-    results, phase = Path(sys.argv[1]), sys.argv[2]
+    results = Path(sys.argv[1])
     count_kernel_calls()
-    try:
-        if phase == "main":
-            main_phase(results)
-        elif phase == "reshard_load_save":
-            reshard_phase(results, "ckpt", "ckpt1rank")
-        elif phase == "reshard_load":
-            reshard_phase(results, "ckpt1rank", None)
-        else:
-            raise SystemExit(f"unknown phase {phase}")
-    except Exception:
-        traceback.print_exc()
-        raise
-    finish()
+    run_phases([("main", 2, lambda: main_phase(results)),
+                ("reshard_load_save", 1, lambda: reshard_phase(results, "ckpt", "ckpt1rank")),
+                ("reshard_load", 2, lambda: reshard_phase(results, "ckpt1rank", None))])
