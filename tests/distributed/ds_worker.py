@@ -17,6 +17,8 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
+
+from ft_framework.strategies import deepspeed_adapter  # noqa: E402,F401  (imports deepspeed without mlflow)
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -28,7 +30,8 @@ from ft_framework.models.loading import apply_mixout  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
-from forked_ranks import run_phases  # noqa: E402
+from forked_ranks import preimport_deepspeed_initialize, run_phases  # noqa: E402
+from worker_exit import finish  # noqa: E402
 
 
 def make_strategy(case: str, checkpointing: bool | None = None):
@@ -141,17 +144,17 @@ def main_phase(out: Path) -> None:
         train(strategy, range(5), accumulation(case))
         save(strategy, out / f"{case}.pt", snapshot(strategy))
     for case in CASES:
+        # 3 steps, checkpoint, 2 more steps; then resume: a fresh engine loads the checkpoint and
+        # takes the same 2 steps.
         strategy, _ = make_strategy(case)
-        train(strategy, range(5))
-        save(strategy, out / f"{case}.pt", snapshot(strategy))
-        # Resume: 3 steps, checkpoint, fresh engine, load, 2 more steps.
-        first, _ = make_strategy(case)
-        train(first, range(3))
+        train(strategy, range(3))
         ckpt = out / f"ckpt_{case}"
-        if first.is_main_process:
+        if strategy.is_main_process:
             ckpt.mkdir(exist_ok=True)
-        first.barrier()
-        first.save_checkpoint(ckpt)
+        strategy.barrier()
+        strategy.save_checkpoint(ckpt)
+        train(strategy, range(3, 5))
+        save(strategy, out / f"{case}.pt", snapshot(strategy))
         second, _ = make_strategy(case)
         second.load_checkpoint(ckpt)
         train(second, range(3, 5))
@@ -203,6 +206,8 @@ def reshard_phase(out: Path, load_from: str, save_to: str | None) -> None:
 if __name__ == "__main__":
     results = Path(sys.argv[1])
     count_kernel_calls()
+    preimport_deepspeed_initialize()
     run_phases([("main", 2, lambda: main_phase(results)),
                 ("reshard_load_save", 1, lambda: reshard_phase(results, "ckpt", "ckpt1rank")),
                 ("reshard_load", 2, lambda: reshard_phase(results, "ckpt1rank", None))])
+    finish()
