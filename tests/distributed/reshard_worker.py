@@ -1,13 +1,13 @@
-"""Every case of tests/distributed/test_checkpoint_reshard.py, in three launches (a launch costs far
-more than a case):
+"""Every case of tests/distributed/test_checkpoint_reshard.py, in three phases of ranks forked from
+ONE process (tests/distributed/forked_ranks.py: a launch costs far more than a case):
 
-    python -m torch.distributed.run --nproc_per_node N reshard_worker.py OUT_DIR PHASE
+    python reshard_worker.py OUT_DIR
 
-PHASE "save" (2 ranks): ZeRO-2 (RI), FSDP2 (PI), ZeRO-2 bf16 (RI) train 3 steps, save, train 2 more
+Phase "save" (2 ranks): ZeRO-2 (RI), FSDP2 (PI), ZeRO-2 bf16 (RI) train 3 steps, save, train 2 more
   and save again (the uninterrupted run); a run with anchors refuses a checkpoint without them.
-PHASE "one" (1 rank): ZeRO-2 on 2 -> FSDP2 on 1; DeepSpeed (ZeRO-2) -> single; ZeRO-2 bf16 ->
+Phase "one" (1 rank): ZeRO-2 on 2 -> FSDP2 on 1; DeepSpeed (ZeRO-2) -> single; ZeRO-2 bf16 ->
   single (theta* exact); ZeRO-1 on 1 trains 3 steps and saves.
-PHASE "two" (2 ranks): FSDP2 on 2 -> ZeRO-3 on 2; ZeRO-1 on 1 -> ZeRO-3 + offload on 2; ZeRO-2 on 2
+Phase "two" (2 ranks): FSDP2 on 2 -> ZeRO-3 on 2; ZeRO-1 on 1 -> ZeRO-3 + offload on 2; ZeRO-2 on 2
   -> ZeRO-2 on 2 (same size); FSDP2 on 2 -> DDP on 2.
 
 Each load is followed by a save ("<case>_loaded": must equal the source checkpoint bit for bit),
@@ -20,39 +20,39 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import torch  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from forked_ranks import preimport_deepspeed_initialize, run_phases  # noqa: E402
 from reshard_common import HPARAMS, LR, STEPS, RESUME_AT, batch_for_rank, make_model_and_anchors  # noqa: E402
 from worker_exit import finish  # noqa: E402
+
+from ft_framework.config import DeepSpeedConfig, FSDPConfig, TrainingConfig  # noqa: E402
+from ft_framework.optim import build_optimizer  # noqa: E402
+from ft_framework.optim.groups import build_param_groups  # noqa: E402
+from ft_framework.strategies import SingleDeviceStrategy  # noqa: E402
+from ft_framework.strategies.ddp import DDPStrategy  # noqa: E402
+from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
+from ft_framework.strategies.fsdp import FSDPStrategy  # noqa: E402
 
 
 def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
     """kind: single, ddp, fsdp, zero1, zero2, zero3, zero3_offload; mode: PI or RI."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if kind == "single":
-        from ft_framework.strategies import SingleDeviceStrategy
-
         strategy = SingleDeviceStrategy(precision, "cpu")
     elif kind == "ddp":
-        from ft_framework.strategies.ddp import DDPStrategy
-
         strategy = DDPStrategy(precision, "cpu")
     elif kind == "fsdp":
-        from ft_framework.config import FSDPConfig
-        from ft_framework.strategies.fsdp import FSDPStrategy
-
         strategy = FSDPStrategy(FSDPConfig(), SimpleNamespace(precision=precision, device="cpu"))
     else:
-        from ft_framework.config import DeepSpeedConfig, TrainingConfig
-        from ft_framework.strategies.deepspeed import DeepSpeedStrategy
-
         stage = int(kind[4])
         offload = kind.endswith("offload")
         ds = DeepSpeedConfig(zero_stage=stage, offload_optimizer=offload, offload_param=offload and stage == 3)
@@ -62,9 +62,6 @@ def make_strategy(kind: str, mode: str, *, precision: str = "fp32"):
     model, anchors = make_model_and_anchors(mode)
 
     def build(m):
-        from ft_framework.optim import build_optimizer
-        from ft_framework.optim.groups import build_param_groups
-
         groups = build_param_groups(m, anchors, lr=LR, weight_decay=0.01, attach_anchors=False)
         return build_optimizer("recadam", groups, impl="torch", **HPARAMS)
 
@@ -99,8 +96,6 @@ def close(strategy) -> None:
 def evaluate(strategy):
     """A forward without backward, as the trainer's evaluation: FSDP2 then keeps the root
     module's parameters unsharded (a checkpoint must still see the shards)."""
-    import torch
-
     strategy.model.eval()
     with torch.no_grad():
         strategy.forward(batch_for_rank(0, strategy.rank, strategy.world_size))
@@ -159,14 +154,19 @@ def phase_two(out, errors):
     resume(out, "fsdp_2", "fsdp_2_to_ddp_2", "ddp", "PI")
 
 
-if __name__ == "__main__":
-    out, phase = Path(sys.argv[1]), sys.argv[2]
+PHASES = {"save": (2, phase_save), "one": (1, phase_one), "two": (2, phase_two)}  # in this order
+
+
+def run(out: Path, name: str) -> None:
+    """Phase `name` on this rank; rank 0 writes the errors it expected to OUT_DIR/errors_<name>.json."""
     errors: dict[str, str] = {}
-    try:
-        {"save": phase_save, "one": phase_one, "two": phase_two}[phase](out, errors)
-    except Exception:
-        traceback.print_exc()
-        raise
-    if int(os.environ.get("RANK", "0")) == 0:
-        (out / f"errors_{phase}.json").write_text(json.dumps(errors))
+    PHASES[name][1](out, errors)
+    if int(os.environ["RANK"]) == 0:
+        (out / f"errors_{name}.json").write_text(json.dumps(errors))
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    preimport_deepspeed_initialize()
+    run_phases([(name, world, lambda name=name: run(out, name)) for name, (world, _) in PHASES.items()])
     finish()
