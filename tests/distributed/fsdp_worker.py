@@ -1,5 +1,6 @@
-"""Runs every FSDP case of tests/distributed/test_fsdp.py in one torchrun launch and writes what it
-measured to files; the pytest side compares them. Phases (each a separate launch, in this order):
+"""Runs every FSDP case of tests/distributed/test_fsdp.py and writes what it measured to files; the
+pytest side compares them. Phases, in this order, each its ranks forked from this one process
+(tests/distributed/forked_ranks.py: a launch costs far more than a case):
 
     one    (1 rank):  the plain single-process reference (SingleDeviceStrategy) and a 1-rank FSDP
                       run that saves a checkpoint after step 3
@@ -7,19 +8,23 @@ measured to files; the pytest side compares them. Phases (each a separate launch
                       bad checkpoints, mixed precision, loss scaler, consolidated export)
     three  (1 rank):  2 -> 1 resume of phase two's checkpoint
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/fsdp_worker.py two OUT_DIR
+    python tests/distributed/fsdp_worker.py OUT_DIR
 """
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+import shutil
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from transformers import AlbertForSequenceClassification  # noqa: F401 - imported once, for every forked rank
 
+from forked_ranks import run_phases
 from fsdp_helpers import (MAX_GRAD_NORM, RESUME_AT, STEPS, global_batches, make_optimizer_builder,
                           pretrained_state, rank_slice, tiny_albert)
 
@@ -27,6 +32,8 @@ from ft_framework.config import FSDPConfig
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
 from ft_framework.models.loading import MixoutLinear, apply_mixout
 from ft_framework.optim.base import local_tensor
+from ft_framework.strategies import SingleDeviceStrategy
+from ft_framework.strategies.fsdp import FSDPStrategy, _ShardedLossScaler
 from worker_exit import finish
 
 
@@ -35,8 +42,6 @@ MIXOUT_STEPS = 2
 
 
 def fsdp_strategy(offload=False, mixed_precision=False, precision="fp32"):
-    from ft_framework.strategies.fsdp import FSDPStrategy
-
     return FSDPStrategy(FSDPConfig(cpu_offload=offload, mixed_precision=mixed_precision),
                         SimpleNamespace(precision=precision, device="cpu"))
 
@@ -110,8 +115,6 @@ class Results:
 
 # ---- phases ---------------------------------------------------------------------------------
 def phase_one(out: Path, res: Results):
-    from ft_framework.strategies import SingleDeviceStrategy
-
     # The plain single-process reference: whole global batches, no FSDP.
     ref = SingleDeviceStrategy("fp32", "cpu")
     pre = set_up(ref)
@@ -164,10 +167,6 @@ def resume_from(ck: Path, offload=False):
 def bad_checkpoints(s, out: Path, res: Results, tag: str):
     """Checkpoints without anchors / with a mis-shaped anchor are refused with a clear error: one
     parameter's anchor left out of / mis-sized in a saved checkpoint's DCP .metadata."""
-    import dataclasses
-    import pickle
-    import shutil
-
     victim = "param/albert.encoder.embedding_hidden_mapping_in.weight/anchor"
     base = out / f"ck_base_{tag}"
     if s.rank == 0:
@@ -291,8 +290,6 @@ def phase_two(out: Path, res: Results):
 
     # The fp16 loss scaler's skip logic (exercised in fp32 on CPU): an inf on one rank's shard makes
     # every rank skip the step and halve the scale; the next step goes through.
-    from ft_framework.strategies.fsdp import _ShardedLossScaler
-
     s = fsdp_strategy()
     set_up(s)
     s.scaler = _ShardedLossScaler(init_scale=1024.0)
@@ -328,22 +325,24 @@ def phase_three(out: Path, res: Results):
     res["from2_params_5"] = params
 
 
-def main():
-    phase, out = sys.argv[1], Path(sys.argv[2])
-    torch.set_num_threads(1)
-    from ft_framework.strategies.fsdp import FSDPStrategy  # noqa: F401 - fail early on import errors
+PHASES = {"one": (1, phase_one), "two": (2, phase_two), "three": (1, phase_three)}  # in this order
 
+
+def run(out: Path, phase: str):
+    """Phase `phase` on this rank; rank 0 writes OUT_DIR/results_<phase>.pt."""
     probe = fsdp_strategy()  # initializes the process group
     res = Results(out, phase, probe.rank)
     res["world_size"] = probe.world_size
-    try:
-        {"one": phase_one, "two": phase_two, "three": phase_three}[phase](out, res)
-    except Exception:
-        traceback.print_exc()
-        raise
+    PHASES[phase][1](out, res)
     res.write()
     dist.barrier()
     probe.close()
+
+
+def main():
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    run_phases([(phase, world, lambda phase=phase: run(out, phase)) for phase, (world, _) in PHASES.items()])
     finish()
 
 

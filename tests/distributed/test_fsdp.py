@@ -2,9 +2,9 @@
 that resume on the same and on a different number of ranks, refused bad checkpoints, the real
 trainer end to end.
 
-All FSDP cases run in three torchrun launches of fsdp_worker.py (1 rank, 2 ranks, 1 rank: the
-1 -> 2 and 2 -> 1 resumes need checkpoints from the launch before); each writes results_<phase>.pt
-and the tests below compare them.
+All FSDP cases run in fsdp_worker.py, in three phases of ranks forked from one process (1 rank, 2
+ranks, 1 rank: the 1 -> 2 and 2 -> 1 resumes need checkpoints from the phase before); each writes
+results_<phase>.pt and the tests below compare them.
 
 Tolerances: everything runs in fp32 on CPU and the optimizer (C++ kernel, element-wise) sees the
 same numbers on a shard as on the whole tensor, so FSDP differs from one process only by the order
@@ -52,10 +52,11 @@ def torchrun(nproc: int, args: list[str], cwd: Path, timeout: int = 300) -> subp
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    results = {}
-    for phase, nproc in (("one", 1), ("two", 2), ("three", 1)):
-        torchrun(nproc, [str(HERE / "fsdp_worker.py"), phase, str(out)], cwd=HERE)
-        results[phase] = torch.load(out / f"results_{phase}.pt", weights_only=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(HERE / "fsdp_worker.py"), str(out)],
+                          capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
+    assert proc.returncode == 0, f"fsdp_worker.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-12000:]}"
+    results = {phase: torch.load(out / f"results_{phase}.pt", weights_only=True) for phase in ("one", "two", "three")}
     return SimpleNamespace(out=out, **results)
 
 
