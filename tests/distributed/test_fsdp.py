@@ -29,24 +29,13 @@ import torch
 import torch.distributed as dist
 
 from fsdp_helpers import STEPS, pretrained_state, tiny_albert
-from ft_framework.distributed.rendezvous import free_port
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 ATOL = 1e-6
 REL = 1e-6
-
-
-def torchrun(nproc: int, args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                          "--master_port", str(free_port()), *args],
-                         capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
-    assert out.returncode == 0, f"torchrun {args} failed:\n{out.stdout[-2000:]}\n{out.stderr[-12000:]}"
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +309,11 @@ def test_trainer_with_fsdp_on_two_ranks_equals_one_process(tmp_path):
     fsdp_cfg = write_fsdp_run_config(tmp_path / "fsdp.yaml", model_dir, tmp_path / "fsdp",
                                 training={"per_device_batch_size": 4}, strategy={"name": "fsdp"}, evaluation=probe,
                                 checkpoint={"every_steps": 3, "export_dir": str(tmp_path / "export")})
-    torchrun(2, [str(REPO / "launch" / "train.py"), "--config", str(fsdp_cfg)], cwd=tmp_path)
+    # ft-train on 2 ranks (launch/train.py's train_main, forked from one process: forked_train.py)
+    out = subprocess.run([sys.executable, str(HERE / "forked_train.py"), "2", "--config", str(fsdp_cfg)],
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         timeout=300)
+    assert out.returncode == 0, f"ft-train on 2 ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-12000:]}"
 
     a = json.loads((tmp_path / "single" / "results.json").read_text())
     b = json.loads((tmp_path / "fsdp" / "results.json").read_text())
