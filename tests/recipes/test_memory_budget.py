@@ -8,6 +8,7 @@ import io
 import json
 
 import yaml
+from huggingface_hub import constants as hub_constants
 
 from ft_framework import cli
 from ft_framework.config import validate_config
@@ -60,9 +61,15 @@ def test_an_over_budget_run_is_refused_in_one_line_before_anything_loads(tmp_pat
 
 
 def _run_line(tmp_path, name_or_path: str, budget_gib: float, monkeypatch) -> tuple[int, str]:
-    # no network and no cache: a run that reached the model load would fail there, not on the budget
+    # No network and an empty cache: a run that reached the model load would fail there, not on the
+    # budget. huggingface_hub reads HF_HOME and HF_HUB_OFFLINE once, when it is imported, and a test
+    # that ran before in this process may have imported it: its constants are set too (models/hub.py
+    # reads HF_HUB_OFFLINE from the environment when it asks).
+    empty_home = tmp_path / "empty_hf_home"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))
+    monkeypatch.setenv("HF_HOME", str(empty_home))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(empty_home / "hub"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     run = {"model": {"name_or_path": name_or_path},
            "data": {"task": "sst2", "source": "builtin:quickstart", "max_seq_length": 32},
            "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
