@@ -48,6 +48,19 @@ def preimport_deepspeed_initialize() -> None:
         importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
 
 
+def preimport_model_module(path: str) -> None:
+    """Imports the transformers modeling module of the model at `path`, as each rank's
+    from_pretrained would (~1 s of CPU for BERT's): once, before the ranks are forked. Without
+    loading the model: a progress bar would start tqdm's monitor thread, and its lock would be one
+    that every forked rank shares."""
+    import transformers  # here: the launcher itself (test_forked_ranks.py) does without it
+
+    model_type = transformers.AutoConfig.from_pretrained(path).model_type.replace("-", "_")
+    module = f"transformers.models.{model_type}.modeling_{model_type}"
+    if importlib.util.find_spec(module) is not None:
+        importlib.import_module(module)
+
+
 def _die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1

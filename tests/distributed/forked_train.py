@@ -13,16 +13,12 @@ forked. The launch fails (exit 1) when a rank's train_main does not return 0.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import transformers  # noqa: E402
-
-from forked_ranks import preimport_deepspeed_initialize, run_phases  # noqa: E402
+from forked_ranks import preimport_deepspeed_initialize, preimport_model_module, run_phases  # noqa: E402
 from worker_exit import finish  # noqa: E402
 
 from ft_framework.cli import add_run_config_arguments, train_main  # noqa: E402
@@ -30,16 +26,12 @@ from ft_framework.config import load_config  # noqa: E402
 from ft_framework.trainer import Trainer  # noqa: E402,F401  (what train_main imports once the config is read)
 
 
-def preimport_model_module(args: list[str]) -> None:
-    """Imports the transformers modeling module of the run's model, as each rank's from_pretrained would."""
+def model_path(args: list[str]) -> str:
+    """The run's model (model.name_or_path), from ft-train's arguments."""
     parser = argparse.ArgumentParser()
     add_run_config_arguments(parser)
     parsed = parser.parse_args(args)
-    path = load_config(parsed.config, parsed.overrides).model.name_or_path
-    model_type = transformers.AutoConfig.from_pretrained(path).model_type.replace("-", "_")
-    module = f"transformers.models.{model_type}.modeling_{model_type}"
-    if importlib.util.find_spec(module) is not None:
-        importlib.import_module(module)
+    return load_config(parsed.config, parsed.overrides).model.name_or_path
 
 
 def train(args: list[str]) -> None:
@@ -55,6 +47,6 @@ if __name__ == "__main__":
         from ft_framework.strategies import deepspeed_adapter  # noqa: F401  (DeepSpeed, mlflow hidden)
 
         preimport_deepspeed_initialize()
-    preimport_model_module(args)
+    preimport_model_module(model_path(args))
     run_phases([("ft-train", nproc, lambda: train(args))])
     finish()

@@ -1,4 +1,8 @@
-"""One rank of tests/examples/test_hf_trainer_deepspeed.py (started by torchrun, 2 CPU ranks):
+"""The 2 CPU ranks of tests/examples/test_hf_trainer_deepspeed.py, forked from this one process
+(tests/distributed/forked_ranks.py: torch, transformers, DeepSpeed and the example imported once):
+
+    python hf_deepspeed_worker.py OUT_DIR
+
 examples/hf_trainer_deepspeed.py trains 4 steps (checkpoint at 2), then a second Trainer resumes
 from checkpoint-2. Each rank checks its own partitions against an independent load of the
 pretrained weights; rank 0 writes what it found to <out>/worker.json and the final fp32 master
@@ -13,10 +17,13 @@ from pathlib import Path
 
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS.parent / "examples"))
+sys.path.insert(0, str(TESTS / "distributed"))
 import hf_trainer_deepspeed as example  # noqa: E402  (sets DS_ACCELERATOR before deepspeed is imported)
-from _quickstart import load_model  # noqa: E402
+from _quickstart import MODEL, load_model, resolve_model_path  # noqa: E402
+from forked_ranks import preimport_deepspeed_initialize, preimport_model_module, run_phases  # noqa: E402
+from worker_exit import finish  # noqa: E402
 
 from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
 from ft_framework.strategies import deepspeed_adapter  # noqa: E402
@@ -76,4 +83,7 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    preimport_deepspeed_initialize()
+    preimport_model_module(resolve_model_path(MODEL))
+    run_phases([("hf-trainer", 2, lambda: main(Path(sys.argv[1])))])
+    finish()

@@ -1,7 +1,8 @@
 """examples/hf_trainer_deepspeed.py: our optimizer in a Hugging Face Trainer under DeepSpeed ZeRO-2
-with the optimizer offloaded, on 2 CPU ranks (torchrun, gloo): the offloaded step runs our kernel,
-each rank's anchors are exactly its slice of theta*, DeepSpeed's own checkpoint carries them across a
-resume, and the run equals the single-process Trainer's on the same global batches."""
+with the optimizer offloaded, on 2 CPU ranks (gloo; forked from one process that imported everything
+once: hf_deepspeed_worker.py): the offloaded step runs our kernel, each rank's anchors are exactly
+its slice of theta*, DeepSpeed's own checkpoint carries them across a resume, and the run equals the
+single-process Trainer's on the same global batches."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import pytest
 import torch
 from transformers import TrainingArguments
 
-from ft_framework.distributed.rendezvous import free_port
 from ft_framework.errors import UserError
 from ft_framework.integrations.transformers import ft_optimizer
 
@@ -28,9 +28,8 @@ WORKER = Path(__file__).resolve().parent / "hf_deepspeed_worker.py"
 def ran(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_ds")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     found = json.loads((out / "worker.json").read_text())
     return found, out, proc.stdout + proc.stderr
