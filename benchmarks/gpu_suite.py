@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="parts b/c: micro-batch (default 32; tiny 4)")
     p.add_argument("--seq", type=int, default=None, help="parts b/c: sequence length (default 128; tiny 16)")
     p.add_argument("--cap-gb", type=float, default=16.0, help="part b: GPU memory cap in GB (default 16)")
-    p.add_argument("--max-batch", type=int, default=None, help="part b: upper end of the batch search (default 1024; tiny 64)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="parts b, f: upper end of the batch search (default 1024; tiny 24)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launched worker / pytest (default 900)")
     p.add_argument("--tests-k", default=None, metavar="EXPR", help="part tests: only the cases pytest -k EXPR selects")
     # internal: this file re-launched as a worker
@@ -119,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     tiny = args.tiny
+    # The dry run's batch search (a simulated cap of max_batch // 4 = 6, from batch 4) runs each of
+    # its paths once in four probes: 4 fits, 8 runs out of memory, 6 fits after it (on the same
+    # strategy, or a DeepSpeed engine rebuilt), 7 runs out: the largest batch is 6, the search complete.
     defaults = dict(a_params=2e6 if tiny else 200e6, a_tensors=10 if tiny else 100, batch=4 if tiny else 32,
-                    seq=16 if tiny else 128, max_batch=64 if tiny else 1024)
+                    seq=16 if tiny else 128, max_batch=24 if tiny else 1024)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -859,9 +863,10 @@ def largest_batch_under_cap(args, strategy, build: Callable[[], Any], train_one:
     runs one step; `build()` makes a strategy anew. On the CPU (no cap) a batch above
     --max-batch / 4 stands in for an out-of-memory error. After an out-of-memory probe our offload
     abandons the half-done step and the same strategy probes on (its model and pinned masters stay);
-    a DeepSpeed engine is rebuilt (its buffers may be half-built). `on_probe(cap)` after every probe:
-    the caller writes it down. Returns (cap: cap_gb, complete, the probes run, largest_batch and
-    any error; the search's own probes, a deadline's refusals among them, None if it failed)."""
+    a DeepSpeed engine is rebuilt (its buffers may be half-built) in the same process group.
+    `on_probe(cap)` after every probe: the caller writes it down. Returns (cap: cap_gb, complete,
+    the probes run, largest_batch and any error; the search's own probes, a deadline's refusals
+    among them, None if it failed)."""
     import torch
 
     cap: dict[str, Any] = {"cap_gb": args.cap_gb, "complete": True, "probes": []}
@@ -887,8 +892,9 @@ def largest_batch_under_cap(args, strategy, build: Callable[[], Any], train_one:
             if current is not None and hasattr(current, "abandon_step"):
                 current.abandon_step()  # our offload: the same strategy probes on
             elif current is not None:  # half-way through a DeepSpeed step: rebuilt for the next probe
+                # The engine goes, the process group stays (close() would destroy it): the next
+                # DeepSpeedStrategy joins it, as deepspeed.init_distributed's groups still name it.
                 release(current)
-                current.close()
                 state["strategy"] = None
             gc.collect()
             if cuda:

@@ -252,14 +252,17 @@ def test_part_f_table_and_targets():
 @pytest.mark.slow
 def test_part_f_tiny_smoke_run(tmp_path):
     """Part f end to end at toy sizes on the CPU: each candidate in its worker, planned, trained,
-    and its batch searched (against a simulated limit of 16); ours fused, DeepSpeed's unchanged."""
+    and its batch searched against a simulated limit of 6 (4 fits, 8 runs out of memory, 6 fits
+    after it: our offload probing on, DeepSpeed's engine rebuilt; 7 runs out); ours fused,
+    DeepSpeed's unchanged."""
     raw = run_tiny_part(tmp_path, "f", timeout=1500)
     rows = {r["name"]: r for r in raw["f"]["rows"]}
     assert set(rows) == {"lean offload, overlapped (ours)", "lean offload, serial (ours)",
                          "DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam"}, raw["f"]
     for name, r in rows.items():
         assert not r.get("error") and not r.get("plan_error") and r["iter_ms"] > 0 and r["planned_gb"] > 0, r
-        assert r["cap"]["largest_batch"] == 16 and r["cap"]["complete"], r
+        assert r["cap"]["largest_batch"] == 6 and r["cap"]["complete"] and not r["cap"].get("error"), r
+        assert [tuple(p) for p in r["cap"]["probes"]] == [(4, True), (8, False), (6, True), (7, False)], r["cap"]
         assert ("fused tanh GELU" in r["activations"]) == ("ours" in name), r
     ours = rows["lean offload, overlapped (ours)"]
     # clipping that does not fire: every step of the overlapped offload speculated, none rolled back
@@ -277,16 +280,19 @@ def test_part_f_tiny_smoke_run(tmp_path):
 @pytest.mark.slow
 def test_part_f_stopped_by_its_time_limit_keeps_the_running_workers_measured_row(tmp_path):
     """SIGTERM to part f (what `timeout` sends at benchmarks/gpu_run_next.sh's limit) once its
-    first worker has measured batch 32, during its batch search: the worker's whole process group
-    goes, and the report holds the row with its samples/s and peak as measured, marked stopped."""
+    first worker has measured its batch, during its batch search: the worker's whole process group
+    goes, and the report holds the row with its samples/s and peak as measured, marked stopped.
+    The search runs up to --max-batch 4096 (a simulated limit of 1024: 20 probes, the largest
+    batches the slowest), so the worker is still searching when the signal comes, however slowly
+    this test sees its row."""
     import signal
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "part_f.md"
     rows_file = tmp_path / "part_f_f0.rows.jsonl"
     proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", "f",
-                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            cwd=REPO)
+                             "--max-batch", "4096", "--out", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     try:
         deadline = time.time() + 400
         while time.time() < deadline and proc.poll() is None:
