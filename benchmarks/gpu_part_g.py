@@ -207,7 +207,7 @@ def worker(args) -> None:
     import torch
 
     from ft_framework.strategies.memory_fit import plan_run
-    from gpu_suite import largest_batch_under_cap
+    from gpu_suite import freeze_imports, largest_batch_under_cap
 
     started = time.perf_counter()
     name = list(G_CANDIDATES)[int(args.worker)]
@@ -228,6 +228,8 @@ def worker(args) -> None:
     # The dry run plans too, so the plan's code runs before a GPU window depends on it; its plan is
     # of the config's architecture (the 1B), not of the toy model the dry run trains.
     plan = plan_run(cfg, world_size=1, on_gpu=cuda)
+    if args.tiny:  # the plan imported the decoder's modules (frozen with the rest, and the plan's few
+        freeze_imports()  # objects without storage); before any model is built
     row.update(planned_device_gb=plan.device_peak / 1e9, planned_live_gb=plan.live_bytes / 1e9,
                planned_host_gb=plan.host_peak / 1e9)
     if not args.tiny:
