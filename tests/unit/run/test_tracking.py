@@ -217,24 +217,63 @@ def test_only_the_main_process_opens_trackers(tmp_path):
     assert not (tmp_path / "run" / "trackers.json").exists()
 
 
-def _open_mlflow_run_after(barrier, uri):
+def _open_mlflow_runs_after(barrier, jobs, results):
+    """One run of a sweep that starts with the others, for each store it is given: in the environment
+    the test gives it, it waits for the others at the barrier, then opens an MLflow run there; it
+    reports None or its traceback."""
+    import traceback
+
     import mlflow.tracking  # noqa: F401 - imported before the barrier, so that it does not stagger the runs
 
     from ft_framework.run.tracking import MLflowTracker
 
-    barrier.wait()  # all processes ask for the experiment at the same moment
-    MLflowTracker(tracking_uri=uri, experiment="shared", run_name="r", params={})
+    for uri, env in iter(jobs.get, None):
+        os.environ.clear()
+        os.environ.update(env)
+        barrier.wait()  # all processes ask for the experiment at the same moment
+        try:
+            MLflowTracker(tracking_uri=uri, experiment="shared", run_name="r", params={})
+            results.put(None)
+        except BaseException:  # noqa: BLE001 - reported to the test
+            results.put(traceback.format_exc())
+
+
+@pytest.fixture(scope="module")
+def parallel_mlflow_runs():
+    """open(uri): four spawned processes open an MLflow run in store `uri` at the same moment, each in
+    the calling test's environment; their tracebacks (None: opened). The processes are started once
+    for the tests of this file: each imports MLflow, seconds of CPU."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    jobs = [ctx.Queue() for _ in range(4)]
+    procs = [ctx.Process(target=_open_mlflow_runs_after, args=(barrier, q, results)) for q in jobs]
+    for p in procs:
+        p.start()
+
+    def open_runs(uri: str) -> list:
+        for q in jobs:
+            q.put((uri, dict(os.environ)))
+        return [results.get(timeout=120) for _ in procs]
+
+    yield open_runs
+    for q in jobs:
+        q.put(None)
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["sqlite_default", "file"])
-def test_parallel_runs_share_one_mlflow_experiment(tmp_path, monkeypatch, store):
+def test_parallel_runs_share_one_mlflow_experiment(tmp_path, monkeypatch, store, parallel_mlflow_runs):
     """A sweep's runs start together and name the same experiment in a new store: opening the store
     (MLflow's Default experiment; a new SQLite database's tables) and get-or-create of the experiment
     each check, then create, so without the lock runs failed on the Default experiment or the tables,
     or each made an experiment of its own (about 1 sweep in 4 on the file store)."""
-    import multiprocessing as mp
-
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -243,14 +282,8 @@ def test_parallel_runs_share_one_mlflow_experiment(tmp_path, monkeypatch, store)
         uri = (tmp_path / "mlruns").as_uri()
     else:  # what a run gets by default: a SQLite database in the output root, shared by side-by-side runs
         uri = default_mlflow_uri(tmp_path / "runs" / "one_run")
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_open_mlflow_run_after, args=(barrier, uri)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0] * 4
+    errors = parallel_mlflow_runs(uri)
+    assert errors == [None] * 4, "\n".join(e for e in errors if e)
     client = MlflowClient(uri)
     shared = [e for e in client.search_experiments() if e.name == "shared"]
     assert len(shared) == 1
