@@ -1,22 +1,24 @@
 """Starts the ranks of the tests' multi-process workers (ds_worker.py, reshard_worker.py,
-fsdp_worker.py) by forking one process that has imported everything, phase after phase.
+fsdp_worker.py, forked_train.py, tests/examples/hf_deepspeed_worker.py) by forking one process that
+has imported everything, phase after phase.
 
-Why not one torchrun launch per phase: a 2-rank torchrun costs its agent (~1.7 s of CPU: torch and
-torch.distributed.elastic) and each rank's own imports (torch, transformers, DeepSpeed: 3-5 s of CPU
-each) before any work, and these workers need several world sizes in turn (2 ranks, then 1 loading
-their checkpoint, then 2 again): three launches, seven such processes. Here one process imports
-once and forks the ranks of each phase; they share its imports (copy-on-write) and join a process
-group of their own per phase from the environment a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: rank 0 hosts the rendezvous, as under the deepspeed
-launcher or srun), so each rank runs what it runs under a launcher, from a fresh process group.
+Why not a torchrun launch per phase: a 2-rank torchrun costs its agent (~1.7 s of CPU: torch and
+torch.distributed.elastic) and each rank's own imports (torch, the trainer, transformers, DeepSpeed:
+3-7 s of CPU each) before any work, and some workers need several world sizes in turn (2 ranks,
+then 1 loading their checkpoint, then 2 again): three launches, seven such processes. Here one
+process imports once and forks the ranks of each phase; they share its imports (copy-on-write) and
+join a process group of their own per phase from the environment a launcher sets (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: rank 0 hosts the rendezvous, as under the
+deepspeed launcher or srun), so each rank runs what it runs under a launcher, from a fresh process
+group.
 
 The parent only imports and forks: a fork copies neither threads nor a process group safely, so it
 refuses to fork once it has a second thread. Before it forks, it freezes what it allocated
 (gc.freeze, as the Python docs advise before a fork): the ranks' garbage collections skip those
-objects (DeepSpeed calls gc.collect itself, 0.35 s of CPU each over all that torch, transformers and
-DeepSpeed leave alive) and leave their pages shared. A rank that fails fails the launch at once (its peers
-are killed, the parent exits 1 naming the phase and rank); a rank whose parent dies is killed too
-(PR_SET_PDEATHSIG), so a test's timeout leaves nothing running.
+objects (DeepSpeed calls gc.collect itself, 0.35 s of CPU each over all that torch, transformers
+and DeepSpeed leave alive) and leave their pages shared. A rank that fails fails the launch at once
+(its peers are killed, the parent exits 1 naming the phase and rank); a rank whose parent dies is
+killed too (PR_SET_PDEATHSIG), so a test's timeout leaves nothing running.
 """
 
 from __future__ import annotations
