@@ -152,21 +152,24 @@ def test_part_d_table_format():
     assert "failed: boom" in suite.format_d({"error": "boom", "candidates": []}, None)
 
 
-def run_tiny_part(tmp_path, part: str, timeout: int = 600) -> dict:
-    """`gpu_suite.py --tiny --only PART` on the CPU; its raw JSON (the report is PART.md)."""
+@pytest.fixture(scope="module")
+def tiny_d_e_f(tmp_path_factory) -> tuple[dict, str, Path]:
+    """`gpu_suite.py --tiny --only d,e,f` on the CPU: parts d, e and f at toy sizes in one run of the
+    suite (each part's workers as in a run of it alone). Its raw JSON, its report and the report's
+    path (the workers' rows files are beside it)."""
+    report = tmp_path_factory.mktemp("tiny_d_e_f") / "suite.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", part,
-                          "--out", str(tmp_path / f"{part}.md")], capture_output=True, text=True, env=env, cwd=REPO,
-                         timeout=timeout)
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--only", "d,e,f",
+                          "--out", str(report)], capture_output=True, text=True, env=env, cwd=REPO, timeout=1800)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return json.loads((tmp_path / f"{part}.json").read_text())
+    return json.loads(report.with_suffix(".json").read_text()), report.read_text(), report
 
 
 @pytest.mark.slow
-def test_part_d_tiny_smoke_run(tmp_path):
+def test_part_d_tiny_smoke_run(tiny_d_e_f):
     """Part d end to end at toy sizes on the CPU (deepspeed launcher, world size 1): the overlapped
     and serial offload and DeepSpeed ZeRO-2 offload each train and are tabled."""
-    raw = run_tiny_part(tmp_path, "d")
+    raw, report, _ = tiny_d_e_f
     cands = {c["name"]: c for c in raw["d"]["candidates"]}
     assert set(cands) == {"RecAdam, overlapped offload (ours)", "RecAdam, serial offload (ours)",
                           "DeepSpeedCPUAdam, ZeRO-2 offload"}, raw["d"]
@@ -174,7 +177,6 @@ def test_part_d_tiny_smoke_run(tmp_path):
         assert c.get("iter_ms") and c["iter_ms"] > 0 and not c.get("error"), c
     assert cands["RecAdam, overlapped offload (ours)"]["rollbacks"] is not None
     # No GPU memory to cap on the CPU: the capped run is left out, and so is its table.
-    report = (tmp_path / "d.md").read_text()
     assert raw["d_cap"] is None and "## d. ALBERT-xxlarge" in report and "capped at" not in report
 
 
@@ -192,15 +194,15 @@ def test_part_e_table_format():
 
 
 @pytest.mark.slow
-def test_part_e_tiny_smoke_run(tmp_path):
+def test_part_e_tiny_smoke_run(tiny_d_e_f):
     """Part e end to end at toy sizes on the CPU: each case is planned before it is built, then
     trained, and the two numbers are tabled."""
-    raw = run_tiny_part(tmp_path, "e")
+    raw, report, _ = tiny_d_e_f
     cases = {c["name"]: c for c in raw["e"]["cases"]}
     assert set(cases) == {"overlapped offload (single)", "DeepSpeed ZeRO-2 offload"}, raw["e"]
     for c in cases.values():
         assert not c.get("error") and c["planned_gb"] > 0 and c["measured_gb"] > 0, c
-    assert "## e. The memory plan against the measured peak" in (tmp_path / "e.md").read_text()
+    assert "## e. The memory plan against the measured peak" in report
 
 
 def test_part_f_finds_the_allocations_live_at_the_peak():
@@ -250,12 +252,12 @@ def test_part_f_table_and_targets():
 
 
 @pytest.mark.slow
-def test_part_f_tiny_smoke_run(tmp_path):
+def test_part_f_tiny_smoke_run(tiny_d_e_f):
     """Part f end to end at toy sizes on the CPU: each candidate in its worker, planned, trained,
     and its batch searched against a simulated limit of 6 (4 fits, 8 runs out of memory, 6 fits
     after it: our offload probing on, DeepSpeed's engine rebuilt; 7 runs out); ours fused,
     DeepSpeed's unchanged."""
-    raw = run_tiny_part(tmp_path, "f", timeout=1500)
+    raw, report, report_path = tiny_d_e_f
     rows = {r["name"]: r for r in raw["f"]["rows"]}
     assert set(rows) == {"lean offload, overlapped (ours)", "lean offload, serial (ours)",
                          "DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam"}, raw["f"]
@@ -269,10 +271,10 @@ def test_part_f_tiny_smoke_run(tmp_path):
     assert ours["grad_norm"] < ours["max_grad_norm"] and ours["rollbacks"] == 0, ours
     assert ours["speculated_steps"] == ours["counted_steps"] > 0, ours
     assert rows["DeepSpeed ZeRO-2 offload, DeepSpeedCPUAdam"]["speculated_steps"] is None
-    assert "## f. The device-lean offload" in (tmp_path / "f.md").read_text()
+    assert "## f. The device-lean offload" in report
     part_f = load_benchmark("gpu_part_f")
     for name in rows:  # each worker's rows file ends with its finished row
-        rows_file = tmp_path / f"f_{part_f.worker_kind(name)}.rows.jsonl"
+        rows_file = report_path.with_name(f"{report_path.stem}_{part_f.worker_kind(name)}.rows.jsonl")
         last = [json.loads(line) for line in rows_file.read_text().splitlines()][-1]
         assert last["value"]["stage"] == "done" and last["value"]["iter_ms"] == rows[name]["iter_ms"]
 
