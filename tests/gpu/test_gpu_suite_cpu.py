@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_common import CASES, HERE, REPO, case_params, run_config, skip_reason, write_config
+from gpu_common import CASES, REPO, case_params, run_config, skip_reason, write_config
 
 
 def load_benchmark(name: str):
@@ -115,20 +115,30 @@ def test_run_configs_of_every_case_load(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_worker_runs_a_case_on_the_cpu(tmp_path):
+def test_gpu_worker_runs_a_case_on_the_cpu(tmp_path, monkeypatch):
     """The worker end to end on the CPU (one single-process case), so a library change that breaks
-    it shows here and not only on the GPU machine."""
+    it shows here and not only on the GPU machine. Its main() runs in this process, as `python
+    gpu_worker.py` runs it: the case is one process either way, and a second Python would import
+    torch, transformers and the trainer again (4 s of CPU)."""
     pytest.importorskip("tokenizers")
+    import torch
+
     from gpu_common import build_tiny_bert_dir
 
     model_dir = build_tiny_bert_dir(tmp_path / "model")
-    env = {**os.environ, "FT_GPU_TESTS_DEVICE": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, str(HERE / "gpu_worker.py"), str(tmp_path / "res"), str(model_dir),
-                          "single_fp32"], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    # The worker's environment on the CPU (its import sets the last two where unset): restored after,
+    # so that no later test, nor a GPU launch of tests/gpu, inherits the CPU accelerator.
+    for name, value in (("FT_GPU_TESTS_DEVICE", "cpu"), ("DS_ACCELERATOR", "cpu"), ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")):
+        monkeypatch.setenv(name, value)
+    import gpu_worker
+
+    deterministic = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        returncode = gpu_worker.main([str(tmp_path / "res"), str(model_dir), "single_fp32"])
+    finally:  # main() turns deterministic algorithms on for the process
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     rec = json.loads((tmp_path / "res" / "single_fp32.json").read_text())
-    assert rec["error"] is None
+    assert rec["error"] is None and returncode == 0, rec["error"]
     for phase in ("full", "resumed"):
         a = rec[phase]["anchors"]
         assert a["count"] == a["expected"] > 0 and not a["mismatched"] and not a["missing"]
