@@ -25,8 +25,9 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 HERE = Path(__file__).parent
 # Session fixtures that are whole reference runs (tests/multinode/conftest.py): every test that asks
-# for one runs on one pytest-xdist worker, so each reference is computed once.
-SHARED_REFERENCE_FIXTURES = ("fsdp_reference", "zero2_offload_reference")
+# for one (directly, or through fsdp_reference / zero2_offload_reference) runs on one pytest-xdist
+# worker, so each reference is computed once.
+SHARED_REFERENCE_FIXTURES = ("reference_runs",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

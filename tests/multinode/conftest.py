@@ -1,12 +1,17 @@
+import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "distributed"))  # runs_in_one_launch: the reference runs' plan
 
-from multinode_helpers import TRAIN, ZERO2_OFFLOAD, Launches, base_env, free_port, fsdp_config  # noqa: E402
+from multinode_helpers import ZERO2_OFFLOAD, Launches, fsdp_config  # noqa: E402
+from runs_in_one_launch import fit_step  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -21,36 +26,44 @@ def launches(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def fsdp_reference(tiny_bert_dir, tmp_path_factory):
-    """The uninterrupted 2-process single-node FSDP run (torchrun --standalone); its output dir."""
-    root = tmp_path_factory.mktemp("fsdp_reference")
-    cfg = fsdp_config(root / "run.yaml", tiny_bert_dir, root / "out")
+def reference_runs(request, tiny_bert_dir, tmp_path_factory) -> dict[str, Path]:
+    """The uninterrupted 2-process single-node runs the multi-node cases are compared with, by
+    strategy: "fsdp" (FSDP2) and "zero2_offload" (DeepSpeed ZeRO-2 with the optimizer offloaded;
+    RUN otherwise), the latter where DeepSpeed is installed and a collected test asks for it. One
+    torchrun launch makes both, one after another in one process group (DeepSpeed's first): a
+    second launch would cost its ranks' imports again (~10 s of CPU), and the metrics are the same
+    as each run's own launch makes (the DeepSpeed launcher's too). The tests must equal them
+    exactly, so a run this launch got wrong fails them."""
+    root = tmp_path_factory.mktemp("reference_runs")
+    runs = {"fsdp": {}}
+    if importlib.util.find_spec("deepspeed") is not None and any(
+            "zero2_offload_reference" in item.fixturenames for item in request.session.items):
+        runs = {"zero2_offload": {"strategy": ZERO2_OFFLOAD}, **runs}
+    plan = [fit_step(fsdp_config(root / f"{name}.yaml", tiny_bert_dir, root / name, **sections))
+            for name, sections in runs.items()]
+    (root / "plan.json").write_text(json.dumps(plan, indent=1))
     tracker = Launches(root)
     try:
-        proc = tracker.start("reference", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                           "--nproc-per-node", "2", str(TRAIN), "--config", str(cfg)])
-        [rc] = tracker.wait([proc], timeout=240)
-        assert rc == 0, tracker.tail(proc)
-    finally:
-        tracker.kill_all()
-    return root / "out"
-
-
-
-@pytest.fixture(scope="session")
-def zero2_offload_reference(tiny_bert_dir, tmp_path_factory):
-    """The uninterrupted 2-process single-node DeepSpeed ZeRO-2 + optimizer offload run (the
-    deepspeed launcher), the same run as fsdp_reference otherwise; its output dir. Shared by the
-    two-node and the SIGTERM tests, which must each equal it."""
-    pytest.importorskip("deepspeed")
-    root = tmp_path_factory.mktemp("zero2_offload_reference")
-    cfg = fsdp_config(root / "run.yaml", tiny_bert_dir, root / "out", strategy=ZERO2_OFFLOAD)
-    tracker = Launches(root)
-    try:
-        proc = tracker.start("reference", ["deepspeed", "--num_gpus", "2", "--master_port", free_port(), TRAIN,
-                                           "--config", cfg], env=base_env())
+        proc = tracker.start("references", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                            "--nproc-per-node", "2", HERE / "reference_worker.py",
+                                            root / "plan.json"])
         [rc] = tracker.wait([proc], timeout=300)
         assert rc == 0, tracker.tail(proc)
     finally:
         tracker.kill_all()
-    return root / "out"
+    return {name: root / name for name in runs}
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(reference_runs):
+    """The uninterrupted 2-process single-node FSDP2 run (reference_runs); its output dir."""
+    return reference_runs["fsdp"]
+
+
+@pytest.fixture(scope="session")
+def zero2_offload_reference(reference_runs):
+    """The uninterrupted 2-process single-node DeepSpeed ZeRO-2 + optimizer offload run
+    (reference_runs), the same run as fsdp_reference otherwise; its output dir. Shared by the
+    two-node and the SIGTERM tests, which must each equal it."""
+    pytest.importorskip("deepspeed")
+    return reference_runs["zero2_offload"]
