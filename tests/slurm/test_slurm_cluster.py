@@ -2,8 +2,9 @@
 tiny BERT on the quickstart task. One scenario, its parts running side by side to keep the wall time
 short, checked by the tests below:
 
-- the 4-run grid (2 seeds x 2 lrs) through ft-sweep's SLURM runner, with the local runner's sweep of
-  the same grid as the reference: same run ids, same results, same report;
+- the 4-run grid (2 seeds x 2 lrs) through ft-sweep's SLURM runner, with the same grid as the
+  reference, its runs made in this process by ft-train's function (the sweep driver's store, one
+  thread a run as the local runner gives each): same run ids, same results, same report;
 - while it runs: the first run's job is sent SIGUSR1 (its batch step, as --signal=B:USR1 would) and
   requeues itself, resuming from its checkpoint; the second run's job is scancelled mid-run and the
   driver records it failed with SLURM's reason; then the driver is killed (SIGKILL) and started
@@ -14,6 +15,7 @@ short, checked by the tests below:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -27,9 +29,11 @@ import pytest
 import yaml
 
 from tiny_run import write_run_config
-from ft_framework.cli import report_main
+from ft_framework.cli import report_main, train_main
+from ft_framework.run.files import LOG_FILE, RUN_CONFIG_FILE
+from ft_framework.sweep import load_sweep, run_sweep
 from ft_framework.sweep.slurm_runner import store_tag
-from ft_framework.sweep.store import SweepStore
+from ft_framework.sweep.store import SweepStore, now_iso
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +71,27 @@ def wait_until(what: str, condition, timeout: float, procs=()) -> None:
         time.sleep(0.05)
 
 
+class InProcessRunner:
+    """A sweep runner that makes each run with ft-train's function in this process, one after
+    another, on the one thread this process computes on (tests/conftest.py), as the local runner's
+    num_cpus_per_run: 1 gives each run's process: the reference runs, without a Python process (and
+    its imports) per run. The sweep driver (run_sweep) keeps the store as it does for any runner."""
+
+    def run(self, store, runs, on_done=None, on_change=None) -> dict[str, str]:
+        states = {}
+        for run in runs:
+            directory = store.run_dir(run.run_id)
+            store.write_status(run.run_id, state="running", attempts=1, started=now_iso())
+            with open(directory / LOG_FILE, "a") as log, contextlib.redirect_stdout(log), \
+                    contextlib.redirect_stderr(log):
+                code = train_main(["--config", str(directory / RUN_CONFIG_FILE)])
+            states[run.run_id] = "finished" if code == 0 else "failed"
+            store.write_status(run.run_id, state=states[run.run_id], returncode=code, ended=now_iso())
+            if on_done is not None:
+                on_done(run, states[run.run_id])
+        return states
+
+
 def ft_sweep(config: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(REPO / "launch" / "sweep.py"), "--config", str(config),
                              "--no-progress"], cwd=config.parent, stdout=subprocess.PIPE,
@@ -95,8 +120,6 @@ def scenario(slurm_cluster, tiny_bert_dir, tmp_path_factory):
     store = root / "slurm"
     procs = []
     try:
-        local_sweep = ft_sweep(root / "local.yaml")
-        procs.append(local_sweep)
         # MASTER_ADDR: both nodes are this host, and their names (n1, n2) resolve nowhere; the port
         # and the ranks come from SLURM.
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
@@ -137,12 +160,13 @@ def scenario(slurm_cluster, tiny_bert_dir, tmp_path_factory):
 
         second = ft_sweep(root / "slurm.yaml")
         procs.append(second)
+        # The reference runs, while the second driver follows the SLURM jobs.
+        local_sweep = run_sweep(load_sweep(root / "local.yaml"), runner=InProcessRunner(), progress=False)
         second_out = second.communicate(timeout=300)[0]
         assert second.returncode == 0, second_out[-3000:]
         ddp_out = ddp.communicate(timeout=300)[0]
         assert ddp.returncode == 0, ddp_out[-3000:]
-        local_out = local_sweep.communicate(timeout=300)[0]
-        assert local_sweep.returncode == 0, local_out[-3000:]
+        assert local_sweep.complete and local_sweep.counts["finished"] == 4, local_sweep.counts
         queue = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i|%j"], capture_output=True, text=True,
                                check=True).stdout
     finally:
