@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import signal
 import subprocess
@@ -24,7 +26,7 @@ import pytest
 import yaml
 
 from tiny_run import write_run_config
-from ft_framework.cli import report_main
+from ft_framework.cli import report_main, sweep_main
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +60,15 @@ def ft_sweep(root, *args, **kwargs):
     return subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+def ft_sweep_here(root, *args) -> tuple[int, str]:
+    """ft-sweep's function in this process (the command a user types, less its Python start), in the
+    sweep's directory as ft_sweep runs it: exit code and stdout."""
+    out = io.StringIO()
+    with contextlib.chdir(root), contextlib.redirect_stdout(out):
+        code = sweep_main(["--config", str(root / "sweep.yaml"), "--no-progress", *args])
+    return code, out.getvalue()
+
+
 def statuses(store):
     out = {}
     for d in sorted((store / "runs").glob("*")):
@@ -70,11 +81,11 @@ def statuses(store):
 
 @pytest.fixture(scope="module")
 def local_sweep(grid):
-    """Runs the grid with ft-sweep, killed with SIGKILL after its first finished run, then again."""
+    """Runs the grid with ft-sweep, killed with SIGKILL after its first finished run, then again (in
+    this process: what is killed is the first one)."""
     store = grid / "local"
-    dry = ft_sweep(grid, "--dry-run")
-    listing = dry.communicate(timeout=120)[0]
-    assert dry.returncode == 0 and f"{N_RUNS} runs" in listing and "pending" in listing, listing
+    code, listing = ft_sweep_here(grid, "--dry-run")
+    assert code == 0 and f"{N_RUNS} runs" in listing and "pending" in listing, listing
 
     first = ft_sweep(grid)
     deadline = time.monotonic() + 240
@@ -94,9 +105,8 @@ def local_sweep(grid):
                  if s["state"] == "running" and not (store / "runs" / rid / "results.json").exists()}
     assert 1 <= len(finished) < N_RUNS and in_flight, before
 
-    second = ft_sweep(grid)
-    out = second.communicate(timeout=600)[0]
-    assert second.returncode == 0, out
+    code, out = ft_sweep_here(grid)
+    assert code == 0, out
     return {"store": store, "finished_before": finished, "in_flight": in_flight, "output": out}
 
 
