@@ -481,7 +481,7 @@ def test_a_planted_dcp_metadata_runs_no_code_on_any_reader(finished_run, tiny_be
 
 # ---- a sweep that gets SIGTERM ----------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_sweep_stopped_by_sigterm_resumes_its_run_from_the_checkpoint(tiny_bert_dir, tmp_path):
+def test_a_sweep_stopped_by_sigterm_resumes_its_run_from_the_checkpoint(tiny_bert_dir, tmp_path, monkeypatch):
     import yaml
 
     write_run_config(tmp_path / "base.yaml", tiny_bert_dir, tmp_path / "unused", training={"max_steps": 30},
@@ -505,8 +505,15 @@ def test_a_sweep_stopped_by_sigterm_resumes_its_run_from_the_checkpoint(tiny_ber
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "interrupted" and "checkpoint saved" in status["error"], status
     step = json.loads((run_dir / "results.json").read_text())["steps"]
-    second = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stdout + second.stderr
+    # The same command again, as ft-sweep's function in this process (the sweep's run is a process of
+    # its own, as in the first).
+    monkeypatch.chdir(tmp_path)
+    for name, value in env().items():
+        monkeypatch.setenv(name, value)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        code = cli.sweep_main(cmd[2:])
+    assert code == 0, output.getvalue()
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished" and status["attempts"] == 2
     assert f"resumed from {run_dir / 'checkpoints' / CheckpointManager.name_for(step)} at step {step}" in \
