@@ -1,9 +1,13 @@
 """A tiny BERT saved with save_pretrained (so runs load it through the real from_pretrained path)
 and a run-config writer for end-to-end runs on the shipped quickstart task."""
 
+import contextlib
+import io
 from pathlib import Path
 
 import yaml
+
+from ft_framework.cli import sweep_main
 
 TINY_BERT = dict(vocab_size=None, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                  intermediate_size=37, max_position_embeddings=128)
@@ -56,3 +60,13 @@ def assert_same_forgetting(got: dict, want: dict) -> None:
         tolerance = dict(abs=2e-6) if key == "mlm_forgetting" else dict(rel=1e-3 if key.startswith("cka") else 1e-6,
                                                                        abs=1e-7)
         assert got[key] == pytest.approx(value, **tolerance), key
+
+
+def sweep_in_this_process(directory: Path, args) -> tuple[int, str]:
+    """ft-sweep's function with `args` in this process, run from `directory` as the command would
+    be (where a sweep driver is not what a test is about: one Python start less; its runs are
+    processes of their own, as always): its exit code and what it printed, stdout and stderr."""
+    output = io.StringIO()
+    with contextlib.chdir(directory), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        code = sweep_main(list(args))
+    return code, output.getvalue()

@@ -11,7 +11,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "distributed"))  # runs_in_one_launch: the reference runs' plan
 
 from multinode_helpers import ZERO2_OFFLOAD, Launches, fsdp_config  # noqa: E402
-from runs_in_one_launch import fit_step  # noqa: E402
+from runs_in_one_launch import FIT_WORKER, fit_step  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -45,7 +45,7 @@ def reference_runs(request, tiny_bert_dir, tmp_path_factory) -> dict[str, Path]:
     tracker = Launches(root)
     try:
         proc = tracker.start("references", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                            "--nproc-per-node", "2", HERE / "reference_worker.py",
+                                            "--nproc-per-node", "2", FIT_WORKER,
                                             root / "plan.json"])
         [rc] = tracker.wait([proc], timeout=300)
         assert rc == 0, tracker.tail(proc)

@@ -5,9 +5,7 @@ learning–forgetting frontier, consistent with the runs' own files."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import math
 from pathlib import Path
@@ -15,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tiny_run import write_run_config
-from ft_framework.cli import report_main, sweep_main
+from tiny_run import sweep_in_this_process, write_run_config
+from ft_framework.cli import report_main
 
 pytest.importorskip("peft")
 pytest.importorskip("mlflow")
@@ -43,12 +41,8 @@ def test_frontier_sweep_of_every_method_with_interpolation_tracking_and_report(t
         "runner": {"name": "local", "max_parallel": 2, "num_cpus_per_run": 1},
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
-    # ft-sweep's function in this process (its runs are processes of their own, as always)
-    monkeypatch.chdir(tmp_path)
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-        code = sweep_main(["--config", str(tmp_path / "sweep.yaml"), "--no-progress"])
-    assert code == 0, output.getvalue()[-6000:]
+    code, output = sweep_in_this_process(tmp_path, ["--config", str(tmp_path / "sweep.yaml"), "--no-progress"])
+    assert code == 0, output[-6000:]
 
     index = json.loads((tmp_path / "store" / "index.json").read_text())
     runs = {entry["method"]: tmp_path / "store" / entry.get("dir", f"runs/{entry['id']}") for entry in index["runs"]}

@@ -31,7 +31,7 @@ from ft_framework.config import load_config
 from ft_framework.run.lock import RunLock
 from ft_framework.trainer import Trainer
 from small_filesystem import small_filesystem
-from tiny_run import write_run_config
+from tiny_run import sweep_in_this_process, write_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 PLANTED = "/tmp/ft_framework_test_planted_{}"
@@ -507,13 +507,10 @@ def test_a_sweep_stopped_by_sigterm_resumes_its_run_from_the_checkpoint(tiny_ber
     step = json.loads((run_dir / "results.json").read_text())["steps"]
     # The same command again, as ft-sweep's function in this process (the sweep's run is a process of
     # its own, as in the first).
-    monkeypatch.chdir(tmp_path)
     for name, value in env().items():
         monkeypatch.setenv(name, value)
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-        code = cli.sweep_main(cmd[2:])
-    assert code == 0, output.getvalue()
+    code, output = sweep_in_this_process(tmp_path, cmd[2:])
+    assert code == 0, output
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished" and status["attempts"] == 2
     assert f"resumed from {run_dir / 'checkpoints' / CheckpointManager.name_for(step)} at step {step}" in \

@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import signal
 import subprocess
@@ -25,8 +23,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tiny_run import write_run_config
-from ft_framework.cli import report_main, sweep_main
+from tiny_run import sweep_in_this_process, write_run_config
+from ft_framework.cli import report_main
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -54,19 +52,14 @@ def grid(tiny_bert_dir, tmp_path_factory):
     return root
 
 
+def sweep_args(root, *args) -> list[str]:
+    """ft-sweep's arguments for the sweep in `root`."""
+    return ["--config", str(root / "sweep.yaml"), "--no-progress", *args]
+
+
 def ft_sweep(root, *args, **kwargs):
-    cmd = [sys.executable, str(REPO / "launch" / "sweep.py"), "--config", str(root / "sweep.yaml"), "--no-progress",
-           *args]
+    cmd = [sys.executable, str(REPO / "launch" / "sweep.py"), *sweep_args(root, *args)]
     return subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
-
-
-def ft_sweep_here(root, *args) -> tuple[int, str]:
-    """ft-sweep's function in this process (the command a user types, less its Python start), in the
-    sweep's directory as ft_sweep runs it: exit code and stdout."""
-    out = io.StringIO()
-    with contextlib.chdir(root), contextlib.redirect_stdout(out):
-        code = sweep_main(["--config", str(root / "sweep.yaml"), "--no-progress", *args])
-    return code, out.getvalue()
 
 
 def statuses(store):
@@ -84,7 +77,7 @@ def local_sweep(grid):
     """Runs the grid with ft-sweep, killed with SIGKILL after its first finished run, then again (in
     this process: what is killed is the first one)."""
     store = grid / "local"
-    code, listing = ft_sweep_here(grid, "--dry-run")
+    code, listing = sweep_in_this_process(grid, sweep_args(grid, "--dry-run"))
     assert code == 0 and f"{N_RUNS} runs" in listing and "pending" in listing, listing
 
     first = ft_sweep(grid)
@@ -105,7 +98,7 @@ def local_sweep(grid):
                  if s["state"] == "running" and not (store / "runs" / rid / "results.json").exists()}
     assert 1 <= len(finished) < N_RUNS and in_flight, before
 
-    code, out = ft_sweep_here(grid)
+    code, out = sweep_in_this_process(grid, sweep_args(grid))
     assert code == 0, out
     return {"store": store, "finished_before": finished, "in_flight": in_flight, "output": out}
 
