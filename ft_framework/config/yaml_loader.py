@@ -6,8 +6,22 @@ nests deeper than user_files.NESTING_LIMIT (3000 nested `[` would exhaust Python
 PyYAML's composer). It builds on PyYAML's SafeLoader: plain data only, never objects.
 
 Duplicate keys are looked for in every mapping of the document as written, before anything is
-constructed: PyYAML flattens a merge (`<<: *base`) into the mapping in place when it constructs it,
-and a key that overrides a merged one is YAML's merge semantics, not a duplicate.
+constructed; a key that overrides a merged one is YAML's merge semantics, not a duplicate.
+
+Merge keys (`<<: *base`, `<<: [*a, *b]`) are ours, not PyYAML's: PyYAML 6.0.4 changed what a nested
+merge means (a merged mapping's own key lost to the key it merged in: yaml/pyyaml#953), so the same
+file meant two configs on two machines. This module resolves merges itself, by the merge key's
+specification (yaml.org/type/merge.html), on every PyYAML release we allow:
+
+- a mapping's own keys win over the keys it merges in;
+- of a list of merged mappings, an earlier one wins over a later one;
+- a merged mapping's own merges are resolved first (the rules again, inside it);
+- `<<` given twice in one mapping is a duplicate key, like any other; a merged value that is not a
+  mapping (or a list of mappings) is an error naming where.
+
+Only the parser and the composer (events, nodes, anchors and aliases) are PyYAML's; they follow
+the YAML 1.1 grammar, which PyYAML has not changed in years, and tests/unit/test_yaml_versions.py
+runs this module's tests under the oldest and the newest PyYAML we allow.
 
     data = load_yaml(text)          # raises DuplicateKey / AliasLimit / NestingLimit / yaml.YAMLError
 """
@@ -18,6 +32,7 @@ import re
 from typing import IO, Any
 
 import yaml
+from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from ft_framework.user_files import NESTING_LIMIT
@@ -30,6 +45,20 @@ __all__ = ["ALIAS_NODE_LIMIT", "AliasLimit", "DuplicateKey", "NestingLimit", "lo
 ALIAS_NODE_LIMIT = 1000
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+# YAML 1.1's value key `=`, which SafeLoader reads as the plain string "=".
+_VALUE_TAG = "tag:yaml.org,2002:value"
+_STR_TAG = "tag:yaml.org,2002:str"
+
+
+class _MergeKeyName:
+    """The merge key as a duplicate-key check sees it: equal only to itself (a quoted "<<" is a
+    plain string key), named `<<`."""
+
+    def __str__(self) -> str:
+        return "<<"
+
+
+_MERGE_KEY = _MergeKeyName()
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -65,13 +94,14 @@ def marks_text(first: yaml.Mark, second: yaml.Mark) -> str:
 
 class _ConfigLoader(yaml.SafeLoader):
     """SafeLoader that reads `2e-5` as a float (YAML 1.1 would read it as a string), bounds what
-    aliases add, and refuses duplicate keys."""
+    aliases add, refuses duplicate keys and resolves merge keys itself."""
 
     def __init__(self, stream: str | IO[str]):
         super().__init__(stream)
         self._expanded_size: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
         self._alias_nodes = 0
         self._depth = 0
+        self._merged: dict[int, list[tuple[Node, Node]]] = {}  # id(mapping node) -> its pairs, merges resolved
 
     # --- composing: the alias bound -----------------------------------------------------------
     def compose_node(self, parent: Node | None, index: Any) -> Node:
@@ -122,8 +152,11 @@ class _ConfigLoader(yaml.SafeLoader):
                 seen: dict[Any, Node] = {}
                 for key_node, _ in node.value:
                     if key_node.tag == _MERGE_TAG:
-                        continue
-                    key = self.construct_object(key_node, deep=True)
+                        key = _MERGE_KEY
+                    elif key_node.tag == _VALUE_TAG:
+                        key = key_node.value
+                    else:
+                        key = self.construct_object(key_node, deep=True)
                     try:
                         first = seen.setdefault(key, key_node)
                     except TypeError:  # an unhashable key: SafeLoader's own error says so
@@ -137,6 +170,78 @@ class _ConfigLoader(yaml.SafeLoader):
             else:
                 children = []
             pending.extend(reversed(children))  # the first child is taken next: document order
+
+    # --- constructing: merge keys, by the merge specification ---------------------------------------
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
+        """The mapping `node` holds, its merges resolved (module docstring); the later of two equal
+        keys in the resolved pairs wins, so they list what is merged in before the mapping's own."""
+        if not isinstance(node, MappingNode):
+            raise ConstructorError(None, None, f"expected a mapping node, but found {node.id}", node.start_mark)
+        mapping: dict[Any, Any] = {}
+        for key_node, value_node in self._merged_pairs(node):
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:
+                raise ConstructorError("while constructing a mapping", node.start_mark, "found unhashable key",
+                                       key_node.start_mark) from None
+            mapping[key] = self.construct_object(value_node, deep=deep)
+        return mapping
+
+    def _merge_sources(self, node: MappingNode) -> list[MappingNode]:
+        """The mappings `node` merges in, the one that wins first."""
+        sources: list[MappingNode] = []
+        for key_node, value_node in node.value:
+            if key_node.tag != _MERGE_TAG:
+                continue
+            if isinstance(value_node, MappingNode):
+                sources.append(value_node)
+            elif isinstance(value_node, SequenceNode):
+                for item in value_node.value:
+                    if not isinstance(item, MappingNode):
+                        raise ConstructorError("while constructing a mapping", node.start_mark,
+                                               f"expected a mapping for merging, but found {item.id}",
+                                               item.start_mark)
+                    sources.append(item)
+            else:
+                raise ConstructorError("while constructing a mapping", node.start_mark,
+                                       f"expected a mapping or list of mappings for merging, but found "
+                                       f"{value_node.id}", value_node.start_mark)
+        return sources
+
+    def _merged_pairs(self, root: MappingNode) -> list[tuple[Node, Node]]:
+        """`root`'s (key, value) pairs with every merge resolved: the merged mappings' pairs, the last
+        source's first, then `root`'s own, so that a dict built in this order lets the winner write
+        last. Nodes are read, never changed (an anchored mapping merged in twice reads the same), each
+        mapping resolved once (memoised by node), without recursion: merges nest as deep as the
+        document does (NESTING_LIMIT)."""
+        memo = self._merged
+        pending: list[tuple[MappingNode, bool]] = [(root, False)]
+        resolving: set[int] = set()
+        while pending:
+            node, sources_done = pending.pop()
+            if id(node) in memo:
+                continue
+            sources = self._merge_sources(node)
+            if not sources_done:
+                if id(node) in resolving:  # the composer refuses an alias inside what it names: unreachable
+                    raise ConstructorError("while constructing a mapping", node.start_mark,
+                                           "a mapping merges itself in", node.start_mark)
+                resolving.add(id(node))
+                pending.append((node, True))
+                pending.extend((source, False) for source in reversed(sources) if id(source) not in memo)
+                continue
+            pairs: list[tuple[Node, Node]] = []
+            for source in reversed(sources):
+                pairs.extend(memo[id(source)])
+            for key_node, value_node in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue
+                if key_node.tag == _VALUE_TAG:
+                    key_node = ScalarNode(_STR_TAG, key_node.value, key_node.start_mark, key_node.end_mark)
+                pairs.append((key_node, value_node))
+            memo[id(node)] = pairs
+        return memo[id(root)]
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
         try:

@@ -129,16 +129,7 @@ def test_a_task_of_a_two_task_srun_step_under_single_is_refused(config, srun_tas
     assert load_config(config).strategy.name == "single"
 
 
-# ---- 9. merges are no duplicates -------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    ("a: &a {p: 1}\nb: {<<: *a}\n", {"a": {"p": 1}, "b": {"p": 1}}),
-    ("a: &a {p: 1}\nc:\n  <<: &b\n    <<: *a\n    p: 3\nd: *b\n", {"a": {"p": 1}, "c": {"p": 3}, "d": {"p": 3}}),
-    ("a0: &a0 {p: 1}\nb:\n  <<: &a\n    <<: *a0\n    p: 2\nc: *a\n", {"a0": {"p": 1}, "b": {"p": 2}, "c": {"p": 2}}),
-])
-def test_a_key_overriding_a_merged_one_is_no_duplicate(text, expected):
-    assert load_yaml(text) == expected
-
-
+# ---- 9. a duplicate beside merges (what merges mean: tests/unit/test_yaml_merges.py) -----------------------
 @pytest.mark.parametrize("text, key, where", [
     ("a: &a {p: 1, p: 2}\nb: {<<: *a}\n", "a.p", "line 1, columns 8 and 14"),
     ("b: {<<: &a {p: 1, p: 2}}\n", "b.<<.p", "line 1, columns 13 and 19"),
