@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ft_framework.errors import UserError
 from ft_framework.run.allocator import apply_run_policy
-from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, print_user_error, report_failure
+from ft_framework.run.failures import EXIT_DIVERGED, diverged_line, print_user_error, release_sigterm, report_failure
 from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, RunPaths
 from ft_framework.run.results import format_results_table
 
@@ -70,6 +70,7 @@ def train_main(argv: list[str] | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.strategy.close()
+        release_sigterm()  # a hold the loop began and no report ended (run/failures.py)
     if results.get("status") == "interrupted":  # a signal: checkpoint saved, the line printed (run/signals.py)
         return int(results["exit_code"])
     if results.get("diverged"):

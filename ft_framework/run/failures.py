@@ -32,6 +32,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Any, Iterator, TextIO
@@ -40,8 +41,9 @@ from ft_framework.distributed.liveness import GONE
 from ft_framework.distributed.peer_failures import STORE_GONE, announce_failure, failed_peers, silent_peers
 from ft_framework.errors import UserError
 
-__all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "error_line", "is_peer_failure",
-           "print_user_error", "report_failure", "same_on_every_rank"]
+__all__ = ["EXIT_CRASH", "EXIT_DIVERGED", "EXIT_OK", "EXIT_USER_ERROR", "HOLD_LIMIT_S", "error_line", "hold_sigterm",
+           "is_peer_failure", "print_user_error", "release_sigterm", "report_failure", "same_on_every_rank",
+           "sigterm_held"]
 
 EXIT_OK = 0
 EXIT_CRASH = 1
@@ -108,16 +110,16 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
     stream = stream or sys.stderr
     rank, world = _rank_and_world()
     tag = prog if world <= 1 else f"{prog} (rank {rank})"
-    if isinstance(exc, UserError):  # ConfigError is one too
-        alike = same_on_every_rank or getattr(exc, _SAME_ON_EVERY_RANK, False)
-        if world > 1 and not alike:  # this rank's own problem: the others read it from the board
-            announce_failure(rank, f"error: {_one_line(exc)}")
-        if debug:
-            traceback.print_exception(exc, file=stream)
-        if rank == 0 or not alike or debug:
-            print(error_line(tag, exc), file=stream, flush=True)
-        return EXIT_USER_ERROR
-    with _sigterm_held(world > 1):
+    with sigterm_held():
+        if isinstance(exc, UserError):  # ConfigError is one too
+            alike = same_on_every_rank or getattr(exc, _SAME_ON_EVERY_RANK, False)
+            if world > 1 and not alike:  # this rank's own problem: the others read it from the board
+                announce_failure(rank, f"error: {_one_line(exc)}")
+            if debug:
+                traceback.print_exception(exc, file=stream)
+            if rank == 0 or not alike or debug:
+                print(error_line(tag, exc), file=stream, flush=True)
+            return EXIT_USER_ERROR
         line = _lost_peer_line(exc, rank) if world > 1 and not debug else None
         if line is not None:
             print(f"{tag}: {line}", file=stream, flush=True)
@@ -128,23 +130,61 @@ def report_failure(exc: BaseException, *, prog: str, debug: bool = False, same_o
         return EXIT_CRASH
 
 
-@contextmanager
-def _sigterm_held(hold: bool) -> Iterator[None]:
-    """Holds SIGTERM while a rank finds out and says why it failed, then raises it again. When one
-    worker dies, torchrun and DeepSpeed's launcher send SIGTERM to the others at once; a survivor has
-    left the training loop's handlers (run/signals.py) by then, and the default action would end it
-    before its line is out."""
-    if not hold or threading.current_thread() is not threading.main_thread():
-        yield
+# A launcher's SIGTERM held while a failing rank finds out and says why it failed (module docstring):
+# the handler it replaced, when the hold began, and the SIGTERMs that came meanwhile. One hold per
+# process, in the main thread only (signal handlers live there).
+_hold: dict[str, Any] = {}
+# A hold nobody released (a caller of Trainer.fit that is not ft-train) stops holding after this
+# long: reporting a failure takes a few seconds (failed_peers waits at most 3 s for a peer's entry).
+HOLD_LIMIT_S = 60.0
+
+
+def hold_sigterm(restore_to: Any = None) -> bool:
+    """From now on a SIGTERM is held, not acted on, until :func:`release_sigterm`; `restore_to` is the
+    handler to put back then (the current one when None). Whether a hold is on now: none starts
+    outside the main thread or with one rank, and a hold already on is kept as it is. run/signals.py
+    starts the hold the moment the training loop raises, in place of its own handler, so that no
+    SIGTERM falls between the loop and the line."""
+    if _hold:
+        return True
+    if _rank_and_world()[1] <= 1 or threading.current_thread() is not threading.main_thread():
+        return False
+    _hold.update(restore_to=signal.getsignal(signal.SIGTERM) if restore_to is None else restore_to,
+                 since=time.monotonic(), held=[])
+
+    def record(signum: int, frame: Any) -> None:
+        if time.monotonic() - _hold["since"] > HOLD_LIMIT_S:  # nobody is reporting any more
+            release_sigterm()
+            signal.raise_signal(signum)
+            return
+        _hold["held"].append(signum)
+
+    signal.signal(signal.SIGTERM, record)
+    return True
+
+
+def release_sigterm() -> None:
+    """Ends the hold: the replaced handler is back, and a SIGTERM that came meanwhile is delivered
+    now (the launcher's stop, once the line is out). Does nothing when no hold is on."""
+    if not _hold:
         return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
+    restore_to, held = _hold["restore_to"], _hold["held"]
+    _hold.clear()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if restore_to is None else restore_to)
+    if held:
+        signal.raise_signal(signal.SIGTERM)
+
+
+@contextmanager
+def sigterm_held() -> Iterator[None]:
+    """Holds SIGTERM while a rank finds out and says why it failed (a hold already on, from the
+    loop, is kept), then releases it. When one worker dies, torchrun and DeepSpeed's launcher send
+    SIGTERM to the others at once, and the default action would end a survivor before its line is out."""
+    hold_sigterm()
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-        if held:
-            signal.raise_signal(signal.SIGTERM)  # the launcher's stop, delivered now that the line is out
+        release_sigterm()
 
 
 _NOT_SAVED = "this rank stops without saving: resume from the last checkpoint with checkpoint.resume_from=auto"

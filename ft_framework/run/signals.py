@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from ft_framework.distributed import collectives
+from ft_framework.run.failures import hold_sigterm
 
 __all__ = ["HANDLED", "StopSignals", "exit_code", "interrupted_line"]
 
@@ -61,8 +62,16 @@ class StopSignals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failing = exc_type is not None and issubclass(exc_type, Exception)
         for signum, handler in self._previous.items():
+            if signum == signal.SIGTERM and failing:
+                # The loop raised: from this instant until the rank's one line is out (ft-train's
+                # report_failure releases it), a launcher's SIGTERM, sent to every worker once one
+                # fails, is held rather than ending this rank silently. Installed in place of our
+                # handler, so no SIGTERM falls between the two. (One rank: nobody sends it; nothing held.)
+                if hold_sigterm(restore_to=handler):
+                    continue
             signal.signal(signum, handler)
         self._previous.clear()
 

@@ -5,6 +5,7 @@ torch's exception types, never from the error's text."""
 from __future__ import annotations
 
 import io
+import os
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -92,12 +93,67 @@ def test_a_launchers_sigterm_while_a_rank_reports_waits_until_the_line_is_out():
 
     script = textwrap.dedent("""
         import os, signal, time
-        from ft_framework.run.failures import _sigterm_held
-        with _sigterm_held(True):
+        from ft_framework.run.failures import sigterm_held
+        with sigterm_held():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.5)  # the handler has run by now: the signal arrived while held
             print("the line", flush=True)
         print("not reached", flush=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
     assert proc.returncode == -15 and proc.stdout == "the line\n", (proc.returncode, proc.stdout, proc.stderr)
+
+
+LOOP_RAISES_THEN_SIGTERM = """
+import os, signal, time
+from ft_framework.errors import UserError
+from ft_framework.run.failures import report_failure
+from ft_framework.run.signals import StopSignals
+try:
+    with StopSignals(prog="ft-train"):
+        raise UserError("train.jsonl:3: the row is bad")  # the training loop raises
+except UserError as exc:
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, after the loop's handlers are gone
+    time.sleep(0.5)  # the gap widened: before the fix the signal's default action ended the rank here
+    print("reporting", flush=True)
+    report_failure(exc, prog="ft-train")
+print("not reached", flush=True)
+"""
+
+
+def test_a_sigterm_between_the_loop_and_the_report_waits_for_the_line():
+    """With several ranks the hold begins as the loop's handlers go (run/signals.py), not when
+    report_failure starts: the line is printed, then the held SIGTERM ends the rank. One rank holds
+    nothing (no launcher sends it one), and the signal acts at once."""
+    import subprocess
+    import sys
+
+    def run(world: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", LOOP_RAISES_THEN_SIGTERM], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "RANK": "1", "WORLD_SIZE": world})
+
+    two = run("2")
+    assert two.returncode == -15 and two.stdout == "reporting\n", (two.returncode, two.stdout, two.stderr)
+    assert two.stderr.strip() == "ft-train (rank 1): error: train.jsonl:3: the row is bad", two.stderr
+    one = run("1")
+    assert one.returncode == -15 and one.stdout == "" and one.stderr == "", (one.returncode, one.stdout, one.stderr)
+
+
+def test_a_hold_nobody_releases_lets_a_late_sigterm_through():
+    """A caller of Trainer.fit other than ft-train may never report: after HOLD_LIMIT_S a SIGTERM
+    acts again."""
+    import subprocess
+    import sys
+
+    script = ("import os, signal, time\n"
+              "from ft_framework.run import failures\n"
+              "failures.HOLD_LIMIT_S = 0.2\n"
+              "assert failures.hold_sigterm()\n"
+              "time.sleep(0.5)\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "time.sleep(5)\n"
+              "print('not reached', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RANK": "0", "WORLD_SIZE": "2"})
+    assert proc.returncode == -15 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
