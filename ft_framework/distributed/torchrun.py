@@ -13,7 +13,16 @@ for a socket that timed out) and its failure table, one line saying what happene
 Both timeouts are torchrun's ``--rdzv-conf join_timeout=S,read_timeout=S``. The exit code is
 torchrun's: 1.
 
-One behaviour differs on purpose: restarts (``--max-restarts``) work. torchrun shares its
+The node that hosts the c10d rendezvous waits for the other nodes' verdicts before it exits when its
+workers failed or a signal stopped it (at most LINGER_S seconds). torchrun keeps the rendezvous
+store inside the host node's launcher, which used to exit as soon as its own workers failed: a node
+whose workers were slower to exit (a config error every rank prints, under load) then lost the
+rendezvous, stopped its workers and said it could not reach the rendezvous, instead of telling what
+its workers said. Here the host starts the store's server itself before torchrun runs (torchrun's
+multi-tenant store shares it), so the server outlives torchrun.run, and every other node adds its
+verdict to the store once its own workers are done.
+
+Another behaviour differs on purpose: restarts (``--max-restarts``) work. torchrun shares its
 rendezvous store with the workers by default, and a restarted worker group then reads the failed
 attempt's addresses from it and hangs or fails connecting (pytorch/pytorch#135712). This launcher
 sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless it is set), so every round of workers gets a
@@ -33,13 +42,24 @@ Under SLURM, one launcher per node (srun's tasks are the launchers; torchrun sta
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import sys
+import time
+from datetime import timedelta
+from typing import Any
 
-__all__ = ["main", "describe_failure"]
+__all__ = ["LINGER_S", "main", "describe_failure"]
 
 PROG = "ft_framework.distributed.torchrun"
+# How long the rendezvous host waits, after its workers failed, for the other nodes' verdicts: a
+# node's launcher sees its workers' exits within torchrun's --monitor-interval once they exit, and
+# a worker reporting an error exits within seconds; a node that is gone never reports.
+LINGER_S = 15.0
+# How long a node tries to reach the host to give its verdict (the host may be gone).
+VERDICT_CONNECT_S = 3.0
 # Workers of each rendezvous round get their own store (see the module docstring).
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # torchrun's defaults (torch/distributed/elastic/rendezvous/{c10d_rendezvous_backend,dynamic_rendezvous}.py).
@@ -125,6 +145,87 @@ def _quiet_cpp_logs_here():
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+def _is_this_machine(host: str) -> bool:
+    """Whether `host` names this machine: a loopback address, its host name, or one of its addresses
+    (as torchrun decides who hosts the c10d store when the config does not say)."""
+    if host in (socket.gethostname(), socket.getfqdn(), "localhost"):
+        return True
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        if any(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in addresses):
+            return True
+        local = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except (OSError, ValueError):
+        return False
+    return bool(addresses & local)
+
+
+def _rendezvous_endpoint(args) -> tuple[str, int] | None:
+    """(host, port) of a multi-node c10d rendezvous, or None (one node, another backend, no port)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if getattr(args, "rdzv_backend", "") != "c10d" or getattr(args, "standalone", False):
+        return None
+    if parse_min_max_nnodes(str(args.nnodes))[1] <= 1:
+        return None
+    host, port = parse_rendezvous_endpoint(getattr(args, "rdzv_endpoint", ""), default_port=29400)
+    return (host, port) if port > 0 else None
+
+
+def _host_the_rendezvous_store(args) -> Any:
+    """On the node that is to host the rendezvous store: its server, started before torchrun's (which
+    shares it: multi_tenant), so that it lives as long as this process; None on the other nodes.
+    The same decision as torchrun's: `is_host` in --rdzv-conf when given, else whether the endpoint
+    names this machine, and whoever binds the port first when several processes here would."""
+    from torch.distributed import TCPStore
+
+    endpoint = _rendezvous_endpoint(args)
+    if endpoint is None:
+        return None
+    conf = _rdzv_conf(getattr(args, "rdzv_conf", ""))
+    is_host = conf.get("is_host", "").strip().lower()
+    if is_host in ("0", "false", "no", "n") or (not is_host and not _is_this_machine(endpoint[0])):
+        return None
+    try:
+        return TCPStore(endpoint[0], endpoint[1], is_master=True, multi_tenant=True, wait_for_workers=False,
+                        timeout=timedelta(seconds=float(conf["read_timeout"])))
+    except (RuntimeError, ValueError, OSError):  # the port is taken: another process here hosts it
+        return None
+
+
+def _verdicts_key(args) -> str:
+    return f"ft_framework.distributed.torchrun/{getattr(args, 'rdzv_id', 'none')}/verdicts"
+
+
+def _give_verdict(args) -> None:
+    """Tells the rendezvous host that this node's launcher is done (nothing happens if it is gone)."""
+    from torch.distributed import TCPStore
+
+    endpoint = _rendezvous_endpoint(args)
+    if endpoint is None:
+        return
+    try:
+        store = TCPStore(endpoint[0], endpoint[1], is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=VERDICT_CONNECT_S))
+        store.add(_verdicts_key(args), 1)
+    except (RuntimeError, ValueError, OSError):  # the host is gone: nobody waits for us
+        return
+
+
+def _wait_for_verdicts(args, store: Any) -> None:
+    """Keeps the rendezvous store up until every other node gave its verdict, or LINGER_S passed."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    others = parse_min_max_nnodes(str(args.nnodes))[1] - 1
+    deadline = time.monotonic() + LINGER_S
+    try:
+        while store.add(_verdicts_key(args), 0) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, ValueError, OSError):
+        return
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_cpp_logs_here()
     from torch.distributed import run as torchrun
@@ -132,21 +233,33 @@ def main(argv: list[str] | None = None) -> int:
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault(FRESH_STORE_ENV, "1")  # read when the rendezvous handler is made, in run()
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    host_store = _host_the_rendezvous_store(args)
+    workers_ran = False  # the rendezvous completed: other nodes' workers ran too, and may still be exiting
     try:
         torchrun.run(args)
     except SignalException as exc:  # SIGTERM/SIGINT/...: torchrun passed it on to the workers and waited
         # (up to 30 s) for them: ft-train's ranks saved a checkpoint and said where (run/signals.py).
+        workers_ran = True
         sig = signal.Signals(exc.sigval)
         print(f"{PROG}: stopped by {sig.name}; the workers got it too and stopped (their line above says "
               "where the checkpoint is)", file=sys.stderr, flush=True)
         return 128 + int(sig)
     except Exception as exc:  # noqa: BLE001 - told in one line when we know it, re-raised otherwise
+        workers_ran = isinstance(exc, ChildFailedError)
         line = describe_failure(exc, args)
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
         return 1
+    finally:
+        # Only after workers ran and failed or were stopped: a node that never joined has nobody to
+        # tell, and after a success torchrun's exit barrier has already waited for every node.
+        if workers_ran and host_store is None:
+            _give_verdict(args)
+        elif workers_ran:
+            _wait_for_verdicts(args, host_store)
     return 0
 
 

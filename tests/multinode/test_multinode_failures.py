@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from multinode_helpers import (TRAIN, base_env, deepspeed_node, free_port, fsdp_
                                write_hostfile)
 
 pytestmark = pytest.mark.slow
+
+SLOW_EXIT_TRAIN = Path(__file__).resolve().parent / "slow_exit_train.py"
 
 
 # The unreachable-rendezvous tests give their timeouts a few seconds: no node can ever join there,
@@ -79,9 +82,13 @@ def test_ranks_that_disagree_about_the_config_fail_in_one_line_on_every_node(tin
     cfg = fsdp_config(tmp_path / "run.yaml", tiny_bert_dir, tmp_path / "out")
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
     started = time.monotonic()
-    # Node 1 was started with an override node 0 lacks.
+    # Node 1 was started with an override node 0 lacks, and its worker exits 4 s after it has said
+    # so: node 0's launcher, which hosts the rendezvous, must wait for node 1's verdict (before, it
+    # exited at once and node 1 said it could not reach the rendezvous: 1 run in 8 under load).
     nodes = [launches.start(f"node{r}", torchrun_node(r, 2, endpoint, run_id,
-                                                      [TRAIN, "--config", cfg, *(["training.max_steps=7"] * r)]))
+                                                      [SLOW_EXIT_TRAIN if r else TRAIN, "--config", cfg,
+                                                       *(["training.max_steps=7"] * r)]),
+                            env=base_env(SLOW_EXIT_S="4"))
              for r in (0, 1)]
     codes = launches.wait(nodes, timeout=180)
     assert codes == [1, 1], "\n".join(launches.tail(p) for p in nodes)
