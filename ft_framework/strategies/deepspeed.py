@@ -139,6 +139,10 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
                              "would be lost: build the param groups without anchors "
                              "(build_param_groups(..., attach_anchors=False)) and pass theta* as setup(anchors=...)")
         engine, _, _, _ = self._deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        # initialize ran collectives of the whole group: every rank has mapped this rank's all-reduce
+        # segment from now on, and close() removes it, whatever became of the engine by then (a
+        # benchmark drops it before close to measure the next one).
+        self._allreduce_segment_mapped = True
         self.engine = engine
         self.model = engine
         self.optimizer = optimizer  # ours; ZeRO's wrapper shares its param_groups
@@ -202,12 +206,13 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
         return self.engine.module
 
     def close(self) -> None:
-        # deepspeed.initialize ran collectives of the whole group, so every rank has mapped this
-        # rank's all-reduce segment: it can go (before that, a rank still starting would wait for it).
-        engine_built = getattr(self, "engine", None) is not None
+        # Once deepspeed.initialize has run (setup), every rank has mapped this rank's all-reduce
+        # segment: it can go (before that, a rank still starting would wait for it).
+        mapped = getattr(self, "_allreduce_segment_mapped", False)
         super().close()
-        if engine_built:
+        if mapped:
             self._adapter.remove_shm_allreduce_segment(self.rank)
+            self._allreduce_segment_mapped = False
 
     # ---- telemetry -------------------------------------------------------------------------------
     def gather_full_state(self, key: str) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import ft_framework
+from ft_framework.distributed.rendezvous import free_port
 
 PACKAGE = Path(ft_framework.__file__).parent
 ADAPTER = PACKAGE / "strategies" / "deepspeed_adapter.py"
@@ -81,3 +82,39 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_imports_after(mlflow_fi
     assert out.returncode == 0, out.stderr[-3000:]
     want = "True True mlflow" if mlflow_first else "False False mlflow"
     assert out.stdout.strip().splitlines()[-1] == want, out.stdout
+
+
+RELEASED_BEFORE_CLOSE = """
+import os, sys
+sys.path.insert(0, {here!r})
+from lean_offload_common import make_model_and_anchors, make_optimizer
+from ft_framework.config import DeepSpeedConfig, TrainingConfig
+from ft_framework.strategies.deepspeed import DeepSpeedStrategy
+from ft_framework.strategies.deepspeed_adapter import shm_allreduce_segment
+
+strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=1), TrainingConfig(max_steps=1, device="cpu", max_grad_norm=None))
+model, anchors = make_model_and_anchors()
+strategy.setup(model, lambda m: make_optimizer(m, anchors), anchors=anchors)
+# One rank makes no segment (DeepSpeed's shared-memory all-reduce needs two on one machine): the
+# test plants the file that rank 0 of a two-rank run would have, under the name DeepSpeed gives it.
+segment = shm_allreduce_segment(0)
+segment.write_bytes(b"")
+strategy.engine = None  # what benchmarks/gpu_suite.py's release() does before close()
+strategy.close()
+print("left behind" if segment.exists() else "removed", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_the_all_reduce_segment_goes_even_when_the_engine_was_dropped_before_close(tmp_path):
+    """The GPU suite drops a DeepSpeed engine before closing its strategy (to measure the next one):
+    the /dev/shm segment of DeepSpeed's CPU all-reduce (66 MB a rank) must go all the same."""
+    pytest.importorskip("deepspeed")
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    run = subprocess.run([sys.executable, "-c", RELEASED_BEFORE_CLOSE.format(here=here)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert run.stdout.strip().splitlines()[-1] == "removed", run.stdout[-2000:]
