@@ -25,6 +25,10 @@ MissingFile (a UserFileError that is also a FileNotFoundError), so that a caller
 
 Not detected: a hard link. It is the file itself, and whoever can make one inside a checkpoint
 could read its target already.
+
+A directory a user names for us to write into (logging.output_dir, data.token_cache_dir) is made
+here too (`make_writable_directory`): a file in its place or above it, a directory that cannot be
+made or is not writable, is one line naming the key and the path.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from ft_framework.errors import MissingPath, UserError, quoted
 from ft_framework.path_containment import NameOutsideError, links_leading_out, real_path_inside, resolve_inside
 
 __all__ = ["MissingFile", "NESTING_LIMIT", "NO_REMOTE_CODE", "UserFileError", "WHOLE_FILE_LIMIT", "check_nesting",
-           "file_size", "open_binary", "read_bytes", "read_json", "read_text", "refused_entries", "text_stream"]
+           "file_size", "make_writable_directory", "open_binary", "read_bytes", "read_json", "read_text",
+           "refused_entries", "text_stream"]
 
 # The most bytes of a file read whole (a status or results record, a manifest, a config): far above
 # any that ft_framework writes (a manifest of 10,000 ranks is about 2 MB), far below what fills memory.
@@ -273,6 +278,29 @@ def refused_entries(directory: str | Path) -> list[str]:
                     continue  # removed meanwhile, or a dangling link inside: its reader says it is missing
                 problems.append(str(_not_regular(item.path, mode)))
     return problems
+
+
+def make_writable_directory(directory: str | Path, *, key: str) -> Path:
+    """Creates `directory` (with its parents) and checks that this process can write into it; a file
+    in its place or above it, a directory that cannot be created, or one this user cannot write into
+    is a UserError: one line naming `key` (the config key that names the directory) and the path."""
+    root = Path(directory)
+    for part in (root, *root.parents):
+        if part.exists() and not part.is_dir():
+            where = f"{str(root)!r}" if part == root else f"{str(root)!r}: {str(part)!r}"
+            raise UserError(f"{key} {where} is a file, not a directory; {key} names a directory: choose another "
+                            "path")
+        if part.exists():
+            break
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{key} {str(root)!r} cannot be created ({exc.strerror}: {exc.filename}); choose a "
+                        "directory you can write to") from exc
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"{key} {str(root)!r} is not writable by this user; choose a directory you can write to, "
+                        "or fix its permissions")
+    return root
 
 
 def text_stream(path: str | Path, *, newline: str | None = None) -> io.TextIOWrapper:

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from ft_framework.distributed.slurm_env import check_step_tasks
 from ft_framework.errors import UserError, quoted, shortened
-from ft_framework.models.hub import looks_like_path
+from ft_framework.data.tasks import CAUSAL_LM
+from ft_framework.models.hub import local_config_file, looks_like_path
 from ft_framework.run.fingerprint import check_allow_list
 from ft_framework.user_files import MissingFile, read_json
 
@@ -92,7 +93,19 @@ def _check_paths(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: directory {quoted(name)} not found (a local model directory must hold "
                               "config.json and the weights; a hub id looks like org/name)")
         if name and looks_like_path(name):
+            if key == "model.name_or_path":
+                _require_config_file(key, Path(name).expanduser())
             _refuse_custom_code(key, Path(name).expanduser())
+    if cfg.data.problem == CAUSAL_LM:
+        _refuse_non_causal_lm("model.name_or_path", cfg.model.name_or_path)
+
+
+def _require_config_file(key: str, directory: Path) -> None:
+    """A local model directory holds its config.json (as save_pretrained writes it): one missing is
+    named here, not in transformers' traceback ("Unrecognized model") after the imports."""
+    if not os.path.lexists(directory / "config.json"):
+        raise ConfigError(f"{key}: directory {quoted(str(directory))} holds no config.json; a local model directory "
+                          "holds config.json and the weights, as save_pretrained writes them")
 
 
 def _refuse_custom_code(key: str, directory: Path) -> None:
@@ -117,6 +130,41 @@ def _refuse_custom_code(key: str, directory: Path) -> None:
     raise ConfigError(f"{key}: {config} names a model's own code (auto_map) for model type "
                       f"{quoted(data.get('model_type'))}, which transformers does not ship; ft_framework never runs a "
                       "model's own code (trust_remote_code=False): use a model of a type transformers ships")
+
+
+def _refuse_non_causal_lm(key: str, name: str) -> None:
+    """data.problem causal_lm trains the model as AutoModelForCausalLM, which transformers builds for
+    an encoder too (BERT's causal-LM head is its decoder mode) and then trains something else; a model
+    that is no decoder is refused here, in one line, from its config.json alone, wherever that is on
+    this machine (a hub id not in the Hugging Face cache stays unchecked: nothing is downloaded here).
+    A decoder: a model type with a causal-LM head in transformers (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES);
+    a type that has a masked-LM head too (an encoder, or an encoder-decoder: bert, roberta, bart) only
+    when its config says is_decoder: true."""
+    config = local_config_file(name)
+    if config is None:
+        return
+    try:
+        data = read_json(config)
+    except MissingFile:
+        return  # a hub cache entry without it: transformers says what is missing
+    except UserError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str):
+        return  # transformers says it cannot tell the model's type
+    # Only a decoder run pays for this import (transformers imports torch: seconds; the run imports it next).
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        found = "which has no causal-LM head in transformers"
+    elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and data.get("is_decoder") is not True:
+        kind = "an encoder-decoder" if data.get("is_encoder_decoder") is True else "an encoder"
+        found = f"{kind}, not a decoder (its config.json does not set is_decoder: true)"
+    else:
+        return
+    raise ConfigError(f"{key}: {config} is a model of type {quoted(model_type)}, {found}; data.problem "
+                      f"{CAUSAL_LM} needs a decoder (a model type with a causal-LM head: llama, qwen2, gpt2, ...)")
 
 
 def _check_machine(cfg: RunConfig, env: Mapping[str, str]) -> None:

