@@ -81,13 +81,20 @@ def local_sweep(grid):
     assert code == 0 and f"{N_RUNS} runs" in listing and "pending" in listing, listing
 
     first = ft_sweep(grid)
+
+    def in_flight_now() -> set[str]:  # running, and not about to be recovered as finished
+        return {rid for rid, s in statuses(store).items()
+                if s["state"] == "running" and not (store / "runs" / rid / "results.json").exists()}
+
+    # SIGKILL once a run has finished and another is in flight (the freed slot's next run, or the
+    # other slot's); a fixed wait for the next run to start was too short on a loaded machine, where
+    # both slots once finished together and the kill came before the driver started the next.
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and first.poll() is None:
-        if any(s["state"] == "finished" for s in statuses(store).values()):
+        if any(s["state"] == "finished" for s in statuses(store).values()) and in_flight_now():
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     assert first.poll() is None, first.communicate()[0]
-    time.sleep(0.5)  # the freed slot has started the next run by now: it dies in flight
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=60)
     before = statuses(store)
