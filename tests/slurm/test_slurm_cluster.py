@@ -62,6 +62,33 @@ def reached_step(run_dir: Path, step: int) -> bool:
         return False
 
 
+def task_pid(run_dir: Path) -> int | None:
+    """The pid of the run's ft-train task (started by slurmstepd on this host: the cluster's nodes are
+    local), not srun's: the Python process whose arguments run ft_framework.cli on the run's config."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if Path(argv[0].decode(errors="replace")).name.startswith("python") and b"ft_framework.cli" in argv and \
+                any(str(run_dir).encode() in a for a in argv):
+            return int(entry.name)
+    return None
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits for process `pid` (stopped: delivered once it continues)."""
+    try:
+        fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+    except OSError:
+        return False
+    mask = 1 << (signum - 1)
+    return any(int(fields.get(key, "0"), 16) & mask for key in ("ShdPnd", "SigPnd"))
+
+
 def wait_until(what: str, condition, timeout: float, procs=()) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -143,8 +170,22 @@ def scenario(slurm_cluster, tiny_bert_dir, tmp_path_factory):
             for rid in submitted():
                 if rid not in signalled and reached_step(store / "runs" / rid, 2):
                     job = status(store, rid)["slurm_job_id"]
-                    command = ["scancel", "--signal=USR1", "--batch", job] if not signalled else ["scancel", job]
-                    subprocess.run(command, check=True)
+                    if signalled:
+                        subprocess.run(["scancel", job], check=True)
+                    else:
+                        # The run's 40 steps take under a second, less than USR1's way (scancel, the
+                        # batch step, the job's forward, srun, the task) may take on a loaded machine:
+                        # the task waits, stopped, until USR1 has reached it.
+                        pid = task_pid(store / "runs" / rid)
+                        if pid is None:
+                            continue
+                        os.kill(pid, signal.SIGSTOP)
+                        try:
+                            subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+                            wait_until("USR1 to reach the stopped run", lambda: signal_pending(pid, signal.SIGUSR1),
+                                       60, procs)
+                        finally:
+                            os.kill(pid, signal.SIGCONT)
                     signalled.append(rid)
                     break
             return len(signalled) == 2
