@@ -1,4 +1,5 @@
 import compileall
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -39,6 +40,19 @@ def pytest_collection_modifyitems(config, items):
         shared = [name for name in SHARED_REFERENCE_FIXTURES if name in item.fixturenames]
         group = shared[0] if shared else Path(str(item.path)).relative_to(HERE).as_posix()
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: in its controller, as each worker has collected
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under --dist loadgroup every test id of ours carries its group (xdist appends "@group"; every
+    test has one: pytest_collection_modifyitems above). Where none does, xdist schedules every test
+    alone, module and session fixtures are made once per worker, and tests that share a reference
+    run race each other: pytest 9.2 with pytest-xdist 3.8 does that silently (pyproject.toml's test
+    extra keeps pytest < 9.2). This makes such a pair a failure that says so, not a suite twice as slow."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit(f"--dist loadgroup groups nothing with pytest {pytest.__version__} and pytest-xdist "
+                    f"{importlib.metadata.version('pytest-xdist')} (the workers' test ids carry no group): install the "
+                    "versions of requirements/lock.txt (bash scripts/install.sh --test)", returncode=4)
 
 
 SESSION_STARTED = time.time()
