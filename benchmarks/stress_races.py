@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -23,26 +22,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from harness import cpu_flags, cpu_model, isa_of
+
 REPO = Path(__file__).resolve().parents[1]
 BUSY_LOOP = "while True:\n    pass\n"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def isa() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown ISA"
-    return "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "no AVX2"
 
 
 def one_run(tests: list[str], junit: Path, timeout: float) -> dict[str, tuple[bool, float, str]]:
@@ -96,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         for loop in loops:
             loop.kill()
             loop.wait()
-    print(f"{cpu_name()} ({isa()}), {os.cpu_count()} cores, {args.busy} busy loops beside the tests, "
+    print(f"{cpu_model()} ({', '.join(isa_of(cpu_flags())) or 'no AVX2'}), {os.cpu_count()} cores, {args.busy} busy loops beside the tests, "
           f"{args.runs} runs, {time.monotonic() - started:.0f} s in all")
     print("| test | runs | failed | rate | median s | slowest s |")
     print("|---|---|---|---|---|---|")
