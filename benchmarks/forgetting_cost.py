@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from ft_framework.config import load_config
+from ft_framework.task_kinds import LossNormalizer
 from ft_framework.trainer import Trainer
 
 
@@ -38,10 +39,14 @@ def main() -> None:
             trainer.model.train()
             started = time.perf_counter()
             for _ in range(args.steps_per_round):
-                for micro in range(accum):
+                # the trainer's step: the kind's loss of each micro-batch, normalized over the step
+                step_batches = [next(batches) for _ in range(accum)]
+                normalizer = LossNormalizer(micro_batches=accum, world_size=trainer.strategy.world_size,
+                                            step_units=trainer.run.step_units(step_batches))
+                for micro, batch in enumerate(step_batches):
                     last = micro == accum - 1
-                    loss = trainer.strategy.forward(trainer._to_device(next(batches)), last_micro_batch=last).loss
-                    trainer.strategy.backward(loss / accum, last_micro_batch=last)
+                    loss = trainer.kind.loss(trainer.run.forward(batch, last_micro_batch=last), batch, normalizer)
+                    trainer.strategy.backward(loss.backward, last_micro_batch=last)
                 trainer.strategy.clip_and_step(trainer.cfg.training.max_grad_norm)
             step_s.append((time.perf_counter() - started) / args.steps_per_round)
             trainer.model.eval()

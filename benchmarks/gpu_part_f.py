@@ -144,6 +144,7 @@ def worker_f(suite, args, cuda: bool, device: str, tmp: Path) -> dict[str, Any]:
 
     from ft_framework.models.fused_activations import describe_fused, fuse_activations
     from ft_framework.strategies.memory_plan import plan_peak
+    from ft_framework.task_kinds import build_task_kind
 
     started = time.perf_counter()
     name = candidate_of(args.worker)
@@ -162,7 +163,7 @@ def worker_f(suite, args, cuda: bool, device: str, tmp: Path) -> dict[str, Any]:
                                  model={"fused_activations": fused}, max_grad_norm=F_MAX_GRAD_NORM)
     arch = AlbertConfig(**(suite.ALBERT_TINY if args.tiny else suite.ALBERT_XXLARGE))
     try:
-        plan = plan_peak(cfg, arch, world_size=1, on_gpu=cuda)
+        plan = plan_peak(cfg, arch, task=build_task_kind(cfg), world_size=1, on_gpu=cuda)
         row.update(planned_gb=plan.live_bytes / 1e9, planned_peak_gb=plan.device_peak / 1e9)
     except Exception as exc:  # noqa: BLE001 - the plan's failure is a result of its own
         row["plan_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -207,6 +207,7 @@ def worker(args) -> None:
     import torch
 
     from ft_framework.strategies.memory_fit import plan_run
+    from ft_framework.task_kinds import build_task_kind
     from gpu_suite import freeze_imports, largest_batch_under_cap
 
     started = time.perf_counter()
@@ -227,7 +228,7 @@ def worker(args) -> None:
     cfg = run_config(section, optimizer, args.batch, args.seq, cuda, tmp)
     # The dry run plans too, so the plan's code runs before a GPU window depends on it; its plan is
     # of the config's architecture (the 1B), not of the toy model the dry run trains.
-    plan = plan_run(cfg, world_size=1, on_gpu=cuda)
+    plan = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=cuda)
     if args.tiny:  # the plan imported the decoder's modules (frozen with the rest, and the plan's few
         freeze_imports()  # objects without storage); before any model is built
     row.update(planned_device_gb=plan.device_peak / 1e9, planned_live_gb=plan.live_bytes / 1e9,

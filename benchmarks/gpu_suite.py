@@ -1089,6 +1089,7 @@ def worker_e(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) 
     from transformers import AlbertConfig
 
     from ft_framework.strategies.memory_plan import plan_peak
+    from ft_framework.task_kinds import build_task_kind
     from ft_framework.strategies.memory_trace import live_bytes
 
     out: dict[str, Any] = {"model": "ALBERT-xxlarge" if not args.tiny else "ALBERT (tiny)", "seq": args.seq,
@@ -1098,7 +1099,7 @@ def worker_e(args, cuda: bool, device: str, steps: int, warmup: int, tmp: Path) 
         entry: dict[str, Any] = {"name": name}
         try:
             cfg = write_min_config(tmp, strategy_section, "bf16", args.batch, device, seq=args.seq)
-            plan = plan_peak(cfg, arch, world_size=1, on_gpu=cuda)
+            plan = plan_peak(cfg, arch, task=build_task_kind(cfg), world_size=1, on_gpu=cuda)
             entry.update(planned_gb=plan.live_bytes / 1e9, planned_reserved_gb=plan.device_peak / 1e9)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()

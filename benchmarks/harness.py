@@ -11,7 +11,7 @@ This module holds what every benchmark needs for that, and nothing benchmark-spe
 - statistics: `paired_ratio` (median of per-cycle ratios, or ratio of medians when unpaired);
 - output: `fmt_size`, `fmt_bg`, `markdown_table`.
 
-Pure functions (no clock, no /proc) are tested in tests/unit/test_bench_harness.py.
+Pure functions (no clock, no /proc) are tested in tests/unit/benchmarks/test_bench_harness.py.
 """
 
 from __future__ import annotations

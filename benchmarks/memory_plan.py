@@ -201,8 +201,10 @@ def measure(config: dict, world: int) -> dict:
 def planned(config: dict, world: int) -> float:
     from ft_framework.config import validate_config
     from ft_framework.strategies.memory_fit import plan_run
+    from ft_framework.task_kinds import build_task_kind
 
-    return plan_run(validate_config(config), world_size=world, on_gpu=False).live_bytes
+    cfg = validate_config(config)
+    return plan_run(cfg, task=build_task_kind(cfg), world_size=world, on_gpu=False).live_bytes
 
 
 # --process rows: (model, hidden, layers, heads, intermediate, batch, seq_len)
@@ -275,11 +277,13 @@ def measure_process(row, policy: bool) -> tuple[dict, float]:
 
     from ft_framework.config import validate_config
     from ft_framework.strategies.memory_fit import plan_run
+    from ft_framework.task_kinds import build_task_kind
 
     with tempfile.TemporaryDirectory() as tmp:
         config, path = process_setup(Path(tmp), row)
         path.write_text(yaml.safe_dump(config))
-        plan = plan_run(validate_config(config), world_size=1, on_gpu=False).process_bytes
+        cfg = validate_config(config)
+        plan = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=False).process_bytes
         out = Path(tmp) / "process.json"
         env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
         subprocess.run([sys.executable, __file__, "--process-worker", str(path), str(out), str(int(policy))],

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ft_framework.config import validate_config
 from ft_framework.strategies.memory_fit import largest_micro_batches, load_architecture, plan_run
+from ft_framework.task_kinds import build_task_kind
 
 GPUS_GB = (16, 24, 40, 80)
 MODELS = {"ALBERT-xxlarge": "albert/albert-xxlarge-v2", "BERT-large": "google-bert/bert-large-uncased"}
@@ -72,7 +73,7 @@ def bytes_per_param() -> None:
         cfg = load_config(LLAMA_RECIPE, ["training.per_device_batch_size=1",
                                          f"training.gradient_accumulation_steps={accumulation}"], check_paths=False)
         states = plan_memory(cfg, world_size=1, num_params=params, num_anchored=params)
-        plan = plan_run(cfg, world_size=1, on_gpu=True, arch=arch)
+        plan = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=True, arch=arch)
         rows.append([f"ours: device-lean offload, compact state, accumulation {accumulation} (ft-plan)",
                      _per(sum(r.cpu_bytes for r in states), params), _per(plan.host_peak, params),
                      _per(sum(r.device_bytes for r in states), params), "yes (bf16, with the fp32 delta)", "kept"])
@@ -129,7 +130,7 @@ def main() -> None:
             for name, strategy in STRATEGIES.items():
                 for checkpointing in (False, True):
                     cfg = run_config(model, strategy, seq_len, checkpointing)
-                    cells = [str(b) for b in largest_micro_batches(cfg, budgets_bytes=[gb * 1e9 for gb in GPUS_GB],
+                    cells = [str(b) for b in largest_micro_batches(cfg, task=build_task_kind(cfg), budgets_bytes=[gb * 1e9 for gb in GPUS_GB],
                                                                       world_size=1, on_gpu=True, arch=arch)]
                     print("| " + " | ".join([label, str(seq_len), name, "yes" if checkpointing else "no"] + cells) + " |",
                           flush=True)

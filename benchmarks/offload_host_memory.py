@@ -154,6 +154,7 @@ def measure(model: str, accumulation: int, every_steps: int | None) -> tuple[dic
 
     from ft_framework.config import validate_config
     from ft_framework.strategies.memory_fit import plan_run
+    from ft_framework.task_kinds import build_task_kind
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("FT_BENCH_TMP")) as tmp:
         tmp = Path(tmp)
@@ -161,7 +162,8 @@ def measure(model: str, accumulation: int, every_steps: int | None) -> tuple[dic
         config = run_config(tmp, model, accumulation, every_steps)
         path = tmp / "run.yaml"
         path.write_text(yaml.safe_dump(config))
-        plan = plan_run(validate_config(config), world_size=1, on_gpu=False)
+        cfg = validate_config(config)
+        plan = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=False)
         out, log = tmp / "process.json", tmp / "worker.log"
         env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
         with open(log, "w") as sink:

@@ -327,6 +327,7 @@ def plan_main(argv: list[str] | None = None) -> int:
 
     from ft_framework.strategies.memory_fit import NOTHING_FITS, fit_to_budget, load_architecture, parse_size, plan_run
     from ft_framework.strategies.memory_plan import GIB, format_peak_plan, format_peaks, peak_plan_json
+    from ft_framework.task_kinds import build_task_kind
 
     try:
         budget = (parse_size(args.gpu_memory) if args.gpu_memory else
@@ -335,8 +336,9 @@ def plan_main(argv: list[str] | None = None) -> int:
             raise UserError("--fit needs a budget: --gpu-memory SIZE or training.memory_budget_gib")
         on_gpu = cfg.training.device != "cpu"
         arch = load_architecture(cfg.model)
-        plan = plan_run(cfg, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
-        fit = (fit_to_budget(cfg, budget_bytes=budget, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
+        kind = build_task_kind(cfg)  # the plan traces the kind's own micro-batch and rows
+        plan = plan_run(cfg, task=kind, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
+        fit = (fit_to_budget(cfg, task=kind, budget_bytes=budget, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
                if args.fit and plan.device_peak > budget else None)
     except Exception as exc:
         return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)

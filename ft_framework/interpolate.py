@@ -2,15 +2,16 @@
 
     θ_α = θ* + α (θ − θ*),   α ∈ [0, 1]
 
-for a finished run on its eval splits, in one process, whatever strategy trained it.
+for a finished run on its eval splits, in one process, whatever strategy trained it and whatever its
+task's kind: the kind (task_kinds/) loads the data and scores θ_α as the run's evaluations scored θ,
+and its forgetting probe measures θ_α against θ* (a classifier's accuracy and CKA drift; a decoder's
+exact match and completion loss, its LM loss gained and KL from θ*, WiSE-FT for LLMs).
 
     ft-interpolate runs/quickstart --alphas 0,0.25,0.5,0.75,1
 
 - θ is the run's reported weights (results.json's "reported": the final ones, or the best with
-  evaluation.select_best): its export (checkpoint.export_dir, a save_pretrained directory; a LoRA
-  run exports its merged weights), else the best checkpoint (checkpoints/best), else the last
-  checkpoint when it is the final step (single/DDP model.pt, DeepSpeed's consolidated file, FSDP's torch.distributed.checkpoint).
-  A LoRA run's checkpoint is merged first.
+  evaluation.select_best), read by checkpointing/run_weights.py: its export, else its best
+  checkpoint, else its last checkpoint when that is of the final step. A LoRA run's is merged first.
 - θ* is read from the anchors the checkpoint saved when θ comes from a checkpoint with fp32 anchors,
   else from the pretrained model the run's config names (model.name_or_path). The two are the same
   tensors: the anchors are fp32 copies of that model's weights, taken before anything changed them.
@@ -18,20 +19,20 @@ for a finished run on its eval splits, in one process, whatever strategy trained
   model the run started from, not the point RecAdam pulls toward — so α = 0 is the pretrained
   model, not the random one.
 - Parameters without θ* (the new classification head) keep θ for every α: α = 0 is the pretrained
-  encoder under the fine-tuned head, the only classifier there is.
+  encoder under the fine-tuned head, the only classifier there is. A decoder has θ* for every
+  weight: α = 0 is the pretrained model, scored as the run's baseline was. A tensor with two names
+  (tied input and output embeddings) is interpolated once.
 
 Writes <run>/interpolation.json and <run>/interpolation.png, and prints a table of α, the metrics
-of each eval split and ‖θ_α − θ*‖₂ (over the parameters that have a θ*; = α ‖θ − θ*‖₂).
+of each eval split, ‖θ_α − θ*‖₂ (over the parameters that have a θ*; = α ‖θ − θ*‖₂) and the
+probe's forgetting measures.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
-import pickle
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,38 +40,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from ft_framework.checkpointing import ANCHOR, MANIFEST_FILE, MASTER, read_fields
-from ft_framework.checkpointing.dcp_read import DCP_METADATA, read_whole_checkpoint
-from ft_framework.checkpointing.layout import read_buffers
-from ft_framework.checkpointing.manager import CheckpointError, resolve_latest
-from ft_framework.checkpointing.manifest import check_files
-from ft_framework.checkpointing.old_formats import DEEPSPEED_CONSOLIDATED, SINGLE_MODEL, SINGLE_OPTIMIZER
+from ft_framework.checkpointing.run_weights import RunWeightsError, finetuned_state
 from ft_framework.config import validate_config
 from ft_framework.config.schema import DEFAULT_INTERPOLATION_ALPHAS
-from ft_framework.data import TaskSpec, load_task_data, make_collator
-from ft_framework.errors import UserError
-from ft_framework.data.tasks import CAUSAL_LM
-from ft_framework.metrics import compute_metrics
-from ft_framework.models.forgetting import FORGETTING_MEASURES, build_probe
+from ft_framework.metrics import LOWER_IS_BETTER
 from ft_framework.models.loading import load_model, load_tokenizer
-from ft_framework.models.lora import apply_lora, merged_copy
-from ft_framework.user_files import NO_REMOTE_CODE, open_binary, read_json, refused_entries
-from ft_framework.run.files import (CHECKPOINTS_DIR, COMPLETE_MARKER, INTERPOLATION_FILE, INTERPOLATION_PLOT,
-                                    LATEST_FILE, RunPaths)
+from ft_framework.run.files import CHECKPOINTS_DIR, INTERPOLATION_FILE, INTERPOLATION_PLOT, LATEST_FILE, RunPaths
 from ft_framework.run.tracking import log_artifacts_to_run
-from ft_framework.task_kinds import model_class_of
+from ft_framework.task_kinds import EvalContext, RunContext, build_task_kind
+from ft_framework.user_files import read_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_ALPHAS", "InterpolationError", "parse_alphas",
-           "load_run", "finetuned_state", "anchors_from_checkpoint", "interpolate_state",
+__all__ = ["DEFAULT_ALPHAS", "InterpolationError", "parse_alphas", "load_run", "interpolate_state",
            "run_interpolation", "format_table", "plot_interpolation"]
 
 DEFAULT_ALPHAS = DEFAULT_INTERPOLATION_ALPHAS
 
 
 
-class InterpolationError(UserError):
+class InterpolationError(RunWeightsError):
     """The run cannot be interpolated (no weights saved, unfinished run, ...); the message says why."""
 
 
@@ -111,17 +100,6 @@ def load_run(run_dir: str | Path) -> tuple[Any, dict[str, Any]]:
     return validate_config(data, where=f"(config of {run_dir})"), results
 
 
-def _load_tensors(path: Path) -> Any:
-    """A torch file read as data (weights_only: tensors, containers, numbers, strings); a file that
-    would need unpickling of anything else (code) is refused in one line."""
-    try:
-        with open_binary(path, root=path.parent) as f:  # a regular file inside its checkpoint
-            return torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise InterpolationError(f"{path} holds objects other than tensors and plain data, which are never "
-                                 "unpickled (they could run code): it is not a file ft_framework wrote") from exc
-
-
 def run_dir_of(path: str | Path) -> Path:
     """The run's output directory from any path a user would pass: the run directory, its
     checkpoints/ directory, the checkpoints/latest pointer, or a checkpoint directory."""
@@ -135,128 +113,6 @@ def run_dir_of(path: str | Path) -> Path:
     if path.parent.name == CHECKPOINTS_DIR and path.is_dir():
         return path.parent.parent
     return path  # load_run says what is missing
-
-
-def _is_lora_state(state: dict[str, torch.Tensor]) -> bool:
-    return any(".lora_A." in k or k.startswith("base_model.model.") for k in state)
-
-
-def _refuse_links_out(directory: Path) -> Path:
-    """`directory` when no symlink in it leads out of it (path_containment.py) and nothing in it is a
-    named pipe or a device (user_files.py): checked before anything in it is opened."""
-    escaped = refused_entries(directory) if Path(directory).is_dir() else []
-    if escaped:
-        raise InterpolationError(f"{directory}: {escaped[0]}")
-    return directory
-
-
-def _checkpoint_model_state(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """(model state dict, fp32 anchors by parameter name or None) of one checkpoint, any strategy."""
-    _refuse_links_out(directory)
-    if (directory / MANIFEST_FILE).is_file():  # the sharded layout every strategy writes
-        damaged = check_files(directory)
-        if damaged:
-            raise InterpolationError(f"checkpoint {directory} is damaged: {'; '.join(damaged)}")
-        fields = read_fields(directory, fields=(MASTER, ANCHOR))
-        anchors = {name: f[ANCHOR] for name, f in fields.items() if ANCHOR in f}  # saved dtype: auto
-        # picks them only when fp32 (exact); bfloat16 anchors fall back to the pretrained model
-        return {**read_buffers(directory), **{name: f[MASTER] for name, f in fields.items()}}, anchors or None
-    if (directory / SINGLE_MODEL).is_file():  # single / DDP (before the sharded layout)
-        model = _load_tensors(directory / SINGLE_MODEL)
-        anchors = None
-        opt_path = directory / SINGLE_OPTIMIZER
-        if opt_path.is_file():
-            opt = _load_tensors(opt_path).get("optimizer", {})
-            anchors = _anchors_from_optimizer_state(opt)
-        return model, anchors
-    consolidated = directory / DEEPSPEED_CONSOLIDATED
-    if consolidated.is_file():  # DeepSpeed
-        saved = _load_tensors(consolidated)
-        model = {name: entry["fp32"] for name, entry in saved["params"].items()}
-        anchors = {name: entry["anchor"] for name, entry in saved["params"].items() if "anchor" in entry}
-        return model, anchors or None
-    if (directory / DCP_METADATA).is_file():  # FSDP: torch.distributed.checkpoint
-        full = read_whole_checkpoint(directory)  # .metadata and non-tensor entries read as data
-        model = full["model"]
-        states = (full.get("optimizer") or {}).get("state") or {}
-        anchors = {fqn: s["anchor"] for fqn, s in states.items() if isinstance(s, dict) and "anchor" in s}
-        return model, anchors or None
-    raise InterpolationError(f"{directory} holds no model weights this tool can read")
-
-
-def _anchors_from_optimizer_state(opt: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-    """Anchors by parameter name from an AnchoredOptimizer state dict (groups keep param_names)."""
-    out = {}
-    for group in opt.get("param_groups", []):
-        names = group.get("param_names")
-        if not names:
-            continue
-        for idx, name in zip(group["params"], names):
-            state = opt.get("state", {}).get(idx, {})
-            if "anchor" in state:
-                out[name] = state["anchor"]
-    return out or None
-
-
-def anchors_from_checkpoint(directory: str | Path) -> dict[str, torch.Tensor] | None:
-    """θ* as the optimizer saved it in a checkpoint (by parameter name), or None when it has none."""
-    return _checkpoint_model_state(Path(directory))[1]
-
-
-def finetuned_state(run_dir: str | Path, cfg: Any, results: dict[str, Any], model: nn.Module
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, str]:
-    """(θ as a state dict of the plain model, anchors saved with it or None, where θ came from).
-
-    `model` is a plain model of the run's architecture (used to merge a LoRA state dict)."""
-    run_dir = Path(run_dir)
-    paths = RunPaths(run_dir)
-    reported = results.get("reported", "final")
-    exported = results.get("exported_to")
-    if exported and Path(exported).is_dir():
-        _refuse_links_out(Path(exported))
-        from transformers import AutoModelForSequenceClassification
-
-        loaded = AutoModelForSequenceClassification.from_pretrained(exported, dtype=torch.float32, **NO_REMOTE_CODE)
-        return loaded.state_dict(), None, f"export {exported}"
-    if reported == "best":
-        best = _refuse_links_out(paths.best_checkpoint)
-        if not (best / COMPLETE_MARKER).is_file():
-            raise InterpolationError(f"{run_dir} reports its best evaluation but {best} is not a complete checkpoint")
-        state, anchors = _checkpoint_model_state(best)
-        return _plain_state(state, cfg, model), anchors, str(best)
-    if paths.latest_checkpoint.is_file():
-        try:
-            directory = _refuse_links_out(resolve_latest(paths.latest_checkpoint))
-        except CheckpointError as exc:
-            raise InterpolationError(str(exc)) from exc
-        try:  # a regular file inside the checkpoint (a named pipe there would block the read)
-            marker = read_json(directory / COMPLETE_MARKER, root=directory, entry=f"the {COMPLETE_MARKER} marker")
-        except UserError as exc:
-            raise InterpolationError(f"checkpoint {directory}: {exc}") from exc
-        step = marker.get("step", -1)
-        if type(step) is not int:
-            raise InterpolationError(f"checkpoint {directory}: its {COMPLETE_MARKER} marker records no step")
-        if step == results.get("steps"):
-            state, anchors = _checkpoint_model_state(directory)
-            return _plain_state(state, cfg, model), anchors, str(directory)
-        raise InterpolationError(f"the last checkpoint of {run_dir} is at step {step}, the run ended at step "
-                                 f"{results.get('steps')}: its final weights were not saved")
-    raise InterpolationError(
-        f"{run_dir} saved no weights to interpolate: run it with checkpoint.export_dir set (or "
-        "checkpoint.every_steps dividing the run's length, or evaluation.select_best)")
-
-
-def _plain_state(state: dict[str, torch.Tensor], cfg: Any, model: nn.Module) -> dict[str, torch.Tensor]:
-    """A state dict of the plain model: a LoRA state dict is loaded into a LoRA model and merged."""
-    if not _is_lora_state(state):
-        return state
-    lora_model = apply_lora(copy.deepcopy(model), cfg.model.lora, _new_names(model, cfg))
-    lora_model.load_state_dict(state)
-    return merged_copy(lora_model).state_dict()
-
-
-def _new_names(model: nn.Module, cfg: Any) -> list[str]:
-    return getattr(model, "_ft_new_parameter_names", [])
 
 
 def interpolate_state(theta: dict[str, torch.Tensor], theta_star: dict[str, torch.Tensor],
@@ -281,34 +137,28 @@ def distance(theta: dict[str, torch.Tensor], theta_star: dict[str, torch.Tensor]
     return math.sqrt(total)
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation
-# --------------------------------------------------------------------------------------------------
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """State-dict names that are another parameter's tensor (a decoder's output embedding tied to its
+    input embedding: one parameter, two names) -> that parameter's name, so that every name of a
+    tensor gets the same θ_α."""
+    owner = {param.data_ptr(): name for name, param in model.named_parameters()}
+    return {name: owner[tensor.data_ptr()] for name, tensor in model.state_dict(keep_vars=True).items()
+            if tensor.data_ptr() in owner and owner[tensor.data_ptr()] != name}
 
 
-@dataclass
-class _EvalSet:
-    task: TaskSpec
-    data: Any
-    collate: Any
-    batch_size: int
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, ev: _EvalSet, device: torch.device) -> dict[str, dict[str, float]]:
-    from torch.utils.data import DataLoader
-
-    model.eval()
-    out = {}
-    for split, dataset in ev.data.eval.items():
-        loader = DataLoader([dataset[i] for i in range(len(dataset))], batch_size=ev.batch_size,
-                            collate_fn=ev.collate)
-        logits = []
-        for batch in loader:
-            batch = {k: v.to(device) for k, v in batch.items() if k != "labels"}
-            logits.append(model(**batch).logits.float().cpu())
-        out[split] = compute_metrics(ev.task, torch.cat(logits).numpy(), ev.data.eval_labels[split])
+def _with_aliases(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """`state` with every alias holding its parameter's tensor (a checkpoint saves a tied tensor
+    under one name: the other is filled in; an export saves both: both get the same θ_α)."""
+    out = dict(state)
+    for alias, owner in aliases.items():
+        if owner in out:
+            out[alias] = out[owner]
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation: the run's task kind scores θ_α as the run scored θ
+# --------------------------------------------------------------------------------------------------
 
 
 def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None, *, device: str = "cpu",
@@ -321,16 +171,15 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
     alphas = parse_alphas(alphas)
     cfg, results = load_run(run_dir)
     task = cfg.data.task_spec()
+    kind = build_task_kind(cfg)  # its model class, data, evaluation and forgetting probe: the run's own
     # The pretrained model as the config names it: θ* (and the architecture to evaluate with).
     plain_cfg = cfg.model.model_copy(update={"init": "pretrained", "reinit_top_layers": 0, "mixout": 0.0,
                                              "dtype": "float32", **({"lora": None} if "lora" in type(cfg.model).model_fields else {})})
-    if task.kind == CAUSAL_LM:
-        raise InterpolationError(f"{run_dir} fine-tuned a causal LM (data.problem: {CAUSAL_LM}); ft-interpolate "
-                                 "scores sequence classifiers only")
-    loaded = load_model(plain_cfg, model_class=model_class_of(task, cfg), seed=cfg.training.seed)
+    loaded = load_model(plain_cfg, model_class=kind.model_class, seed=cfg.training.seed)
     model = loaded.model
-    model._ft_new_parameter_names = loaded.new_parameter_names
-    theta, anchors, source = finetuned_state(run_dir, cfg, results, model)
+    theta, anchors, source = finetuned_state(run_dir, results, model, model_class=kind.model_class,
+                                             lora=getattr(cfg.model, "lora", None),
+                                             new_names=loaded.new_parameter_names)
     pretrained = loaded.pretrained_state
     fp32_anchors = anchors is not None and all(a.dtype == torch.float32 for a in anchors.values())
     if theta_star == "anchors" and not fp32_anchors:
@@ -342,34 +191,48 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
     missing = sorted(set(star) - set(theta))
     if missing:
         raise InterpolationError(f"θ ({source}) lacks parameters that have a θ*: {missing[:5]}")
+    aliases = tied_aliases(model)
 
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
-    data = load_task_data(task, tokenizer=tokenizer, **cfg.data.loader_arguments())
-    ev = _EvalSet(task, data, make_collator(tokenizer), cfg.evaluation.batch_size)
     dev = torch.device(device)
+    run = RunContext(device=dev)
+    data = kind.load_data(tokenizer, run)
     model.to(dev)
-    # The run's own probe settings: θ_α's forgetting reads like the run's evaluations.
-    probe = build_probe(cfg.evaluation.forgetting, model_name_or_path=cfg.model.name_or_path, tokenizer=tokenizer,
-                        batch_size=cfg.evaluation.batch_size, device=dev)
+    model.eval()
+    ctx = EvalContext(forward=lambda batch: model(**batch), device=dev, rank=0, world_size=1,
+                      gather=lambda obj: [obj], batch_size=cfg.evaluation.batch_size,
+                      collate=kind.collator(tokenizer, model.config))
+    # The run's own probe: θ_α's forgetting reads like the run's evaluations, against θ*'s side as
+    # the run kept it (a decoder's), else as the probe takes it from θ* itself.
+    probe = kind.build_probe(tokenizer, run)
+    if probe is not None:
+        kept = RunPaths(run_dir).forgetting_reference
+        if probe.keeps_reference(kept):
+            probe.reference_from_run(kept, None, is_main=True, barrier=lambda: None)
+        else:
+            model.load_state_dict(_with_aliases(interpolate_state(theta, star, 0.0), aliases), strict=True)
+            probe.reference_from_model(ctx.forward, None, is_main=True, barrier=lambda: None)
     full = distance(theta, star)
     rows = []
     for alpha in alphas:
-        state = interpolate_state(theta, star, alpha)
-        model.load_state_dict(state, strict=True)
-        metrics = _evaluate(model, ev, dev)
+        model.load_state_dict(_with_aliases(interpolate_state(theta, star, alpha), aliases), strict=True)
+        model.eval()
+        metrics = kind.evaluate(data, ctx)
         rows.append({"alpha": alpha, "metrics": metrics, "distance": alpha * full})
         if probe is not None:
-            rows[-1]["forgetting"] = probe.measure(lambda batch: model(**batch))
+            rows[-1]["forgetting"] = probe.measure(ctx.forward)
         logger.info("alpha=%g %s", alpha, metrics)
     selection = results.get("selection_split", task.eval_splits[0])
     main = results.get("main_metric", task.main_metric)
-    best = max(rows, key=lambda r: (r["metrics"][selection][main], -abs(r["alpha"] - 1.0)))
+    best = max(rows, key=lambda r: (_score(main, r["metrics"][selection][main]), -abs(r["alpha"] - 1.0)))
     out = {
         "run_dir": str(run_dir), "task": task.name, "main_metric": main, "selection_split": selection,
         "theta_source": source, "theta_star_source": star_source, "distance_full": full,
         "reported_metrics": results[results.get("reported", "final")]["metrics"],
+        "baseline": results.get("baseline"),
         "method": _method_label(cfg), "alphas": alphas, "rows": rows, "best_alpha": best["alpha"],
-        **({"forgetting_probe": probe.describe()} if probe is not None else {}),
+        **({"forgetting_probe": probe.describe(), "forgetting_measures": list(probe.measures)}
+           if probe is not None else {}),
     }
     if write:
         (run_dir / INTERPOLATION_FILE).write_text(json.dumps(out, indent=2, allow_nan=True))
@@ -383,6 +246,11 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
     return out
 
 
+def _score(metric: str, value: float) -> float:
+    """`value` of `metric` as larger-is-better, for picking the best α (a loss counts negated)."""
+    return -value if metric in LOWER_IS_BETTER else value
+
+
 def _method_label(cfg: Any) -> str:
     if getattr(cfg.model, "lora", None) is not None:
         return f"lora+{cfg.optimizer.name}"
@@ -393,7 +261,7 @@ def format_table(out: dict[str, Any]) -> str:
     """α, the metrics of every eval split, ‖θ_α − θ*‖₂ and the functional forgetting: one row per α
     (the best on dev marked)."""
     columns = [(split, name) for split, metrics in out["rows"][0]["metrics"].items() for name in metrics]
-    forgetting = [name for name in FORGETTING_MEASURES
+    forgetting = [name for name in out.get("forgetting_measures", ())
                   if name in out["rows"][0].get("forgetting", {})]
     header = ["alpha", *[f"{s}/{n}" for s, n in columns], "||theta_a - theta*||", *forgetting]
     rows = []

@@ -1,5 +1,7 @@
 """The fine-tuning loop. Backend-agnostic: everything device- or sharding-specific goes through the
-Strategy, so this file reads the same for one CPU, DDP, DeepSpeed or FSDP.
+Strategy, so this file reads the same for one CPU, DDP, DeepSpeed or FSDP. What the loop trains is
+built before its first step by the run's assembly (assembly.py: model, transforms, data, strategy,
+optimizer, files, resume); this file holds the loop, evaluation, logging, checkpoints and results.
 
     results = Trainer(load_config("configs/quickstart.yaml")).fit()
 """
@@ -8,82 +10,33 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import random
 import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from ft_framework.checkpointing.dcp_io import CheckpointReadError
-from ft_framework.checkpointing.export import ExportExistsError, check_run_export_dir, export_pretrained
-from ft_framework.checkpointing.manager import CheckpointManager
-from ft_framework.distributed.config_agreement import check_config_agreement
-from ft_framework.distributed.slurm_env import slurm_job_record
+from ft_framework.assembly import AssembledRun, TrainState, assemble_run, eval_steps
+from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.config import RunConfig
-from ft_framework.data.sharding import batches_per_epoch, epoch_batches
-from ft_framework.run.divergence import DivergenceGuard
-from ft_framework.run.failures import same_on_every_rank
-from ft_framework.errors import UserError
-from ft_framework.run.fingerprint import config_record
-from ft_framework.strategies.memory_fit import check_memory_budget
-from ft_framework.strategies.memory_plan import format_memory_plan, plan_memory
+from ft_framework.distributed.slurm_env import slurm_job_record
 from ft_framework.metrics import is_better, is_failed
-from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
-from ft_framework.models.fused_activations import describe_fused, fuse_activations
-from ft_framework.models.loading import load_model_and_tokenizer
 from ft_framework.models.lora import merged_forgetting_distance
-from ft_framework.models.r3f import R3FSettings, attach_r3f, tag_batch
-from ft_framework.optim import build_optimizer
-from ft_framework.optim.child_tuning import prepare_masks, run_fisher_pass, select_child
-from ft_framework.optim.groups import GROUP_HPARAMS, build_param_groups
-from ft_framework.run.preflight import check_data_not_empty, check_max_seq_length
+from ft_framework.models.r3f import tag_batch
+from ft_framework.run.divergence import DivergenceGuard
 from ft_framework.run.files import RESULTS_FILE, RunPaths
-from ft_framework.run.start import ResumePoint, capture_rng, check_start, restore_rng
-from ft_framework.run.lock import hold_run_lock
-from ft_framework.run.logs import MetricsLogger
-from ft_framework.run.tracking import open_trackers
+from ft_framework.run.fingerprint import config_record
 from ft_framework.run.signals import StopSignals, interrupted_line
+from ft_framework.run.start import capture_rng
 from ft_framework.strategies import Strategy, build_strategy
-from ft_framework.task_kinds import Baseline, EvalContext, LossNormalizer, RunContext, build_task_kind, to_device
+from ft_framework.task_kinds import LossNormalizer
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class TrainState:
-    """Everything besides model and optimizer that a resumed run needs to continue exactly."""
-
-    step: int = 0                  # optimizer steps done
-    epoch: int = 0
-    batch_in_epoch: int = 0        # micro-batches of `epoch` already consumed
-    examples_per_round: int = 0    # examples one micro-batch index covers on all ranks together
-    evals: list[dict[str, Any]] = field(default_factory=list)
-    best: dict[str, Any] | None = None
-    window_loss: float = 0.0       # running sums for the next log line: this rank's summed loss,
-    window_micro_batches: int = 0  # its micro-batches
-    window_units: float = 0.0      # and the units the loss sums over (examples, a decoder's label tokens)
-    train_seconds: float = 0.0
-    # Config changes accepted on resume (fingerprint.py): {"step", "key", "old", "new", "allowed_by"}.
-    config_changes: list[dict[str, Any]] = field(default_factory=list)
-    # Child-Tuning's Fisher pass and child network (ChildTuningResult.to_record), None when off.
-    child_tuning: dict[str, Any] | None = None
-    # What the run is judged against (Baseline.to_record): the majority class, or a causal LM's own
-    # scores before its first step (which a resumed run cannot measure again).
-    baseline: dict[str, Any] | None = None
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+# eval_steps and TrainState live in assembly.py (the set-up decides when to evaluate); named here too.
+__all__ = ["TrainState", "Trainer", "eval_steps", "lr_multiplier"]
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
@@ -95,19 +48,15 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
-def eval_steps(total_steps: int, num_evals: int | None, every_steps: int | None) -> list[int]:
-    """Optimizer steps after which to evaluate; the last step is always one of them."""
-    if every_steps:
-        steps = set(range(every_steps, total_steps + 1, every_steps))
-    elif num_evals:
-        steps = {max(1, round(total_steps * i / num_evals)) for i in range(1, num_evals + 1)}
-    else:
-        steps = set()
-    return sorted(steps | {total_steps})
+def _assembled(name: str) -> property:
+    """A part of the assembled run, read through the trainer (trainer.model, trainer.kind, ...)."""
+    return property(lambda self: getattr(self.run, name), doc=f"The assembled run's {name} (assembly.py).")
 
 
 class Trainer:
-    """One run: data, model, optimizer, loop, evaluation, logs, checkpoints, results.json."""
+    """One run: its assembly (set-up), then the loop, evaluation, logs, checkpoints, results.json."""
+
+    run: AssembledRun  # what setup() assembled
 
     def __init__(self, cfg: RunConfig, strategy: Strategy | None = None):
         self.cfg = cfg
@@ -117,216 +66,41 @@ class Trainer:
         self.data_seed = cfg.training.data_seed  # the config fills it with training.seed when unset
         self.state = TrainState()
 
+    # The assembled run's parts, read as the trainer's own.
+    task = _assembled("task")
+    kind = _assembled("kind")
+    loaded = _assembled("loaded")
+    data = _assembled("data")
+    collate = _assembled("collate")
+    forgetting = _assembled("forgetting")
+    fused_activations = _assembled("fused_activations")
+    r3f = _assembled("r3f")
+    base_lr = _assembled("base_lr")
+    model = _assembled("model")
+    optimizer = _assembled("optimizer")
+    peak_lrs = _assembled("peak_lrs")
+    micro_batches_per_epoch = _assembled("micro_batches_per_epoch")
+    total_steps = _assembled("total_steps")
+    warmup_steps = _assembled("warmup_steps")
+    eval_at = _assembled("eval_at")
+    selection_split = _assembled("selection_split")
+    checkpoints = _assembled("checkpoints")
+    log = _assembled("log")
+    baseline = _assembled("baseline")
+
     # ---- set-up ---------------------------------------------------------------------------
     def setup(self) -> None:
-        cfg = self.cfg
-        self.task = cfg.data.task_spec()
-        # The task's kind owns its model class, data, collation, loss and metrics (task_kinds/).
-        self.kind = build_task_kind(cfg)
-        # The first collective: every rank (every node) must train the same resolved config.
-        check_config_agreement(cfg.to_dict())
-        # One writer per output directory: rank 0 holds its lock until the run ends (run/lock.py).
-        self._run_lock = hold_run_lock(self.strategy, self.paths)
-        # Before anything is loaded: a resume must match its checkpoint, a fresh run must not mix with an old one.
-        self._resume_point = check_start(cfg, self.strategy, self.paths)
-        if cfg.checkpoint.export_dir:  # its end would refuse another run's export: refuse it now
-            try:
-                check_run_export_dir(Path(cfg.checkpoint.export_dir), self.paths.root)
-            except ExportExistsError as exc:  # every rank sees the same directory
-                raise same_on_every_rank(exc) from None
-        # Before any weight loads: a run planned over training.memory_budget_gib stops here, in one line.
-        check_memory_budget(cfg, world_size=self.strategy.world_size, on_gpu=self.strategy.device.type == "cuda")
-        # The init seed drives everything random in the model (head, RI, re-init); the data seed
-        # drives data order and dropout, so the two can be varied separately (Dodge et al.).
-        loaded = load_model_and_tokenizer(cfg.model, model_class=self.kind.model_class, seed=cfg.training.seed)
-        self.loaded = loaded
-        check_max_seq_length(cfg.data.max_seq_length, loaded.model, cfg.model.name_or_path)
-        # Before checkpointing and the strategy wrap the model (the memory plan traces the same transform).
-        self.fused_activations = fuse_activations(loaded.model) if cfg.model.fused_activations else None
-        logger.info("model.fused_activations: %s", "off (the model's own activation modules)"
-                    if self.fused_activations is None else describe_fused(self.fused_activations))
-        run = RunContext(rank=self.strategy.rank, world_size=self.strategy.world_size,
-                         is_main=self.strategy.is_main_process, barrier=self.strategy.barrier,
-                         gather=self.strategy.gather_objects, device=self.strategy.device,
-                         progress=cfg.logging.progress_bar and self.strategy.is_main_process)
-        self.data = self.kind.load_data(loaded.tokenizer, run)
-        check_data_not_empty(self.data, task=self.task.name, source=cfg.data.source)
-        self.collate = self.kind.collator(loaded.tokenizer, loaded.model.config)
-        # The forgetting probe: θ*'s side from the checkpoint (an encoder's), or from the model
-        # before its first step (a decoder's: captured below, once the strategy holds the model).
-        self.forgetting = self.kind.build_probe(loaded.tokenizer, run)
-        seed_everything(self.data_seed)
-
-        opt_cfg = cfg.optimizer
-        self.base_lr = float(opt_cfg.resolved_hparams()["lr"])
-
-        def make_optimizer(model):
-            groups = build_param_groups(
-                model, loaded.pretrained_state, lr=self.base_lr, weight_decay=opt_cfg.weight_decay,
-                no_decay_bias_and_norm=opt_cfg.no_decay_bias_and_norm,
-                layerwise_lr_decay=opt_cfg.layerwise_lr_decay, attach_anchors=False,
-                child_tuning=opt_cfg.child_tuning is not None)
-            # lr and weight_decay reach the optimizer once: in the groups (LLRD and no-decay applied).
-            kwargs = {k: v for k, v in opt_cfg.optimizer_kwargs().items() if k not in GROUP_HPARAMS}
-            if opt_cfg.state_dtype != "float32":  # the compact state's stochastic rounding is keyed on the run's seed
-                kwargs["rounding_seed"] = cfg.training.seed
-            return build_optimizer(opt_cfg.name, groups, impl=opt_cfg.impl, **kwargs)
-
-        num_params = sum(p.numel() for p in loaded.model.parameters())
-        num_anchored = sum(t.numel() for t in loaded.pretrained_state.values())
-        if cfg.training.activation_checkpointing:
-            # Before any strategy wraps the model: FSDP2 shards the blocks as they are then.
-            num_blocks = apply_activation_checkpointing(loaded.model)
-            logger.info("activation checkpointing: %d transformer block module(s) recompute their "
-                        "activations in backward", num_blocks)
-        # Before any strategy wraps the model: its wrapper then sees R3F's two passes as one forward.
-        self.r3f = None if cfg.training.r3f is None else attach_r3f(loaded.model, R3FSettings(
-            weight=cfg.training.r3f.weight, noise=cfg.training.r3f.noise, sigma=cfg.training.r3f.sigma,
-            seed=self.data_seed, max_seq_length=cfg.data.max_seq_length))
-        # The strategy places theta* once, after wrapping (sharded under ZeRO/FSDP, each rank its part).
-        self.model, self.optimizer = self.strategy.setup(loaded.model, make_optimizer,
-                                                         anchors=loaded.pretrained_state)
-        # The optimizer holds theta* now; a full copy per rank would undo the sharding.
-        loaded.pretrained_state = None
-        if self.strategy.is_main_process:
-            plan = plan_memory(cfg, world_size=self.strategy.world_size, num_params=num_params,
-                               num_anchored=num_anchored)
-            logger.info("%s", format_memory_plan(plan, strategy=cfg.strategy.name,
-                                                 world_size=self.strategy.world_size))
-        # Each group's own peak lr (LLRD scales it); the schedule multiplies it.
-        self.peak_lrs = [g["lr"] for g in self.optimizer.param_groups]
-
-        tcfg = cfg.training
-        self.micro_batches_per_epoch = batches_per_epoch(len(self.data.train), tcfg.per_device_batch_size,
-                                                         self.strategy.world_size)
-        steps_per_epoch = max(1, self.micro_batches_per_epoch // tcfg.gradient_accumulation_steps)
-        self.total_steps = tcfg.max_steps or max(1, math.ceil(steps_per_epoch * tcfg.num_epochs))
-        self.warmup_steps = cfg.schedule.warmup_for(self.total_steps)
-        self.eval_at = set(eval_steps(self.total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps))
-        self.selection_split = self.task.eval_splits[0]
-
-        self.checkpoints = CheckpointManager(self.paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
-                                             is_main_process=self.strategy.is_main_process,
-                                             barrier=self.strategy.barrier, tokenizer=self.loaded.tokenizer)
-        self.log = MetricsLogger(self.output_dir, enabled=self.strategy.is_main_process,
-                                 tensorboard=cfg.logging.tensorboard,
-                                 trackers=open_trackers(cfg, enabled=self.strategy.is_main_process,
-                                                        resuming=self._resume_point is not None))
-        if self._resume_point is not None:
-            if cfg.optimizer.child_tuning is not None:
-                prepare_masks(self.optimizer)  # targets of the checkpoint's masks: no second Fisher pass
-            self._resume(self._resume_point)
-            if getattr(self.forgetting, "needs_reference", False):
-                # θ*'s answers as the run that wrote the checkpoint saved them (its output directory:
-                # <run>/checkpoints/<checkpoint>), kept in this run's directory too for its own resumes.
-                saved_by = RunPaths(self._resume_point.directory.parent.parent).forgetting_reference
-                self.forgetting.load_reference(saved_by)
-                if saved_by.resolve() != self.paths.forgetting_reference.resolve():
-                    self.forgetting.save_reference(self.paths.forgetting_reference,
-                                                   is_main=self.strategy.is_main_process, barrier=self.strategy.barrier)
-        else:
-            if getattr(self.forgetting, "needs_reference", False):
-                # θ* is the model as it is now, before its first step (collective).
-                self.model.eval()
-                self.forgetting.capture_reference(self.strategy.forward)
-                self.forgetting.save_reference(self.paths.forgetting_reference,
-                                               is_main=self.strategy.is_main_process, barrier=self.strategy.barrier)
-            if cfg.optimizer.child_tuning is not None:
-                self._choose_child()
-        if self.state.baseline is None:  # a fresh run (or a checkpoint written before baselines were kept)
-            self.state.baseline = self.kind.baseline(self.data, self.evaluate).to_record()
-        self.baseline = Baseline.from_record(self.state.baseline)
-
-    def _choose_child(self) -> None:
-        """Child-Tuning-D (optim/child_tuning.py): the Fisher pass over the first fisher_batches
-        micro-batches of epoch 0 (default: all of them), each through the strategy's forward,
-        backward and unclipped step, then the child's mask in the optimizer state."""
-        ct = self.cfg.optimizer.child_tuning
-        batches = self._epoch_batches(0)[:ct.fisher_batches]
-        progress = None
-        if self.cfg.logging.progress_bar and self.strategy.is_main_process:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=len(batches), desc="Fisher (child-tuning)", unit="batch", dynamic_ncols=True)
-
-        def micro_step(indices: list[int]) -> None:
-            batch = self.collate([self.data.train[i] for i in indices])
-            out = self._forward(batch)
-            loss = self.kind.loss(out, batch, LossNormalizer(micro_batches=1, world_size=self.strategy.world_size,
-                                                             step_units=self._step_units([batch])))
-            self.strategy.backward(loss.backward)
-            self.strategy.step_unclipped()
-            if progress is not None:
-                progress.update(1)
-
-        self.model.train()
-        started = time.perf_counter()
-        try:
-            fisher = run_fisher_pass(self.optimizer, batches, micro_step)
-        finally:
-            if progress is not None:
-                progress.close()
-        numel_of = {p.name: p.numel for p in self.strategy.checkpointable().params()}
-        result = select_child(fisher, ct.reserve_p, numel_of, partitioned=self.strategy.optimizer_state_is_partitioned,
-                              seconds=time.perf_counter() - started)
-        self.state.child_tuning = result.to_record()
-        logger.info("child-tuning: Fisher over %d micro-batch(es) in %.1f s; the child keeps %d of %d candidate "
-                    "elements (%.4f, reserve_p %g)", result.fisher_batches, result.fisher_seconds,
-                    result.kept_elements, result.candidate_elements, result.kept_fraction, ct.reserve_p)
-
-    def _resume(self, point: ResumePoint) -> None:
-        directory, saved = point.directory, point.saved
-        try:
-            self.strategy.load_checkpoint(directory)
-        except CheckpointReadError as exc:  # its message names the checkpoint already
-            raise UserError(str(exc)) from exc
-        except UserError:  # the checkpoint does not fit this model (the message names it)
-            raise
-        except Exception as exc:
-            if self.strategy.world_size > 1:  # a collective failed (a rank went away): a crash, not the file
-                raise
-            said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"checkpoint {directory} cannot be read ({said}); resume from an earlier checkpoint "
-                            "(checkpoint.resume_from=<its directory>) or start fresh") from exc
-        self.state = TrainState(**saved["train_state"])
-        changes = point.config_changes
-        for change in changes:
-            logger.warning("resuming with %s changed from %r to %r at step %d (%s)", change["key"], change["old"],
-                           change["new"], change["step"], change["allowed_by"])
-        self.state.config_changes = self.state.config_changes + changes
-        here = self.cfg.training.per_device_batch_size * self.strategy.world_size
-        if self.state.examples_per_round and self.state.examples_per_round != here:
-            # Resumed on another number of ranks: keep the position in examples, not in batches.
-            self.state.batch_in_epoch = self.state.batch_in_epoch * self.state.examples_per_round // here
-            logger.warning("resuming with %d examples per micro-batch round instead of %d: data order "
-                           "continues from the same example, batches differ", here, self.state.examples_per_round)
-        restore_rng(saved["rng"], self.strategy)
-        # Logs past the checkpoint belong to the interrupted attempt: drop them so they are not doubled.
-        self.log.truncate_after(self.state.step)
-        logger.info("resumed from %s at step %d", directory, self.state.step)
+        """Builds everything the run needs before its first step, and the state the loop starts from
+        (assembly.py: a resume's checkpoint, or a fresh run's θ* reference and child network)."""
+        self.run = assemble_run(self.cfg, self.strategy, self.paths)
+        self._run_lock = self.run.run_lock  # released when fit() ends, however it ends
+        self.state = self.run.state
 
     # ---- data ---------------------------------------------------------------------------------
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's micro-batches of `epoch`: a permutation fixed by (data seed, epoch)."""
-        return epoch_batches(len(self.data.train), batch_size=self.cfg.training.per_device_batch_size,
-                             data_seed=self.data_seed, epoch=epoch, rank=self.strategy.rank,
-                             world_size=self.strategy.world_size)
-
-    def _forward(self, batch: dict[str, Any], last_micro_batch: bool = True) -> Any:
-        """The strategy's forward of a collated batch's model inputs (the kind says which they are)."""
-        inputs = to_device(self.kind.model_inputs(batch), self.strategy.device)
-        return self.strategy.forward(inputs, last_micro_batch=last_micro_batch)
-
-    def _step_units(self, batches: list[dict[str, torch.Tensor]]) -> float | None:
-        """The loss units (a causal LM's label tokens) of one optimizer step on every rank together,
-        or None when the kind averages each micro-batch itself. Collective when it counts."""
-        units = self.kind.step_units(batches)
-        return None if units is None else float(sum(self.strategy.gather_objects(units)))
-
     def _micro_batches(self):
         """Yields collated micro-batches from the saved position on, across epochs, forever."""
         while True:
-            batches = self._epoch_batches(self.state.epoch)
+            batches = self.run.epoch_batches(self.state.epoch)
             while self.state.batch_in_epoch < len(batches):
                 idx = batches[self.state.batch_in_epoch]
                 self.state.batch_in_epoch += 1
@@ -365,10 +139,10 @@ class Trainer:
                 # The trainer alone counts accumulation and ranks: the kind scales each micro-batch's
                 # loss by them (and by the step's loss units), and the strategy hears of the end.
                 normalizer = LossNormalizer(micro_batches=accum, world_size=self.strategy.world_size,
-                                            step_units=self._step_units(step_batches))
+                                            step_units=self.run.step_units(step_batches))
                 for micro, batch in enumerate(step_batches):
                     last = micro == accum - 1
-                    out = self._forward(batch, last_micro_batch=last)
+                    out = self.run.forward(batch, last_micro_batch=last)
                     loss = self.kind.loss(out, batch, normalizer)
                     self.strategy.backward(loss.backward, last_micro_batch=last)
                     st.window_loss += loss.total
@@ -449,23 +223,16 @@ class Trainer:
         return {} if distance is None else {"forgetting_distance": distance}
 
     # ---- evaluation ---------------------------------------------------------------------------
-    def _eval_context(self) -> EvalContext:
-        return EvalContext(forward=self.strategy.forward, device=self.strategy.device, rank=self.strategy.rank,
-                           world_size=self.strategy.world_size, gather=self.strategy.gather_objects,
-                           batch_size=self.cfg.evaluation.batch_size, collate=self.collate)
-
-    @torch.no_grad()
     def evaluate(self) -> dict[str, dict[str, float]]:
         """Metrics of every eval split (the task kind's); each rank scores a slice, every rank's view
         is complete. Collective."""
-        self.model.eval()
-        return self.kind.evaluate(self.data, self._eval_context())
+        return self.run.evaluate()
 
     def _evaluate_and_select(self) -> None:
         st = self.state
         metrics = self.evaluate()
         record = {"step": st.step, "metrics": metrics}
-        samples = self.kind.samples(self.data, self._eval_context())  # collective: every rank generates them
+        samples = self.kind.samples(self.data, self.run.eval_context())  # collective: every rank generates them
         if samples is not None:
             record["samples"] = samples
             if self.strategy.is_main_process:

@@ -68,7 +68,7 @@ PYEOF
     ;;
 esac
 if [ "$EXTRAS" = test ]; then
-  # tests/unit/test_yaml_versions.py runs the YAML loader's tests under each PyYAML release that
+  # tests/unit/config/test_yaml_versions.py runs the YAML loader's tests under each PyYAML release that
   # requirements/pyyaml-versions.txt lists, each one installed apart in build/pyyaml/VERSION.
   for version in $(grep -v '^#' requirements/pyyaml-versions.txt); do
     if [ ! -f "build/pyyaml/$version/yaml/__init__.py" ]; then

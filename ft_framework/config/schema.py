@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ft_framework import optim, resources
-from ft_framework.data.tasks import (CAUSAL_LM, GLUE_TASK_NAMES, OWN_DATA_SPLITS, TaskSpec, get_task, own_data_task,
-                                     sft_task)
+from ft_framework.data.tasks import (CAUSAL_LM, CLASSIFICATION, GLUE_TASK_NAMES, OWN_DATA_SPLITS, REGRESSION, TaskSpec,
+                                     get_task, own_data_task, sft_task, task_kinds)
 from ft_framework.errors import did_you_mean, quoted, shortened
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
@@ -164,7 +164,8 @@ class DataConfig(_Section):
     # classification and regression: a sequence classifier on text columns and a label column.
     # causal_lm: supervised fine-tuning of a decoder LM on rows of text, prompt + completion, or
     # messages (docs/training.md, "Supervised fine-tuning of decoder LLMs").
-    problem: Literal["classification", "regression", "causal_lm"] = "classification"
+    # A kind registered from outside (task_kinds.register_task_kind) reads your files as labelled texts.
+    problem: str = "classification"
     # The classes as the files write them (the label id is the position); unset for regression.
     labels: list[Any] | None = None
     # The task's name in results.json, logs and sweep reports.
@@ -182,6 +183,14 @@ class DataConfig(_Section):
     token_cache_dir: str | None = None
     # completion_loss (lower is better) or exact_match of greedy completions; None: completion_loss.
     main_metric: Literal["completion_loss", "exact_match"] | None = None
+
+    @field_validator("problem")
+    @classmethod
+    def _check_problem(cls, value: str) -> str:
+        if value not in task_kinds():
+            raise ValueError(f"unknown data.problem {quoted(value)}{did_you_mean(value, task_kinds())}; valid: "
+                             f"{', '.join(task_kinds())}")
+        return value
 
     @field_validator("source")
     @classmethod
@@ -238,6 +247,9 @@ class DataConfig(_Section):
             if self.task is None:
                 raise ValueError(f"set data.task (a GLUE task: {', '.join(GLUE_TASK_NAMES)}), or "
                                  f"data.source: {FILES_SOURCE} with data.files for your own data")
+            if self.problem not in (CLASSIFICATION, REGRESSION):
+                raise ValueError(f"data.problem: {self.problem} reads your files: set data.source: {FILES_SOURCE} "
+                                 "with data.files")
             return self
         if self.task is not None:
             raise ValueError(f"data.task names a GLUE task; with data.source: {FILES_SOURCE} leave it unset "
@@ -252,7 +264,7 @@ class DataConfig(_Section):
             raise ValueError(f"data.label_column {quoted(self.label_column)} is also in data.text_columns")
         if self.problem == "regression" and self.labels is not None:
             raise ValueError("data.labels lists classes; a regression problem has none: remove data.labels")
-        if self.problem == "classification" and (self.labels is None or len(self.labels) < 2):
+        if self.problem != REGRESSION and (self.labels is None or len(self.labels) < 2):
             raise ValueError("data.labels must list at least two classes as your files write them (e.g. "
                              "[negative, positive]), or set data.problem: regression")
         return self
@@ -303,9 +315,10 @@ class DataConfig(_Section):
         if self.source != FILES_SOURCE:
             return get_task(self.task)
         eval_splits = ("validation", "test") if "test" in self.files else ("validation",)
-        labels = None if self.problem == "regression" else tuple(self.labels)
+        labels = None if self.problem == REGRESSION else tuple(self.labels)
         return own_data_task(self.name, text_columns=tuple(self.text_columns), label_column=self.label_column,
-                             labels=labels, eval_splits=eval_splits)
+                             labels=labels, eval_splits=eval_splits,
+                             problem=None if self.problem in (CLASSIFICATION, REGRESSION) else self.problem)
 
     def resolved_source(self) -> str:
         """The `source` argument for `load_glue`: "hub" or a directory path."""
@@ -824,8 +837,6 @@ def _check_task_kind(cfg: "RunConfig") -> None:
         (bool(cfg.model.mixout), "model.mixout (not built for decoders; set mixout: 0)"),
         (cfg.training.r3f is not None, "training.r3f (its KL compares class distributions; set r3f: null)"),
         (cfg.optimizer.child_tuning is not None, "optimizer.child_tuning (not built for decoders; set it to null)"),
-        (cfg.evaluation.interpolation is not None, "evaluation.interpolation (ft-interpolate scores classifiers; "
-                                                   "set it to null)"),
     ]
     for hit, what in refused:
         if hit:

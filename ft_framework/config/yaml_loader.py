@@ -20,7 +20,7 @@ specification (yaml.org/type/merge.html), on every PyYAML release we allow:
   mapping (or a list of mappings) is an error naming where.
 
 Only the parser and the composer (events, nodes, anchors and aliases) are PyYAML's; they follow
-the YAML 1.1 grammar, which PyYAML has not changed in years, and tests/unit/test_yaml_versions.py
+the YAML 1.1 grammar, which PyYAML has not changed in years, and tests/unit/config/test_yaml_versions.py
 runs this module's tests under the oldest and the newest PyYAML we allow.
 
     data = load_yaml(text)          # raises DuplicateKey / AliasLimit / NestingLimit / yaml.YAMLError

@@ -15,12 +15,40 @@ from dataclasses import dataclass
 from ft_framework.errors import UserError, did_you_mean
 
 __all__ = ["TaskSpec", "GLUE_TASKS", "GLUE_TASK_NAMES", "LARGE_TASK_MIN_TRAIN_SIZE", "get_task", "own_data_task",
-           "OWN_DATA_SPLITS", "TASK_KINDS", "CAUSAL_LM", "SFT_METRICS", "sft_task"]
+           "OWN_DATA_SPLITS", "TASK_KINDS", "CAUSAL_LM", "SFT_METRICS", "sft_task", "task_kinds", "register_kind",
+           "unregister_kind", "registered_kind_metrics"]
 
 # The kinds of task (ft_framework/task_kinds/ implements each: its model class, batch collation, loss
 # and metrics); a TaskSpec names its kind, the config's data.problem chooses it for your own data.
 CLASSIFICATION, REGRESSION, CAUSAL_LM = "classification", "regression", "causal_lm"
 TASK_KINDS: tuple[str, ...] = (CLASSIFICATION, REGRESSION, CAUSAL_LM)
+# Kinds registered from outside the package (task_kinds.register_task_kind): name -> their metrics,
+# in report order, the first the main one. Such a kind reads your files as labelled texts.
+_REGISTERED_KINDS: dict[str, tuple[str, ...]] = {}
+
+
+def task_kinds() -> tuple[str, ...]:
+    """Every valid data.problem: the built-in kinds, then the registered ones."""
+    return TASK_KINDS + tuple(_REGISTERED_KINDS)
+
+
+def register_kind(name: str, metrics: tuple[str, ...]) -> None:
+    """Makes `name` a valid data.problem whose tasks report `metrics` (task_kinds.register_task_kind
+    calls it with the kind's class)."""
+    if name in TASK_KINDS:
+        raise ValueError(f"task kind {name!r} is built in")
+    if not metrics:
+        raise ValueError(f"task kind {name!r} names no metrics (its class's `metrics`, the first the main one)")
+    _REGISTERED_KINDS[name] = tuple(metrics)
+
+
+def unregister_kind(name: str) -> None:
+    _REGISTERED_KINDS.pop(name, None)
+
+
+def registered_kind_metrics(name: str) -> tuple[str, ...] | None:
+    """A registered kind's metrics, or None for a built-in (or unknown) kind."""
+    return _REGISTERED_KINDS.get(name)
 
 # Chen et al. 2020 and Mosbach et al. 2020 group the tasks by training-set size at 10k examples.
 LARGE_TASK_MIN_TRAIN_SIZE = 10_000
@@ -55,12 +83,12 @@ class TaskSpec:
     def __post_init__(self) -> None:
         if self.main_metric not in self.metrics:
             raise ValueError(f"task {self.name!r}: main_metric {self.main_metric!r} is not in {self.metrics}")
-        if self.problem is not None and self.problem not in TASK_KINDS:
-            raise ValueError(f"task {self.name!r}: problem {self.problem!r} is not one of {TASK_KINDS}")
+        if self.problem is not None and self.problem not in task_kinds():
+            raise ValueError(f"task {self.name!r}: problem {self.problem!r} is not one of {task_kinds()}")
 
     @property
     def kind(self) -> str:
-        """classification, regression or causal_lm (TASK_KINDS)."""
+        """classification, regression, causal_lm (TASK_KINDS) or a registered kind."""
         if self.problem is not None:
             return self.problem
         return REGRESSION if self.label_list is None else CLASSIFICATION
@@ -143,12 +171,14 @@ _OWN_REGRESSION_METRICS = ("pearson", "spearmanr", "mse")
 
 
 def own_data_task(name: str, *, text_columns: tuple[str, ...], label_column: str,
-                  labels: tuple[str, ...] | None, eval_splits: tuple[str, ...]) -> TaskSpec:
+                  labels: tuple[str, ...] | None, eval_splits: tuple[str, ...], problem: str | None = None) -> TaskSpec:
     """The TaskSpec of a user's own data: ``labels`` lists the classes (label id = position), None
-    for regression."""
-    metrics = _OWN_REGRESSION_METRICS if labels is None else _OWN_CLASSIFICATION_METRICS
+    for regression; `problem` a registered kind (its metrics), None for a classifier's."""
+    metrics = registered_kind_metrics(problem) if problem is not None else None
+    if metrics is None:
+        metrics = _OWN_REGRESSION_METRICS if labels is None else _OWN_CLASSIFICATION_METRICS
     return TaskSpec(name, name, tuple(text_columns), labels, tuple(eval_splits), metrics, metrics[0], 0,
-                    label_key=label_column)
+                    label_key=label_column, problem=problem)
 
 
 # A supervised fine-tuning task's metrics, in report order. exact_match (greedy completions equal

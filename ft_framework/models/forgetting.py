@@ -15,6 +15,7 @@ padded like evaluation, and the features are gathered, so the result equals the 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -37,8 +38,8 @@ from ft_framework.user_files import NO_REMOTE_CODE
 logger = logging.getLogger(__name__)
 
 __all__ = ["CKA_DRIFT_LAST", "CKA_DRIFT_MEAN", "DEFAULT_PROBE_SOURCE", "DEFAULT_PROBE_WORDS", "FORGETTING_MEASURES",
-           "MLM_FORGETTING", "ForgettingProbe", "build_probe", "debiased_linear_cka", "default_probe_sentences",
-           "mask_positions", "read_probe_file"]
+           "MLM_FORGETTING", "EncoderForgettingProbe", "debiased_linear_cka", "default_probe_sentences",
+           "mask_positions", "pretrained_mlm_head_parameters", "read_probe_file"]
 
 # The names of the functional forgetting measures in metrics.jsonl, results.json and interpolation.json.
 CKA_DRIFT_LAST = "cka_drift_last"
@@ -179,11 +180,11 @@ def _mlm_head(mlm_model: nn.Module, missing_keys: Sequence[str]) -> tuple[nn.Mod
     return head, ""
 
 
-class ForgettingProbe:
-    """θ*'s features and MLM loss on the probe text, kept to compare θ with at each measurement."""
+class EncoderForgettingProbe:
+    """θ*'s features and MLM loss on the probe text, kept to compare θ with at each measurement
+    (a models/probes.py ForgettingProbe)."""
 
-    # θ*'s side comes from the checkpoint, loaded here: nothing to capture from the run's model.
-    needs_reference = False
+    measures = FORGETTING_MEASURES
 
     def __init__(self, *, sentences: list[str], source: str, tokenizer: Any, model_name_or_path: str,
                  max_length: int, mask_seed: int, batch_size: int, rank: int, world_size: int,
@@ -221,6 +222,19 @@ class ForgettingProbe:
         self.pretrained_features, self.pretrained_mlm_loss = self._gathered(pretrained)
         del reference  # the head (and the tensor tied to it) is all that stays
         self.seconds = time.perf_counter() - started  # what measuring costs, reported in results.json
+
+    # θ*'s side comes from the checkpoint, read when the probe is built: the run's model adds nothing
+    # to it, and the run's directory keeps nothing of it.
+    def reference_from_model(self, forward: Callable[[dict[str, torch.Tensor]], Any], keep_in: Path | None, *,
+                             is_main: bool, barrier: Callable[[], None]) -> None:
+        return None
+
+    def reference_from_run(self, saved_in: Path, keep_in: Path | None, *, is_main: bool,
+                           barrier: Callable[[], None]) -> None:
+        return None
+
+    def keeps_reference(self, directory: Path) -> bool:
+        return False
 
     def _load_reference(self, model_name_or_path: str) -> tuple[nn.Module, nn.Module | None, str]:
         from transformers import AutoModel, AutoModelForMaskedLM
@@ -308,19 +322,16 @@ class ForgettingProbe:
                 **({"mlm_skipped": self.mlm_skipped} if self.head is None else {})}
 
 
-def build_probe(forgetting_cfg: Any, *, model_name_or_path: str, tokenizer: Any, batch_size: int, rank: int = 0,
-                world_size: int = 1, device: torch.device | str = "cpu",
-                gather: Callable[[Any], list[Any]] = lambda obj: [obj]) -> ForgettingProbe | None:
-    """The probe an `evaluation.forgetting` config section describes (None when disabled).
-    Collective when `gather` is."""
-    if not forgetting_cfg.enabled:
-        return None
-    num = forgetting_cfg.num_sentences
-    if forgetting_cfg.probe_file is None:
-        sentences, source = default_probe_sentences(num), DEFAULT_PROBE_SOURCE
-    else:
-        sentences, source = read_probe_file(forgetting_cfg.probe_file, num), forgetting_cfg.probe_file
-    return ForgettingProbe(sentences=sentences, source=source, tokenizer=tokenizer,
-                           model_name_or_path=model_name_or_path, max_length=forgetting_cfg.max_length,
-                           mask_seed=forgetting_cfg.mask_seed, batch_size=batch_size, rank=rank,
-                           world_size=world_size, device=torch.device(device), gather=gather)
+def pretrained_mlm_head_parameters(arch: Any) -> int:
+    """Parameters of the masked-LM head that the probe keeps for a run of architecture `arch` (its
+    tied decoder weight included: the reference model's, a tensor of its own), counted on the meta
+    device; 0 for an architecture without one."""
+    from transformers import AutoModelForMaskedLM  # slow: imported where used
+
+    try:
+        with torch.device("meta"):
+            mlm = AutoModelForMaskedLM.from_config(copy.deepcopy(arch))
+    except ValueError:  # an architecture with no masked-LM class
+        return 0
+    head, _ = _mlm_head(mlm, [])
+    return 0 if head is None else sum(p.numel() for p in head.parameters())

@@ -9,7 +9,7 @@ autocast three of them in fp32 (``pow`` runs in fp32 there). The fused tanh GELU
 in one kernel and keeps x only. ALBERT-xxlarge, bf16, batch 32 x 128 tokens: 4.8 GiB less.
 
 Only the forms whose outputs agree with the fused op within the dtype's rounding are replaced
-(tests/unit/test_fused_activations.py: within 1e-6 of the input's magnitude in fp32, within one
+(tests/unit/models/test_fused_activations.py: within 1e-6 of the input's magnitude in fp32, within one
 bf16 ulp in bf16); an activation not listed in :data:`FUSED_FORMS` is left as it is. The run's log
 and results.json name what was replaced; the memory plan applies the same transform
 (strategies/memory_trace.py) so that it traces the model the run trains.

@@ -8,17 +8,18 @@ text have moved from the pretrained model θ*'s (docs/forgetting_methods.md, "De
 - Representation drift: 1 − debiased linear CKA of the mean-pooled hidden states, last layer and
   mean over layers, as for an encoder (models/forgetting.py).
 
-θ*'s side is the run's own model before its first step (`capture_reference`), measured through the
+θ*'s side is the run's own model before its first step (`reference_from_model`), measured through the
 same forward, precision and sharding as every later measurement, so no second copy of the model
 is ever loaded (an 8B decoder would need 32 GB of host memory for one). It is kept on each rank for
 its share of the probe (θ*'s log-probabilities: positions × vocabulary × 4 bytes) and written into
 the run's output directory, one safetensors file per rank, so that a resumed run, on any number of
-ranks, reads it back (`load_reference`) instead of meeting a model that has moved.
+ranks, reads it back (`reference_from_run`) instead of meeting a model that has moved.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import logging
 import time
 from dataclasses import dataclass
@@ -32,12 +33,12 @@ import torch.nn.functional as F
 from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.errors import UserError
 from ft_framework.user_files import MissingFile, open_binary, read_json, refused_entries
-from ft_framework.models.forgetting import (CKA_DRIFT_LAST, CKA_DRIFT_MEAN, DEFAULT_PROBE_SOURCE, MIN_PROBE_SENTENCES,
-                                            debiased_linear_cka, default_probe_sentences, read_probe_file)
+from ft_framework.models.forgetting import CKA_DRIFT_LAST, CKA_DRIFT_MEAN, MIN_PROBE_SENTENCES, debiased_linear_cka
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KL_FROM_PRETRAINED", "LM_FORGETTING_MEASURES", "LM_LOSS_GAINED", "LMForgettingProbe", "build_lm_probe"]
+__all__ = ["KL_FROM_PRETRAINED", "LM_FORGETTING_MEASURES", "LM_LOSS_GAINED", "LMForgettingProbe",
+           "lm_probe_reference_bytes"]
 
 # The names of a decoder's forgetting measures in metrics.jsonl and results.json.
 LM_LOSS_GAINED = "lm_loss_gained"
@@ -60,9 +61,10 @@ class _Share:
 
 
 class LMForgettingProbe:
-    """θ*'s answers to the probe text, kept to compare θ's with at each measurement."""
+    """θ*'s answers to the probe text, kept to compare θ's with at each measurement (a
+    models/probes.py ForgettingProbe)."""
 
-    needs_reference = True
+    measures = LM_FORGETTING_MEASURES
 
     def __init__(self, *, sentences: list[str], source: str, tokenizer: Any, max_length: int, batch_size: int,
                  rank: int, world_size: int, device: torch.device, gather: Callable[[Any], list[Any]]):
@@ -95,14 +97,30 @@ class LMForgettingProbe:
         self.seconds = 0.0
 
     # ---- θ*'s side ------------------------------------------------------------------------------
-    def capture_reference(self, forward: Callable[[dict[str, torch.Tensor]], Any]) -> None:
-        """θ*'s answers, from the model before its first step (collective)."""
+    def reference_from_model(self, forward: Callable[[dict[str, torch.Tensor]], Any], keep_in: Path | None, *,
+                             is_main: bool, barrier: Callable[[], None]) -> None:
+        """θ*'s answers, from the model `forward` runs now (the run's before its first step),
+        written into `keep_in` when given (collective)."""
         started = time.perf_counter()
         self.reference = self._measure_share(forward, reference=None)
         self.reference_loss = self._gathered_loss(self.reference)
         self.seconds += time.perf_counter() - started
+        if keep_in is not None:
+            self._save_reference(keep_in, is_main=is_main, barrier=barrier)
 
-    def save_reference(self, directory: Path, *, is_main: bool, barrier: Callable[[], None]) -> None:
+    def reference_from_run(self, saved_in: Path, keep_in: Path | None, *, is_main: bool,
+                           barrier: Callable[[], None]) -> None:
+        """θ*'s answers as the run's first attempt wrote them into `saved_in`, on any number of
+        ranks; written into `keep_in` too when that is another directory (a run resumed from
+        another run's checkpoint keeps its own copy for its own resumes). Collective."""
+        self._load_reference(saved_in)
+        if keep_in is not None and saved_in.resolve() != keep_in.resolve():
+            self._save_reference(keep_in, is_main=is_main, barrier=barrier)
+
+    def keeps_reference(self, directory: Path) -> bool:
+        return (directory / _META_FILE).is_file()
+
+    def _save_reference(self, directory: Path, *, is_main: bool, barrier: Callable[[], None]) -> None:
         """Every rank writes its share (its own sentences) into `directory`; the main rank the probe's
         description. Collective (the barrier)."""
         from safetensors.torch import save_file
@@ -123,7 +141,7 @@ class LMForgettingProbe:
             (directory / _META_FILE).write_text(json.dumps(self._identity(), indent=1))
         barrier()
 
-    def load_reference(self, directory: Path) -> None:
+    def _load_reference(self, directory: Path) -> None:
         """This rank's share of θ*'s answers, saved by the run's first attempt on any number of ranks.
         The files are data a user hands us (user_files.py): regular files inside `directory`, the
         tensors read by safetensors (no pickle)."""
@@ -173,7 +191,7 @@ class LMForgettingProbe:
 
     def _require_reference(self) -> _Share:
         if self.reference is None:
-            raise RuntimeError("the probe has no reference: capture_reference() or load_reference() first")
+            raise RuntimeError("the probe has no reference: reference_from_model() or reference_from_run() first")
         return self.reference
 
     # ---- θ's side -------------------------------------------------------------------------------
@@ -241,17 +259,12 @@ class LMForgettingProbe:
                 "reference": "the run's model before its first step"}
 
 
-def build_lm_probe(forgetting_cfg: Any, *, tokenizer: Any, batch_size: int, rank: int = 0, world_size: int = 1,
-                   device: torch.device | str = "cpu",
-                   gather: Callable[[Any], list[Any]] = lambda obj: [obj]) -> LMForgettingProbe | None:
-    """The probe an `evaluation.forgetting` config section describes (None when disabled)."""
-    if not forgetting_cfg.enabled:
-        return None
-    num = forgetting_cfg.num_sentences
-    if forgetting_cfg.probe_file is None:
-        sentences, source = default_probe_sentences(num), DEFAULT_PROBE_SOURCE
-    else:
-        sentences, source = read_probe_file(forgetting_cfg.probe_file, num), forgetting_cfg.probe_file
-    return LMForgettingProbe(sentences=sentences, source=source, tokenizer=tokenizer,
-                             max_length=forgetting_cfg.max_length, batch_size=batch_size, rank=rank,
-                             world_size=world_size, device=torch.device(device), gather=gather)
+def lm_probe_reference_bytes(arch: Any, forgetting: Any, *, world_size: int) -> float:
+    """What the probe keeps of theta*'s answers on each rank for the whole run, in host
+    memory: for each of the rank's probe sentences (evaluation.forgetting.num_sentences, dealt over
+    the ranks), the log-probabilities of every predicted position (at most max_length - 1) over the
+    vocabulary in fp32, and the mean-pooled hidden state of every layer in float64."""
+    sentences = math.ceil(forgetting.num_sentences / world_size)
+    logprobs = (forgetting.max_length - 1) * arch.vocab_size * 4
+    features = arch.num_hidden_layers * arch.hidden_size * 8
+    return float(sentences * (logprobs + features))

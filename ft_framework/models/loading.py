@@ -183,7 +183,8 @@ def _tokenizer_fault(directory: Path, exc: Exception) -> str:
 def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> LoadedModel:
     """Builds `model_class`'s model from the checkpoint and applies cfg's init options.
 
-    Order: load in fp32 → capture θ* → RI or re-init top L → Mixout → cast to cfg.dtype. All
+    Order: load in fp32 → capture θ* → RI or re-init top L → Mixout → cast to cfg.dtype → LoRA
+    (models/transforms.py's MODEL_TRANSFORMS lists them in this order, with the reasons). All
     random initialization (the new head, RI, re-init) draws from a generator seeded with `seed`,
     so the head is identical for PI, RI and re-init runs with the same seed (Zhang et al. App. B),
     and the caller's global RNG state is left untouched.
@@ -340,12 +341,15 @@ def reinitialize_parameters(model: nn.Module, names: Iterable[str]) -> list[str]
 
 
 def _owning_modules(model: nn.Module, names: set[str]) -> dict[str, nn.Module]:
-    """module name -> module for every module that directly owns one of the named parameters."""
+    """module name -> module for every module that directly owns one of the named parameters, in the
+    model's order: the modules draw their new values in that order, so the draws never depend on a
+    set's order (which varies with PYTHONHASHSEED from one process to the next)."""
     modules = dict(model.named_modules())
     owners = {}
-    for name in names:
-        prefix = name.rpartition(".")[0]
-        owners[prefix] = modules[prefix]
+    for name, _ in model.named_parameters():
+        if name in names:
+            prefix = name.rpartition(".")[0]
+            owners[prefix] = modules[prefix]
     return owners
 
 

@@ -15,7 +15,7 @@ from ft_framework.models.hub import cached_config_file, looks_like_path
 from ft_framework.models.loading import ModelClass, apply_dropout, resolve_model_path
 from ft_framework.resources import published_architecture_file
 from ft_framework.strategies.memory_plan import GIB, PeakPlan, format_bytes, model_shape, plan_peak
-from ft_framework.task_kinds import model_class_of
+from ft_framework.strategies.memory_trace import PlannedTask
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,12 @@ def load_architecture(model_cfg, *, key: str = "model.name_or_path") -> Architec
     return Architecture(config=config, source=source)
 
 
-def plan_run(run_cfg, *, world_size: int, on_gpu: bool, arch: Architecture | None = None) -> PeakPlan:
+def plan_run(run_cfg, *, task: PlannedTask, world_size: int, on_gpu: bool, arch: Architecture | None = None) -> PeakPlan:
     """One rank's planned peak for `run_cfg` on `world_size` ranks, without loading weights: the
-    model its task kind loads (task_kinds.model_class_of), built on the meta device."""
+    model `task` (the run's task kind) loads, built on the meta device, and the micro-batch it makes."""
     arch = arch or load_architecture(run_cfg.model)
-    model_class = model_class_of(run_cfg.data.task_spec(), run_cfg)
-    return plan_peak(run_cfg, arch.config, world_size=world_size, on_gpu=on_gpu, shape=_shape(arch, model_class))
+    return plan_peak(run_cfg, arch.config, task=task, world_size=world_size, on_gpu=on_gpu,
+                     shape=_shape(arch, task.model_class))
 
 
 _SHAPES: dict[tuple[str, ModelClass], Any] = {}
@@ -107,7 +107,7 @@ def _offload_overrides(run_cfg) -> dict[str, Any] | None:
     return None
 
 
-def fit_to_budget(run_cfg, *, budget_bytes: float, world_size: int, on_gpu: bool,
+def fit_to_budget(run_cfg, *, task: PlannedTask, budget_bytes: float, world_size: int, on_gpu: bool,
                   arch: Architecture | None = None) -> Fit | None:
     """Searches, in order, the largest per-device micro-batch, then with activation checkpointing,
     then in bf16 (an fp32 run), then with the compact optimizer state, then with the optimizer
@@ -123,7 +123,7 @@ def fit_to_budget(run_cfg, *, budget_bytes: float, world_size: int, on_gpu: bool
         if _valid(run_cfg, candidate):
             stages.append(candidate)
     for stage in stages:
-        found = _largest_batch(run_cfg, stage, per_rank, budget_bytes, world_size, on_gpu, arch)
+        found = _largest_batch(run_cfg, task, stage, per_rank, budget_bytes, world_size, on_gpu, arch)
         if found is not None:
             return found
     return None
@@ -158,7 +158,7 @@ def _valid(run_cfg, overrides: dict[str, Any]) -> bool:
     return True
 
 
-def _largest_batch(run_cfg, stage, per_rank, budget_bytes, world_size, on_gpu, arch) -> Fit | None:
+def _largest_batch(run_cfg, task, stage, per_rank, budget_bytes, world_size, on_gpu, arch) -> Fit | None:
     """Binary search over the divisors of the per-rank batch (the plan grows with the batch)."""
     divisors = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
     best, low, high = None, 0, len(divisors) - 1
@@ -167,7 +167,7 @@ def _largest_batch(run_cfg, stage, per_rank, budget_bytes, world_size, on_gpu, a
         batch = divisors[mid]
         overrides = {**stage, "training.per_device_batch_size": batch,
                      "training.gradient_accumulation_steps": per_rank // batch}
-        plan = plan_run(_with(run_cfg, overrides), world_size=world_size, on_gpu=on_gpu, arch=arch)
+        plan = plan_run(_with(run_cfg, overrides), task=task, world_size=world_size, on_gpu=on_gpu, arch=arch)
         if plan.device_peak <= budget_bytes:
             best, low = Fit(overrides=[f"{k}={_yaml(v)}" for k, v in overrides.items()], plan=plan), mid + 1
         else:
@@ -183,18 +183,18 @@ def _yaml(value: Any) -> str:
     return str(value)
 
 
-def check_memory_budget(run_cfg, *, world_size: int, on_gpu: bool) -> None:
+def check_memory_budget(run_cfg, *, task: PlannedTask, world_size: int, on_gpu: bool) -> None:
     """Refuses, in one line before anything loads, a run whose planned device peak exceeds
     training.memory_budget_gib, naming the planned peak and overrides that fit."""
     budget = run_cfg.training.memory_budget_gib
     if budget is None:
         return
     arch = load_architecture(run_cfg.model)
-    plan = plan_run(run_cfg, world_size=world_size, on_gpu=on_gpu, arch=arch)
+    plan = plan_run(run_cfg, task=task, world_size=world_size, on_gpu=on_gpu, arch=arch)
     if plan.device_peak <= budget * GIB:
         return
     where = "GPU" if on_gpu else "memory (CPU run)"
-    fit = fit_to_budget(run_cfg, budget_bytes=budget * GIB, world_size=world_size, on_gpu=on_gpu, arch=arch)
+    fit = fit_to_budget(run_cfg, task=task, budget_bytes=budget * GIB, world_size=world_size, on_gpu=on_gpu, arch=arch)
     advice = (f"these overrides fit ({format_bytes(fit.plan.device_peak)}): {' '.join(fit.overrides)}"
               if fit else f"nothing fits: {NOTHING_FITS}; raise the budget or use more ranks")
     raise UserError(f"training.memory_budget_gib: the planned peak per rank is {format_bytes(plan.device_peak)} of "
@@ -217,7 +217,7 @@ def parse_size(text: str, *, key: str = "--gpu-memory") -> float:
     return value * units[unit]
 
 
-def largest_micro_batches(run_cfg, *, budgets_bytes: list[float], world_size: int, on_gpu: bool,
+def largest_micro_batches(run_cfg, *, task: PlannedTask, budgets_bytes: list[float], world_size: int, on_gpu: bool,
                           arch: Architecture | None = None, limit: int = 4096) -> list[int]:
     """For each budget, the largest per-device micro-batch (at most `limit`) whose planned device
     peak fits it; 0 when batch 1 does not. The plan grows with the batch, nearly in proportion
@@ -230,7 +230,7 @@ def largest_micro_batches(run_cfg, *, budgets_bytes: list[float], world_size: in
     def peak(batch: int) -> float:
         if batch not in peaks:
             cfg = _with(run_cfg, {"training.per_device_batch_size": batch, "training.gradient_accumulation_steps": 1})
-            peaks[batch] = plan_run(cfg, world_size=world_size, on_gpu=on_gpu, arch=arch).device_peak
+            peaks[batch] = plan_run(cfg, task=task, world_size=world_size, on_gpu=on_gpu, arch=arch).device_peak
         return peaks[batch]
 
     low_end, high_end = 1, 2

@@ -10,7 +10,6 @@ constant below names where it comes from (docs/memory.md)."""
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +17,10 @@ import torch
 
 from ft_framework.checkpointing import dcp_io
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing, checkpointed_blocks
-from ft_framework.models.forgetting import _mlm_head
 from ft_framework.models.loading import ModelClass
-from ft_framework.strategies.memory_trace import (ASSUMED_ATTENTION_BACKEND, MicroBatchTrace, build_model_on_meta,
-                                                   is_causal_lm, trace_micro_batch)
+from ft_framework.strategies.memory_trace import (ASSUMED_ATTENTION_BACKEND, MicroBatchTrace, PlannedTask,
+                                                   build_model_on_meta, trace_micro_batch)
 from ft_framework.strategies.offload_transport import MAX_GRADS_IN_FLIGHT
-from ft_framework.task_kinds import model_class_of
 
 GIB = 1024**3
 MIB = 1024**2
@@ -181,12 +178,11 @@ class ModelShape:
     num_anchored: int       # every parameter but a new classification head (theta* exists for them)
     largest_block: int      # parameters of the largest transformer block (FSDP2 unshards by block)
     largest_param: int      # elements of the largest parameter tensor (DeepSpeed's offload staging)
-    mlm_head_params: int = 0  # the pretrained MLM head an encoder's forgetting probe keeps (0: none)
 
 
 def model_shape(arch: Any, *, model_class: ModelClass) -> ModelShape:
-    """The counts of `model_class`'s model of `arch` (task_kinds.model_class_of: a classifier with a
-    new head, or a causal LM whose every parameter has theta*; tied weights once)."""
+    """The counts of `model_class`'s model of `arch` (the task kind's: a classifier with a new head,
+    or a causal LM whose every parameter has theta*; tied weights once)."""
     model = build_model_on_meta(arch, model_class=model_class)
     head = {id(p) for name, p in model.named_parameters() if model_class.new_head and _is_head(name)}
     params = list(model.parameters())
@@ -195,22 +191,7 @@ def model_shape(arch: Any, *, model_class: ModelClass) -> ModelShape:
     return ModelShape(num_params=sum(p.numel() for p in params),
                       num_anchored=sum(p.numel() for p in params if id(p) not in head),
                       largest_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
-                      largest_param=max(p.numel() for p in params),
-                      mlm_head_params=0 if is_causal_lm(model_class) else _mlm_head_params(arch))
-
-
-def _mlm_head_params(arch: Any) -> int:
-    """Parameters of the masked-LM head that models/forgetting.py keeps for the run (its tied decoder
-    weight included: the reference model's, a tensor of its own); 0 for a model without one."""
-    from transformers import AutoModelForMaskedLM  # slow: imported where used
-
-    try:
-        with torch.device("meta"):
-            mlm = AutoModelForMaskedLM.from_config(copy.deepcopy(arch))
-    except ValueError:  # an architecture with no masked-LM class
-        return 0
-    head, _ = _mlm_head(mlm, [])
-    return 0 if head is None else sum(p.numel() for p in head.parameters())
+                      largest_param=max(p.numel() for p in params))
 
 
 def _is_head(name: str) -> bool:
@@ -265,13 +246,14 @@ def _dtype_of(precision: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: ModelShape | None = None) -> PeakPlan:
+def plan_peak(run_cfg, arch: Any, *, task: PlannedTask, world_size: int, on_gpu: bool,
+              shape: ModelShape | None = None) -> PeakPlan:
     """The peak of one training step per rank: model states (:func:`plan_memory`), the traced
-    activations of one micro-batch of the run's model class and loss (task_kinds.model_class_of),
-    buckets and step temporaries, what the forgetting probe keeps, and on a GPU the CUDA context
-    and the allocator's slack. On a CPU run "device" and "host" are the same memory: add them."""
-    model_class = model_class_of(run_cfg.data.task_spec(), run_cfg)
-    shape = shape or model_shape(arch, model_class=model_class)
+    activations of one micro-batch of `task`'s model class and loss (the run's task kind: its
+    trace_batch), buckets and step temporaries, what the kind keeps (its memory_rows: the
+    forgetting probe's θ*), and on a GPU the CUDA context and the allocator's slack. On a CPU run
+    "device" and "host" are the same memory: add them."""
+    shape = shape or model_shape(arch, model_class=task.model_class)
     P, W = shape.num_params, world_size
     training, strategy = run_cfg.training, run_cfg.strategy
     mixed = training.precision in ("bf16", "fp16")
@@ -335,9 +317,8 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
     if on_gpu:
         arch = _without_attention_dropout(arch)
     trace = trace_micro_batch(arch, batch_size=training.per_device_batch_size, seq_len=run_cfg.data.max_seq_length,
-                              checkpointing=training.activation_checkpointing, model_class=model_class,
-                              fused_activations=run_cfg.model.fused_activations, packing=run_cfg.data.packing,
-                              **trace_kw)
+                              checkpointing=training.activation_checkpointing, task=task,
+                              fused_activations=run_cfg.model.fused_activations, **trace_kw)
     activations = _beyond_states(trace, step_temporaries)
     extra.insert(0, PlanRow(_activation_row_name(trace_kw["keep_grads"], step_temporaries), activations, 0.0))
     if bucket_epilogue:
@@ -354,13 +335,7 @@ def plan_peak(run_cfg, arch: Any, *, world_size: int, on_gpu: bool, shape: Model
     if strategy.name == "deepspeed" and strategy.deepspeed.zero_stage == 3:
         # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers
         extra.append(PlanRow("parameters gathered by ZeRO-3 (prefetch)", shape.largest_block * low.itemsize, 0.0))
-    forgetting = run_cfg.evaluation.forgetting
-    if forgetting.enabled and shape.mlm_head_params:
-        # models/forgetting.py keeps the pretrained head (fp32) on the device for the whole run
-        extra.append(PlanRow("MLM head kept for the forgetting probe (fp32)", shape.mlm_head_params * 4, 0.0))
-    if forgetting.enabled and is_causal_lm(model_class):
-        extra.append(PlanRow("theta*'s answers to the forgetting probe (its log-probabilities, fp32; this rank's "
-                             "share)", 0.0, lm_probe_reference_bytes(arch, forgetting, world_size=W)))
+    extra += [PlanRow(row.what, row.device_bytes, row.host_bytes) for row in task.memory_rows(arch, world_size=W)]
     if on_gpu and offload is None:
         # A checkpoint can be saved at any step (checkpoint.every_steps, on a signal): DCP's writer
         # copies the rank's device tensors to host memory and holds them until its file is written.
@@ -398,17 +373,6 @@ def _saves_checkpoints(run_cfg) -> bool:
     for its export, or when a signal stops it (checkpoint.on_signal: save, the default)."""
     ckpt = run_cfg.checkpoint
     return bool(ckpt.every_steps or ckpt.export_dir or run_cfg.evaluation.select_best or ckpt.on_signal == "save")
-
-
-def lm_probe_reference_bytes(arch: Any, forgetting: Any, *, world_size: int) -> float:
-    """What models/lm_forgetting.py keeps of theta*'s answers on each rank for the whole run, in host
-    memory: for each of the rank's probe sentences (evaluation.forgetting.num_sentences, dealt over
-    the ranks), the log-probabilities of every predicted position (at most max_length - 1) over the
-    vocabulary in fp32, and the mean-pooled hidden state of every layer in float64."""
-    sentences = math.ceil(forgetting.num_sentences / world_size)
-    logprobs = (forgetting.max_length - 1) * arch.vocab_size * 4
-    features = arch.num_hidden_layers * arch.hidden_size * 8
-    return float(sentences * (logprobs + features))
 
 
 def _without_attention_dropout(arch: Any) -> Any:

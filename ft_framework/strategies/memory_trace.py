@@ -1,13 +1,13 @@
 """Live tensor bytes, counted while torch runs, and the trace of one training micro-batch on fake
 tensors: the activations a model keeps for backward, without allocating them.
 
-The trace builds the run's model class (task_kinds.model_class_of: a sequence classifier, or a
-causal LM) from its config on the meta device (with the run's model transforms:
-models/fused_activations.py), gives it fake parameters of the run's dtype, and runs forward and
-backward of the loss the run takes under ``FakeTensorMode`` with :class:`LiveBytes` counting: a
-classifier's own loss on (B,) labels, or a decoder's next-token loss on (B, T) labels as
-task_kinds/causal_lm.py computes it (its fp32 copy of the logits, B x T x vocabulary, is the largest
-activation of a decoder with a large vocabulary). Fake tensors carry shapes, dtypes and storages but no data, so
+The trace builds the model class of the run's task kind from its config on the meta device (with
+the run's model transforms: models/fused_activations.py), gives it fake parameters of the run's
+dtype, and runs forward and backward of the micro-batch and loss the kind makes for it
+(`TaskKind.trace_batch`: a classifier's own loss on (B,) labels, a decoder's next-token loss on
+(B, T) labels with its fp32 copy of the logits, ...) under ``FakeTensorMode`` with
+:class:`LiveBytes` counting. The kind is handed in by the caller (a :class:`PlannedTask`): the
+plan knows no kind. Fake tensors carry shapes, dtypes and storages but no data, so
 ALBERT-xxlarge traces in seconds on a laptop. Torch's private names it needs, and CUDA's autocast
 rules on CPU tensors, come from the one adapter, strategies/torch_tracing.py.
 
@@ -27,22 +27,37 @@ import contextlib
 import copy
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ft_framework.data.sft_collate import attention_windows, packed_attention_mask
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
 from ft_framework.models.fused_activations import fuse_activations
-from ft_framework.models.loading import ModelClass, sequence_classifier
+from ft_framework.models.loading import ModelClass
 from ft_framework.strategies.torch_tracing import (cuda_autocast_rules, dispatch_mode_base, fake_tensor_mode,
                                                    scalar_reads_answer_zero)
-from ft_framework.task_kinds.causal_lm import next_token_losses
 
 ASSUMED_ATTENTION_BACKEND = ("scaled-dot-product attention by a flash or memory-efficient kernel (keeps the "
                              "log-sum-exp, not the attention matrix nor a dropout mask)")
+
+
+class PlannedTask(Protocol):
+    """What the memory plan asks of the run's task kind (task_kinds/base.py's TaskKind has it all):
+    the model class it loads, one training micro-batch with its loss to trace, what of the run's
+    config that batch reads, and the rows of what it keeps for the whole run (its probe's θ*)."""
+
+    @property
+    def model_class(self) -> ModelClass: ...
+
+    def trace_batch(self, arch: Any, *, batch_size: int, seq_len: int, device: str) -> Any:
+        """An object with `inputs` (the model's keyword arguments) and `loss(outputs)`."""
+
+    def trace_settings(self) -> tuple[Any, ...]: ...
+
+    def memory_rows(self, arch: Any, *, world_size: int) -> Sequence[Any]:
+        """Objects with `what`, `device_bytes` and `host_bytes`."""
 
 
 def _live_bytes_mode_class():
@@ -115,15 +130,6 @@ def _fake_parameters(model: nn.Module, dtype: torch.dtype, device: str) -> None:
                 module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
 
 
-CAUSAL_LM_CLASS = "AutoModelForCausalLM"  # transformers' class of a decoder LM (task_kinds/causal_lm.py loads it)
-# The trace's default model: the classifier of two labels (a GLUE pair task's).
-TWO_LABEL_CLASSIFIER = sequence_classifier(2, False)
-
-
-def is_causal_lm(model_class: ModelClass) -> bool:
-    return model_class.auto_class == CAUSAL_LM_CLASS
-
-
 def build_model_on_meta(arch: Any, *, model_class: ModelClass, fused_activations: bool = False) -> nn.Module:
     """`model_class`'s model (its transformers Auto class, with the config values it sets) of config
     `arch`, on the meta device (no memory), with the run's activation transform when
@@ -145,39 +151,33 @@ _TRACES: dict[tuple, MicroBatchTrace] = {}  # a trace depends on its arguments o
 
 def trace_micro_batch(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype,
                       autocast_dtype: torch.dtype | None, checkpointing: bool, keep_grads: bool,
-                      model_class: ModelClass = TWO_LABEL_CLASSIFIER, device: str = "cpu",
-                      autocast_rules: str = "cpu", fused_activations: bool = False,
-                      packing: bool = False) -> MicroBatchTrace:
-    """Traces forward and backward of `model_class`'s model of `arch` at (batch_size, seq_len) on
-    fake tensors, with the loss its task kind takes (a classifier's own loss; a causal LM's
-    next-token loss over every position, fp32 logits).
+                      task: PlannedTask, device: str = "cpu", autocast_rules: str = "cpu",
+                      fused_activations: bool = False) -> MicroBatchTrace:
+    """Traces forward and backward of `task`'s model of `arch` at (batch_size, seq_len) on fake
+    tensors, with the micro-batch and loss `task` makes (its trace_batch).
     `autocast_dtype`: the forward runs under autocast to it (mixed precision with fp32 weights), by
     the op lists of `autocast_rules` ("cuda" for a GPU run, "cpu" for a CPU run).
     `fused_activations`: the model gets models/fused_activations.py's transform, as the run's does.
     `keep_grads` False drops each gradient as soon as it is accumulated, as a strategy does that
     moves gradients into its own buckets or partitions during backward (ZeRO, FSDP2, the
-    overlapped offload): the trace then holds activations only.
-    `packing` (a causal LM's data.packing): the batch carries the (B, 1, T, T) mask of packed rows
-    that data/sft_collate.py makes; without it every row is full length and unpadded, so the model
-    takes no mask (transformers then lets scaled-dot-product attention apply causality itself, as it
-    does for a batch whose mask is all ones)."""
+    overlapped offload): the trace then holds activations only."""
     if autocast_rules not in ("cpu", "cuda"):
         raise ValueError(f"autocast_rules: {autocast_rules!r}; valid: 'cpu', 'cuda'")
     key = (arch.to_json_string(), batch_size, seq_len, param_dtype, autocast_dtype, checkpointing, keep_grads,
-           model_class, device, autocast_rules if autocast_dtype is not None else None, fused_activations,
-           packing and is_causal_lm(model_class))
+           type(task).__module__, type(task).__qualname__, task.model_class, task.trace_settings(), device,
+           autocast_rules if autocast_dtype is not None else None, fused_activations)
     if key not in _TRACES:
         _TRACES[key] = _trace(arch, batch_size=batch_size, seq_len=seq_len, param_dtype=param_dtype,
                               autocast_dtype=autocast_dtype, checkpointing=checkpointing, keep_grads=keep_grads,
-                              model_class=model_class, device=device, autocast_rules=autocast_rules,
-                              fused_activations=fused_activations, packing=packing)
+                              task=task, device=device, autocast_rules=autocast_rules,
+                              fused_activations=fused_activations)
     return _TRACES[key]
 
 
 def _trace(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-           checkpointing: bool, keep_grads: bool, model_class: ModelClass, device: str, autocast_rules: str,
-           fused_activations: bool, packing: bool) -> MicroBatchTrace:
-    model = build_model_on_meta(arch, model_class=model_class, fused_activations=fused_activations)
+           checkpointing: bool, keep_grads: bool, task: PlannedTask, device: str, autocast_rules: str,
+           fused_activations: bool) -> MicroBatchTrace:
+    model = build_model_on_meta(arch, model_class=task.model_class, fused_activations=fused_activations)
     model.train()
     if checkpointing:
         apply_activation_checkpointing(model)
@@ -188,50 +188,22 @@ def _trace(arch: Any, *, batch_size: int, seq_len: int, param_dtype: torch.dtype
         if not keep_grads:
             for p in params:
                 p.register_post_accumulate_grad_hook(_drop_grad)
-        inputs, loss_of = _batch(model_class, arch, batch_size, seq_len, device, packing)
+        batch = task.trace_batch(arch, batch_size=batch_size, seq_len=seq_len, device=device)
         # CUDA's rules stay in force through backward: activation checkpointing recomputes under autocast
         with _cuda_rules(device, autocast_dtype, autocast_rules) as rules:
             with (torch.autocast(device_type=device, dtype=autocast_dtype) if autocast_dtype is not None
                   else contextlib.nullcontext()):
-                loss = loss_of(model(**inputs))
+                outputs = model(**batch.inputs)
+                # a loss that counts something (a decoder's label tokens) reads a fake tensor's value
+                with scalar_reads_answer_zero():
+                    loss = batch.loss(outputs)
+                del outputs
             if rules is not None:
                 rules.end_region()  # CUDA's weight-cast cache ends with the forward's autocast region
             loss.backward()
-        del loss, inputs, loss_of
+        del loss, batch
         grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
         return MicroBatchTrace(param_bytes=param_bytes, grad_bytes=grad_bytes, peak_bytes=counter.peak)
-
-
-def _batch(model_class: ModelClass, arch: Any, batch_size: int, seq_len: int, device: str, packing: bool):
-    """(the model's inputs, the loss of its outputs) of one micro-batch, as the run's task kind
-    makes them (task_kinds/): a classifier's labels (B,) and its own loss; a causal LM's labels
-    (B, T), positions, no cache, and the next-token loss computed outside the model in fp32."""
-    shape = (batch_size, seq_len)
-    input_ids = torch.randint(0, arch.vocab_size, shape, device=device)
-    if not is_causal_lm(model_class):
-        values = dict(model_class.config_values)
-        regression = values.get("problem_type") == "regression"
-        labels = (torch.zeros(batch_size, device=device) if regression else
-                  torch.randint(0, values.get("num_labels", 2), (batch_size,), device=device))
-        inputs = {"input_ids": input_ids, "attention_mask": torch.ones(shape, dtype=torch.long, device=device),
-                  "labels": labels}
-        return inputs, lambda out: out.loss
-    labels = torch.randint(0, arch.vocab_size, shape, device=device)
-    inputs = {"input_ids": input_ids, "position_ids": torch.arange(seq_len, device=device).expand(shape),
-              "use_cache": False}
-    if packing:  # data/sft_collate.py's additive mask of packed rows (one row per sequence here)
-        segments = torch.zeros(shape, dtype=torch.long, device=device)
-        windows = attention_windows(arch)
-        inputs["attention_mask"] = ({kind: packed_attention_mask(segments, window) for kind, window in windows.items()}
-                                    if isinstance(windows, dict) else packed_attention_mask(segments, windows))
-
-    def loss_of(out):
-        # next_token_losses also counts the label tokens (a Python int): a fake tensor has no value to read
-        with scalar_reads_answer_zero():
-            total, _ = next_token_losses(out.logits, labels)
-        return total
-
-    return inputs, loss_of
 
 
 def _cuda_rules(device: str, dtype: torch.dtype | None, rules: str):
@@ -246,5 +218,5 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-__all__ = ["ASSUMED_ATTENTION_BACKEND", "CAUSAL_LM_CLASS", "MicroBatchTrace", "TWO_LABEL_CLASSIFIER",
-           "build_model_on_meta", "is_causal_lm", "live_bytes", "trace_micro_batch"]
+__all__ = ["ASSUMED_ATTENTION_BACKEND", "MicroBatchTrace", "PlannedTask", "build_model_on_meta", "live_bytes",
+           "trace_micro_batch"]

@@ -26,7 +26,7 @@ Overlapped (``overlap: true``), see docs/offload.md:
    step after a step that did not clip speculates again.
 
 The serial path computes the same norm over the same host gradients, clips, then steps: the two
-end within 1e-6 (relative) of each other (tests/unit/test_offload.py).
+end within 1e-6 (relative) of each other (tests/unit/strategies/test_offload.py).
 
 Device-lean (``training.precision: bf16``, serial and overlapped): the device holds the model in
 bf16 only (no fp32 device weights, no autocast, so no weight-cast cache); every gradient leaves
@@ -104,7 +104,7 @@ def _bucket_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
     """The global 2-norm from per-tensor norms, as torch.nn.utils.get_total_norm combines them for
-    one device (bit for bit: tests/unit/test_offload.py compares with SingleDeviceStrategy)."""
+    one device (bit for bit: tests/unit/strategies/test_offload.py compares with SingleDeviceStrategy)."""
     if not norms:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(torch.stack(norms))]))

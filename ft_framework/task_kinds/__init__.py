@@ -1,28 +1,30 @@
 """The kinds of task a run trains, found from its config as the strategies are: each owns its model
-class, batch collation, loss and metrics (task_kinds/base.py says what a kind implements).
+class, batch collation, loss and metrics, its forgetting probe and what the memory plan traces of it
+(task_kinds/base.py says what a kind implements).
 
     kind = build_task_kind(cfg)          # cfg.data.task_spec().kind: classification, regression, causal_lm
 
-A fourth kind is one module with a TaskKind subclass, its name in data/tasks.py's TASK_KINDS (the
-config's data.problem values) and an entry in TASK_KIND_CLASSES below (docs/design.md).
+A fourth kind is one TaskKind subclass with its `name` and `metrics`, registered here
+(`register_task_kind`, from its own module or a plug-in's): its name becomes a valid data.problem,
+whose tasks read your files as labelled texts (docs/design.md, "How to add a task kind").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ft_framework.data.tasks import CAUSAL_LM, TaskSpec
-from ft_framework.models.loading import ModelClass
-from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
-                                         TaskKind, to_device)
+from ft_framework.data.tasks import CAUSAL_LM, TASK_KINDS, register_kind, unregister_kind
+from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MemoryRow, MicroBatchLoss, RunContext,
+                                         TaskKind, TraceBatch, to_device)
 from ft_framework.task_kinds.causal_lm import CausalLMKind
 from ft_framework.task_kinds.classification import SequenceClassificationKind
 
 if TYPE_CHECKING:
     from ft_framework.config import RunConfig
 
-__all__ = ["Baseline", "EvalContext", "LossNormalizer", "MicroBatchLoss", "RunContext", "TASK_KIND_CLASSES", "TaskKind",
-           "build_task_kind", "model_class_of", "to_device"]
+__all__ = ["Baseline", "EvalContext", "LossNormalizer", "MemoryRow", "MicroBatchLoss", "RunContext",
+           "TASK_KIND_CLASSES", "TaskKind", "TraceBatch", "build_task_kind", "register_task_kind", "to_device",
+           "unregister_task_kind"]
 
 # A regression is a classifier with one output: the same module (metrics.py reads which from the spec).
 TASK_KIND_CLASSES: dict[str, type[TaskKind]] = {
@@ -38,6 +40,21 @@ def build_task_kind(cfg: "RunConfig") -> TaskKind:
     return TASK_KIND_CLASSES[spec.kind](spec, cfg)
 
 
-def model_class_of(spec: TaskSpec, cfg: "RunConfig") -> ModelClass:
-    """What `spec`'s kind loads (the memory plan builds it on the meta device)."""
-    return TASK_KIND_CLASSES[spec.kind](spec, cfg).model_class
+def register_task_kind(cls: type[TaskKind]) -> type[TaskKind]:
+    """Makes `cls` the kind of data.problem `cls.name` (its tasks report `cls.metrics`); usable as a
+    class decorator. Register before the config is validated, in every process of the run."""
+    if not (isinstance(cls, type) and issubclass(cls, TaskKind)):
+        raise TypeError(f"{cls!r} is not a TaskKind subclass")
+    if cls.name in TASK_KINDS:
+        raise ValueError(f"task kind {cls.name!r} is built in")
+    register_kind(cls.name, tuple(cls.metrics))
+    TASK_KIND_CLASSES[cls.name] = cls
+    return cls
+
+
+def unregister_task_kind(name: str) -> None:
+    """Forgets a registered kind (a test's, at its end); a built-in kind stays."""
+    if name in TASK_KINDS:
+        raise ValueError(f"task kind {name!r} is built in")
+    unregister_kind(name)
+    TASK_KIND_CLASSES.pop(name, None)

@@ -18,11 +18,13 @@ import torch
 
 from ft_framework.data.tasks import TaskSpec
 from ft_framework.models.loading import ModelClass
+from ft_framework.models.probes import ForgettingProbe
 
 if TYPE_CHECKING:
     from ft_framework.config import RunConfig
 
-__all__ = ["Baseline", "EvalContext", "LossNormalizer", "MicroBatchLoss", "RunContext", "TaskKind", "to_device"]
+__all__ = ["Baseline", "EvalContext", "LossNormalizer", "MemoryRow", "MicroBatchLoss", "RunContext", "TaskKind",
+           "TraceBatch", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,35 @@ class Baseline:
         return cls(str(record["name"]), {split: dict(m) for split, m in record["metrics"].items()})
 
 
+@dataclass(frozen=True)
+class TraceBatch:
+    """One micro-batch as the memory plan traces it (strategies/memory_trace.py): the model's
+    keyword arguments, made of fake tensors (shapes and dtypes, no data), and the loss of the
+    model's outputs as training takes it. Under fake tensors no value can be read: a loss that
+    counts something (a decoder's label tokens) reads zero there."""
+
+    inputs: dict[str, Any]
+    loss: Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """What a kind keeps for the whole run beyond the model and its optimizer (its probe's θ*
+    side), as a row of the memory plan: bytes on the device and in host memory, per rank."""
+
+    what: str
+    device_bytes: float
+    host_bytes: float
+
+
 class TaskKind(ABC):
     """One kind of task (classification, regression, causal_lm); a subclass per module."""
 
     name: str = "base"
+    # A kind registered from outside ft_framework (task_kinds.register_task_kind): the metrics its
+    # evaluate() reports, in report order, the first the main one (metrics.LOWER_IS_BETTER says
+    # which fall as the model improves).
+    metrics: tuple[str, ...] = ()
 
     def __init__(self, spec: TaskSpec, cfg: "RunConfig"):
         self.spec = spec
@@ -153,10 +180,24 @@ class TaskKind(ABC):
 
     # ---- forgetting ----------------------------------------------------------------------------
     @abstractmethod
-    def build_probe(self, tokenizer: Any, run: RunContext) -> Any:
-        """The functional-forgetting probe (None when evaluation.forgetting is off): an object with
-        `capture_reference(forward)` when it needs the model before its first step (else
-        `needs_reference` False), `measure(forward)` and `describe()`."""
+    def build_probe(self, tokenizer: Any, run: RunContext) -> ForgettingProbe | None:
+        """The functional-forgetting probe (models/probes.py; None when evaluation.forgetting is off)."""
+
+    # ---- the memory plan -----------------------------------------------------------------------
+    @abstractmethod
+    def trace_batch(self, arch: Any, *, batch_size: int, seq_len: int, device: str) -> TraceBatch:
+        """One training micro-batch of (batch_size, seq_len) for a model of config `arch`, on fake
+        tensors, with its loss: what the memory plan traces (ft-plan, training.memory_budget_gib)."""
+
+    def trace_settings(self) -> tuple[Any, ...]:
+        """What of the run's config `trace_batch` reads besides its arguments (a decoder's packing):
+        the traces of two runs that agree on it and on the arguments are one."""
+        return ()
+
+    def memory_rows(self, arch: Any, *, world_size: int) -> list[MemoryRow]:
+        """What the kind keeps on each rank for the whole run besides the model states and the
+        step's activations (its forgetting probe's θ* side), for the memory plan."""
+        return []
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -26,15 +26,16 @@ import torch.nn.functional as F
 
 from ft_framework import resources
 from ft_framework.data.sft import DEFAULT_CACHE_DIR, SFTCollator, SFTSettings, attention_windows, load_sft_data
-from ft_framework.data.sft_collate import IGNORE_INDEX
+from ft_framework.data.sft_collate import IGNORE_INDEX, packed_attention_mask
 from ft_framework.data.sft_tokenize import check_chat_template
 from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
-from ft_framework.models.lm_forgetting import build_lm_probe
-from ft_framework.user_files import read_text
+from ft_framework.models.lm_forgetting import LMForgettingProbe, lm_probe_reference_bytes
 from ft_framework.models.loading import ModelClass
-from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext,
-                                         TaskKind, to_device)
+from ft_framework.models.probes import build_probe
+from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MemoryRow, MicroBatchLoss, RunContext,
+                                         TaskKind, TraceBatch, to_device)
+from ft_framework.user_files import read_text
 
 __all__ = ["CausalLMKind", "greedy_completions", "greedy_matches",
            "label_token_count",
@@ -231,10 +232,38 @@ class CausalLMKind(TaskKind):
         return out
 
     # ---- forgetting ----------------------------------------------------------------------------
-    def build_probe(self, tokenizer: Any, run: RunContext) -> Any:
-        return build_lm_probe(self.cfg.evaluation.forgetting, tokenizer=tokenizer,
-                              batch_size=self.cfg.evaluation.batch_size, rank=run.rank, world_size=run.world_size,
-                              device=run.device, gather=run.gather)
+    def build_probe(self, tokenizer: Any, run: RunContext) -> LMForgettingProbe | None:
+        return build_probe(LMForgettingProbe, self.cfg.evaluation.forgetting, tokenizer=tokenizer,
+                           batch_size=self.cfg.evaluation.batch_size, rank=run.rank, world_size=run.world_size,
+                           device=run.device, gather=run.gather)
+
+    # ---- the memory plan -----------------------------------------------------------------------
+    def trace_batch(self, arch: Any, *, batch_size: int, seq_len: int, device: str) -> TraceBatch:
+        """(B, T) labels, positions, no cache, and the next-token loss computed outside the model in
+        fp32 (its copy of the logits, B x T x vocabulary, is a decoder's largest activation). Without
+        packing every row is full length and unpadded, so the model takes no mask (transformers lets
+        scaled-dot-product attention apply causality itself, as for a mask of all ones); with it the
+        batch carries the (B, 1, T, T) mask of packed rows that data/sft_collate.py makes."""
+        shape = (batch_size, seq_len)
+        labels = torch.randint(0, arch.vocab_size, shape, device=device)
+        inputs = {"input_ids": torch.randint(0, arch.vocab_size, shape, device=device),
+                  "position_ids": torch.arange(seq_len, device=device).expand(shape), "use_cache": False}
+        if self.cfg.data.packing:  # one packed sequence per row here
+            segments = torch.zeros(shape, dtype=torch.long, device=device)
+            windows = attention_windows(arch)
+            inputs["attention_mask"] = ({kind: packed_attention_mask(segments, window) for kind, window in windows.items()}
+                                        if isinstance(windows, dict) else packed_attention_mask(segments, windows))
+        return TraceBatch(inputs, lambda out: next_token_losses(out.logits, labels)[0])
+
+    def trace_settings(self) -> tuple[Any, ...]:
+        return (self.cfg.data.packing,)
+
+    def memory_rows(self, arch: Any, *, world_size: int) -> list[MemoryRow]:
+        forgetting = self.cfg.evaluation.forgetting
+        if not forgetting.enabled:
+            return []
+        return [MemoryRow("theta*'s answers to the forgetting probe (its log-probabilities, fp32; this rank's share)",
+                          0.0, lm_probe_reference_bytes(arch, forgetting, world_size=world_size))]
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -15,9 +15,11 @@ from torch.utils.data import DataLoader
 from ft_framework.data import load_task_data, make_collator
 from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.metrics import compute_metrics, majority_baseline
-from ft_framework.models.forgetting import build_probe
+from ft_framework.models.forgetting import EncoderForgettingProbe, pretrained_mlm_head_parameters
 from ft_framework.models.loading import ModelClass, sequence_classifier
-from ft_framework.task_kinds.base import Baseline, EvalContext, LossNormalizer, MicroBatchLoss, RunContext, TaskKind
+from ft_framework.models.probes import build_probe
+from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MemoryRow, MicroBatchLoss, RunContext,
+                                         TaskKind, TraceBatch)
 
 __all__ = ["SequenceClassificationKind"]
 
@@ -65,7 +67,23 @@ class SequenceClassificationKind(TaskKind):
         return Baseline(name, {split: majority_baseline(self.spec, data.train_labels, labels)
                                for split, labels in data.eval_labels.items()})
 
-    def build_probe(self, tokenizer: Any, run: RunContext) -> Any:
-        return build_probe(self.cfg.evaluation.forgetting, model_name_or_path=self.cfg.model.name_or_path,
-                           tokenizer=tokenizer, batch_size=self.cfg.evaluation.batch_size, rank=run.rank,
-                           world_size=run.world_size, device=run.device, gather=run.gather)
+    def build_probe(self, tokenizer: Any, run: RunContext) -> EncoderForgettingProbe | None:
+        forgetting = self.cfg.evaluation.forgetting
+        return build_probe(EncoderForgettingProbe, forgetting, tokenizer=tokenizer,
+                           batch_size=self.cfg.evaluation.batch_size, rank=run.rank, world_size=run.world_size,
+                           device=run.device, gather=run.gather, model_name_or_path=self.cfg.model.name_or_path,
+                           mask_seed=forgetting.mask_seed)
+
+    def trace_batch(self, arch: Any, *, batch_size: int, seq_len: int, device: str) -> TraceBatch:
+        # The model's own loss on (B,) labels: class ids, or a regression's targets.
+        labels = (torch.zeros(batch_size, device=device) if self.spec.is_regression else
+                  torch.randint(0, self.spec.num_labels, (batch_size,), device=device))
+        inputs = {"input_ids": torch.randint(0, arch.vocab_size, (batch_size, seq_len), device=device),
+                  "attention_mask": torch.ones((batch_size, seq_len), dtype=torch.long, device=device),
+                  "labels": labels}
+        return TraceBatch(inputs, lambda out: out.loss)
+
+    def memory_rows(self, arch: Any, *, world_size: int) -> list[MemoryRow]:
+        # The probe keeps the pretrained masked-LM head (fp32) on the device for the whole run.
+        head = pretrained_mlm_head_parameters(arch) if self.cfg.evaluation.forgetting.enabled else 0
+        return [MemoryRow("MLM head kept for the forgetting probe (fp32)", head * 4, 0.0)] if head else []

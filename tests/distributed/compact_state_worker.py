@@ -1,24 +1,23 @@
-"""torchrun worker of test_compact_state_distributed.py: `compact_state_worker.py PLAN` does the
-steps of runs_in_one_launch's plan one after another on these ranks, in one process group
-(DeepSpeed's steps first). A step is a trainer run (runs_in_one_launch.fit_step) or
+"""The worker of test_compact_state_distributed.py: `compact_state_worker.py PLAN` does the steps of
+rank_launcher's plan one after another, each on ranks of its own forked from this process. A step
+is a trainer run (rank_launcher.fit_step) or
 
-    {"mode": "pieces", "out": DIR}  FSDP2 steps of the compact state on a few parameters with given
-                                    gradients; each rank writes its local pieces
-    {"mode": "zero", "out": DIR}    the same steps under DeepSpeed ZeRO 0-2 (DS_ACCELERATOR=cpu);
-                                    rank 0 writes the gathered state
+    step("pieces", out=DIR)  FSDP2 steps of the compact state on a few parameters with given
+                             gradients; each rank writes its local pieces
+    step("zero", out=DIR)    the same steps under DeepSpeed ZeRO 0-2 (DS_ACCELERATOR=cpu);
+                             rank 0 writes the gathered state
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from runs_in_one_launch import close_and_finish, fit, read_plan
+from rank_launcher import close, run_plan
 
 SEED = 97
 STEPS = 3
@@ -59,9 +58,9 @@ class Pieces(nn.Module):
         return SimpleNamespace(loss=sum((getattr(self, name) * t).sum() for name, t in targets.items()))
 
 
-def pieces(out_dir: Path) -> list:
+def pieces(out: str) -> None:
     """Per variant (impl, FSDP2's cpu_offload): each step's local pieces of every parameter and its
-    state, and the index base each rank's optimizer rounds them with. Returns the strategies."""
+    state, and the index base each rank's optimizer rounds them with."""
     from torch.distributed.tensor import distribute_tensor
 
     from ft_framework.config.schema import FSDPConfig
@@ -101,8 +100,8 @@ def pieces(out_dir: Path) -> list:
         results["unnumbered"] = None
     except ValueError as exc:
         results["unnumbered"] = str(exc)
-    torch.save(results, out_dir / f"pieces_rank{strategy.rank}.pt")
-    return strategies
+    torch.save(results, Path(out) / f"pieces_rank{strategy.rank}.pt")
+    close(strategies)
 
 
 # (ZeRO stage, offload_optimizer, impl) of the zero mode: every stage, each impl twice (the
@@ -111,10 +110,10 @@ def pieces(out_dir: Path) -> list:
 ZERO_VARIANTS = ((0, False, "torch"), (1, False, "cpu"), (2, False, "torch"), (2, True, "cpu"))
 
 
-def zero(out_dir: Path) -> list:
+def zero(out: str) -> None:
     """Per (impl, stage, offload) of ZERO_VARIANTS: each step's full master, moments and theta* of every parameter,
     gathered from the ZeRO partitions (the strategy's gather_full_state), and each partition's
-    index base on each rank. Returns the strategies."""
+    index base on each rank."""
     from ft_framework.config.schema import DeepSpeedConfig, TrainingConfig
     from ft_framework.optim import build_optimizer
     from ft_framework.optim import cpu as cpu_kernel
@@ -143,19 +142,10 @@ def zero(out_dir: Path) -> list:
                                       for key in ("exp_avg", "exp_avg_sq", "anchor")}
         results[(impl, stage, offload)] = record
     if strategy.rank == 0:
-        torch.save(results, out_dir / "zero.pt")
-    return strategies
+        torch.save(results, Path(out) / "zero.pt")
+    close(strategies)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
-    strategies = []
-    for step in read_plan(sys.argv[1]):
-        mode = step.get("mode", "train")
-        if mode == "zero":
-            strategies += zero(Path(step["out"]))
-        elif mode == "pieces":
-            strategies += pieces(Path(step["out"]))
-        else:
-            strategies.append(fit(step))
-    close_and_finish(strategies)
+    run_plan({"pieces": pieces, "zero": zero})

@@ -1,10 +1,11 @@
-"""Runs every DeepSpeed case of tests/distributed/test_deepspeed.py inside ONE process that forks
-the ranks of each phase (tests/distributed/forked_ranks.py: a launch costs far more than a case)
-and writes what the test compares to RESULTS_DIR/<case>.pt.
+"""The DeepSpeed cases of tests/distributed/test_deepspeed.py, as steps of rank_launcher's plan
+(tests/distributed/rank_launcher.py: the ranks of each step forked from this one process, a launch
+costs far more than a case); each writes what the test compares to OUT/<case>.pt.
 
-    python ds_worker.py RESULTS_DIR
-Phases, in order: "main" (2 ranks: every stage, resume, save for resharding), "reshard_load_save"
-(1 rank: load the 2-rank checkpoint, save a 1-rank one), "reshard_load" (2 ranks: load the 1-rank one).
+    python ds_worker.py PLAN
+Steps: "main" (2 ranks: every stage, resume, save for resharding), "reshard" (load a checkpoint of
+another number of ranks, continue; the test runs it on 1 rank from the 2-rank one, saving a 1-rank
+one, then on 2 ranks from that).
 """
 
 import dataclasses
@@ -30,8 +31,7 @@ from ft_framework.models.loading import apply_mixout  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim.groups import build_param_groups  # noqa: E402
 from ft_framework.strategies.deepspeed import DeepSpeedStrategy  # noqa: E402
-from forked_ranks import preimport_deepspeed_initialize, run_phases  # noqa: E402
-from worker_exit import finish  # noqa: E402
+from rank_launcher import preimport_deepspeed_initialize, run_plan  # noqa: E402
 
 
 def make_strategy(case: str, checkpointing: bool | None = None):
@@ -137,7 +137,8 @@ def checkpointing_phase(out: Path) -> None:
                   "blocks": len(checkpointed_blocks(strategy.unwrapped_model()))})
 
 
-def main_phase(out: Path) -> None:
+def main_phase(out: str) -> None:
+    out = Path(out)
     checkpointing_phase(out)
     for case in ACCUM_CASES:
         strategy, _ = make_strategy(case)
@@ -188,7 +189,8 @@ def main_phase(out: Path) -> None:
     save(strategy, out / "corrupted.pt", errors)
 
 
-def reshard_phase(out: Path, load_from: str, save_to: str | None) -> None:
+def reshard_phase(out: str, load_from: str, save_to: str | None) -> None:
+    out = Path(out)
     for case in ("zero2", "zero3"):
         strategy, _ = make_strategy(case)
         strategy.load_checkpoint(out / f"{load_from}_{case}")
@@ -204,10 +206,6 @@ def reshard_phase(out: Path, load_from: str, save_to: str | None) -> None:
 
 
 if __name__ == "__main__":
-    results = Path(sys.argv[1])
     count_kernel_calls()
     preimport_deepspeed_initialize()
-    run_phases([("main", 2, lambda: main_phase(results)),
-                ("reshard_load_save", 1, lambda: reshard_phase(results, "ckpt", "ckpt1rank")),
-                ("reshard_load", 2, lambda: reshard_phase(results, "ckpt1rank", None))])
-    finish()
+    run_plan({"main": main_phase, "reshard": reshard_phase})

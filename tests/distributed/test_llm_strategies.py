@@ -1,9 +1,10 @@
 """Supervised fine-tuning of tiny decoders (Llama, Qwen2) under every strategy equals one process:
-DDP, FSDP2 (a unit per decoder layer) and DeepSpeed ZeRO 1-3 on 2 CPU ranks (one torchrun launch
-runs them all, one after another), and the serial, overlapped and device-lean offloads in this
-process. The rows have different lengths, so the ranks hold different numbers of label tokens: the
-loss is the mean over the step's label tokens on every rank, not a mean of the ranks' means. A
-2-rank FSDP2 checkpoint resumes in one process where the uninterrupted one-process run goes."""
+DDP, FSDP2 (a unit per decoder layer) and DeepSpeed ZeRO 1-3 on 2 CPU ranks (one launch runs them
+all, one after another, each on ranks forked from one process: rank_launcher.py), and the serial,
+overlapped and device-lean offloads in this process. The rows have different lengths, so the ranks
+hold different numbers of label tokens: the loss is the mean over the step's label tokens on every
+rank, not a mean of the ranks' means. A 2-rank FSDP2 checkpoint resumes in one process where the
+uninterrupted one-process run goes."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-from runs_in_one_launch import FIT_WORKER, fit_step, launch
+from rank_launcher import FIT_WORKER, fit_step, launch
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 MODELS = ("llama", "qwen2")
-# strategy section of each 2-rank run; the DeepSpeed ones first (the worker's order)
+# strategy section of each 2-rank run
 TWO_RANK = {
     "zero1": {"name": "deepspeed", "deepspeed": {"zero_stage": 1}},
     "zero2": {"name": "deepspeed", "deepspeed": {"zero_stage": 2}},
@@ -61,8 +62,7 @@ def runs(tmp_path_factory):
                                                 strategy=strategy, training={"per_device_batch_size": 4},
                                                 checkpoint=CHECKPOINT if name == "fsdp" else {}))
             out[model_type][name] = run_dir
-    deepspeed_first = sorted(configs, key=lambda c: "deepspeed" not in c.read_text())
-    launch(FIT_WORKER, [fit_step(c) for c in deepspeed_first], root)
+    launch(FIT_WORKER, [fit_step(c) for c in configs], root)
     out["root"] = {"root": root, "files": files}
     return out
 

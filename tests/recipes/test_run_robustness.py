@@ -325,9 +325,9 @@ def test_the_manifest_records_every_file_and_auto_skips_a_damaged_checkpoint(fin
     with pytest.raises(CheckpointError, match=f"is damaged: {data} has"):
         CheckpointManager(out / "checkpoints").resolve(str(newest))
     assert cli.export_main([str(newest), str(tmp_path / "hf")]) == 2
-    from ft_framework.interpolate import InterpolationError, anchors_from_checkpoint
+    from ft_framework.checkpointing.run_weights import RunWeightsError, anchors_from_checkpoint
 
-    with pytest.raises(InterpolationError, match=f"is damaged: {data} has"):
+    with pytest.raises(RunWeightsError, match=f"is damaged: {data} has"):
         anchors_from_checkpoint(newest)
 
 
@@ -397,7 +397,7 @@ def plant(path: Path, payload_key: str, name: str) -> Path:
 
 def test_every_reader_refuses_a_pickle_that_would_run_code(finished_run, tiny_bert_dir, tmp_path):
     from ft_framework.checkpointing.legacy import _read_single
-    from ft_framework.interpolate import InterpolationError, _load_tensors
+    from ft_framework.checkpointing.run_weights import RunWeightsError, load_tensors
 
     out = copy_run(finished_run, tmp_path)
     # The resume reads trainer_state.pt.
@@ -413,8 +413,8 @@ def test_every_reader_refuses_a_pickle_that_would_run_code(finished_run, tiny_be
     assert not marker.exists()
     # ft-interpolate reads old single-process checkpoints.
     marker = plant(tmp_path / "model.pt", "weight", "interpolate")
-    with pytest.raises(InterpolationError, match="never unpickled"):
-        _load_tensors(tmp_path / "model.pt")
+    with pytest.raises(RunWeightsError, match="never unpickled"):
+        load_tensors(tmp_path / "model.pt")
     assert not marker.exists()
     # The legacy converter reads the old optimizer.pt.
     old = tmp_path / "old"
@@ -472,7 +472,7 @@ def test_a_planted_dcp_metadata_runs_no_code_on_any_reader(finished_run, tiny_be
     plant_dcp_metadata(old, "dcp_metadata")
     assert convert_main([str(old), str(tmp_path / "new")]) == 2
     assert refused_in_one_line(capsys.readouterr().err, "python -m ft_framework.checkpointing.legacy")
-    from ft_framework.interpolate import anchors_from_checkpoint
+    from ft_framework.checkpointing.run_weights import anchors_from_checkpoint
 
     with pytest.raises(CheckpointFormatError, match=r"\.metadata refers to posix\.system, .* never unpickled"):
         anchors_from_checkpoint(old)

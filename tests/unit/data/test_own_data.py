@@ -242,7 +242,9 @@ CONFIG_ERRORS = {
     "YAML booleans": ({**OWN, "labels": [True, False]}, r"label True is not text or an integer .*quote them"),
     "duplicate labels": ({**OWN, "labels": ["a", "b", "a"]}, r"label 'a' is listed more than once"),
     "GLUE name": ({**OWN, "name": "rte"}, r"data\.name 'rte' is a GLUE task's name"),
-    "unknown problem": ({**OWN, "problem": "regresion"}, r"'classification', 'regression' or 'causal_lm'"),
+    "unknown problem": ({**OWN, "problem": "regresion"},
+                        r"unknown data\.problem 'regresion' \(did you mean 'regression'\?\); valid: classification, "
+                        r"regression, causal_lm"),
     "test and half of dev": ({**OWN, "files": {**FILES, "test": "t.csv"}, "split_dev_in_half": True},
                              r"data\.split_dev_in_half makes the test split .* use one of them"),
 }

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from ft_framework.config.schema import ForgettingConfig
 from ft_framework.errors import UserError
-from ft_framework.models.forgetting import (DEFAULT_PROBE_WORDS, build_probe, debiased_linear_cka, default_probe_sentences,
-                                            mask_positions, read_probe_file)
+from ft_framework.models.forgetting import (DEFAULT_PROBE_WORDS, EncoderForgettingProbe, debiased_linear_cka,
+                                            default_probe_sentences, mask_positions, read_probe_file)
+from ft_framework.models.probes import build_probe
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,8 +67,8 @@ def test_probe_file_errors_are_one_line(tmp_path):
     (tmp_path / "probe.txt").write_text("one\n\ntwo\n")
     assert read_probe_file(str(tmp_path / "probe.txt"), 8) == ["one", "two"]
     with pytest.raises(UserError, match="at least 4"):
-        build_probe(ForgettingConfig(probe_file=str(tmp_path / "probe.txt")), model_name_or_path="unused",
-                    tokenizer=None, batch_size=4)
+        build_probe(EncoderForgettingProbe, ForgettingConfig(probe_file=str(tmp_path / "probe.txt")),
+                    model_name_or_path="unused", mask_seed=0, tokenizer=None, batch_size=4)
 
 
 def test_masks_depend_on_the_sentence_not_the_batch():
@@ -96,8 +97,8 @@ def tiny_mlm_dir(tmp_path_factory, tiny_bert_dir):
 
 
 def _probe(model_dir, tokenizer, batch_size=5):
-    return build_probe(ForgettingConfig(num_sentences=12, max_length=24), model_name_or_path=str(model_dir),
-                       tokenizer=tokenizer, batch_size=batch_size)
+    return build_probe(EncoderForgettingProbe, ForgettingConfig(num_sentences=12, max_length=24),
+                       model_name_or_path=str(model_dir), mask_seed=0, tokenizer=tokenizer, batch_size=batch_size)
 
 
 def test_a_copy_of_theta_star_reads_zero_forgetting(tiny_mlm_dir):

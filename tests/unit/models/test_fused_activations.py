@@ -13,6 +13,7 @@ from transformers import activations as hf
 from ft_framework.config import validate_config
 from ft_framework.models.fused_activations import FUSED_FORMS, FusedTanhGELU, describe_fused, fuse_activations
 from ft_framework.strategies.memory_trace import trace_micro_batch
+from tiny_run import two_label_classifier_kind
 
 SEPARATE = {"gelu_new": hf.NewGELUActivation, "gelu_fast": hf.FastGELUActivation,
             "gelu_python_tanh": lambda: hf.ACT2FN["gelu_python_tanh"]}
@@ -79,7 +80,7 @@ def test_a_model_without_a_separate_form_is_left_as_it_is():
 def test_the_trace_of_the_fused_model_keeps_fewer_activation_bytes():
     arch = tiny_albert().config
     kw = dict(batch_size=4, seq_len=16, param_dtype=torch.float32, autocast_dtype=None, checkpointing=False,
-              keep_grads=False)
+              keep_grads=False, task=two_label_classifier_kind())
     separate = trace_micro_batch(arch, fused_activations=False, **kw)
     fused = trace_micro_batch(arch, fused_activations=True, **kw)
     assert fused.param_bytes == separate.param_bytes and fused.above_params < separate.above_params

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from ft_framework.config.schema import ModelConfig
-from ft_framework.models.forgetting import ForgettingProbe
+from ft_framework.models.forgetting import EncoderForgettingProbe
 from ft_framework.models.loading import load_model, load_tokenizer, sequence_classifier
 
 CUSTOM_CONFIG = {"model_type": "planted_type", "auto_map": {
@@ -63,5 +63,5 @@ def test_the_forgetting_reference_is_loaded_without_its_code(custom_model):
     from transformers import AutoModel, AutoModelForMaskedLM
 
     directory, _, _ = custom_model
-    load = ForgettingProbe._load_reference_from  # the loading step alone (the probe's text and batches aside)
+    load = EncoderForgettingProbe._load_reference_from  # the loading step alone (the probe's text and batches aside)
     _refused_unasked(lambda: load(None, str(directory), True, AutoModel, AutoModelForMaskedLM), custom_model)

@@ -65,7 +65,8 @@ def sft_sweep(tmp_path_factory):
              "axes": {"training.seed": [1, 2]},
              "methods": {"vanilla": {"set": {"optimizer": {"name": "adamw", "hparams": {"lr": 3.0e-3},
                                                            "weight_decay": 0.0}}},
-                         "recadam": {"set": {}}}}
+                         "recadam": {"set": {}}},
+             "interpolate": {"alphas": [0, 0.5, 1]}}   # WiSE-FT of every decoder run: its curve joins the frontier
     (tmp / "sweep.yaml").write_text(yaml.safe_dump(sweep, sort_keys=False))
     result = run_sweep(load_sweep(tmp / "sweep.yaml"), runner=InProcessRunner(), progress=False)
     assert result.complete and len(result.runs) == 4
@@ -84,6 +85,8 @@ def sft_sweep(tmp_path_factory):
 def test_the_report_of_a_decoder_sweep_has_the_decoder_frontier(sft_sweep):
     store, evals = sft_sweep
     assert len(evals) == 8 and {e["method"] for e in evals} == {"vanilla", "recadam"}
+    curves = {p.parent.name: json.loads(p.read_text()) for p in (store / "runs").glob("*/interpolation.json")}
+    assert len(curves) == 4 and all([r["alpha"] for r in c["rows"]] == [0, 0.5, 1] for c in curves.values())
     assert report_main([str(store), "--bootstrap-samples", "100"]) == 0
     report = (store / "report.md").read_text()
     with open(store / "frontier.csv") as f:
@@ -94,9 +97,17 @@ def test_the_report_of_a_decoder_sweep_has_the_decoder_frontier(sft_sweep):
         mine = [p for p in points if p["measure"] == measure]
         # Every evaluation is a point, its score the completion loss as it is (lower is better).
         got = sorted((p["run_id"], int(p["step"]), float(p["score"]), float(p["forgetting"]), float(p["distance"]))
-                     for p in mine)
+                     for p in mine if p["kind"] == "eval")
         want = sorted((e["run_id"], e["step"], e["score"], e[measure], e["distance"]) for e in evals)
         assert got == [pytest.approx(w) for w in want]
+        # And every θ_α of every run's WiSE-FT curve but α = 1 (the run itself, an evaluation already),
+        # as the run's own interpolation.json scored it: α = 0 is θ*, which forgot nothing.
+        got = sorted((p["run_id"], float(p["alpha"]), float(p["score"]), float(p["forgetting"]))
+                     for p in mine if p["kind"] == "interpolated")
+        want = sorted((run_id, row["alpha"], row["metrics"]["validation"]["completion_loss"], row["forgetting"][measure])
+                      for run_id, curve in curves.items() for row in curve["rows"] if row["alpha"] < 1)
+        assert got == [pytest.approx(w) for w in want] and len(got) == 8
+        assert all(abs(forgetting) < 1e-6 for _, alpha, _, forgetting in got if alpha == 0)
         # Non-dominated by the lower-is-better rule, point by point.
         pairs = [(float(p["score"]), float(p["forgetting"])) for p in mine]
         flags = [p["non_dominated"] == "True" for p in mine]

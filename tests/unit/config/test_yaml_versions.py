@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VERSIONS = REPO / "requirements" / "pyyaml-versions.txt"
 LOCK = REPO / "requirements" / "lock.txt"
 # Every test of what a YAML file means: merges, duplicate keys, aliases, nesting, the file's encoding.
-HOSTILE = "tests/unit/test_config_hostile.py::"
-YAML_TESTS = ["tests/unit/test_yaml_merges.py", "tests/unit/test_config_untrusted.py",
+HOSTILE = "tests/unit/config/test_config_hostile.py::"
+YAML_TESTS = ["tests/unit/config/test_yaml_merges.py", "tests/unit/config/test_config_untrusted.py",
               f"{HOSTILE}test_a_real_duplicate_is_named_where_it_is_written",
               f"{HOSTILE}test_a_config_nested_3000_deep_is_one_line",
               f"{HOSTILE}test_an_override_value_nested_3000_deep_is_one_line",

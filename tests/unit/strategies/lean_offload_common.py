@@ -1,4 +1,4 @@
-"""The tiny BERT, its theta* and its batches, shared by tests/unit/test_offload_lean.py and the
+"""The tiny BERT, its theta* and its batches, shared by tests/unit/strategies/test_offload_lean.py and the
 DeepSpeed run it compares with (lean_offload_ds_worker.py)."""
 
 import torch

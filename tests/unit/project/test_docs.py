@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Spelled in pieces so that this file does not match itself.
 OUTSIDE_PATHS = ("shared" + "/spec", ".." + "/shared")
 

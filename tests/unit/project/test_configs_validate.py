@@ -14,7 +14,7 @@ import pytest
 from ft_framework.config import GLUE_TASK_NAMES, load_config, read_yaml
 from ft_framework.config.schema import FILES_SOURCE
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 # Commands that may run a recipe: the console scripts and the launchers of launch/ (see README.md).
 LAUNCHERS = ("ft-train ", "deepspeed launch/train.py ", "torchrun ", "python launch/train.py ", "ft-sweep ")

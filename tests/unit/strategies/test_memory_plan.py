@@ -129,6 +129,7 @@ H200_ZERO2_OFFLOAD_GB = 14.23                 # DeepSpeed ZeRO-2, optimizer offl
 
 def albert_plan(strategy: dict, *, fused: bool, forgetting: bool = False):
     from ft_framework.strategies.memory_fit import plan_run
+    from ft_framework.task_kinds import build_task_kind
 
     cfg = validate_config({
         "model": {"name_or_path": "albert/albert-xxlarge-v2", "fused_activations": fused},
@@ -137,7 +138,7 @@ def albert_plan(strategy: dict, *, fused: bool, forgetting: bool = False):
         "evaluation": {"forgetting": {"enabled": forgetting}},
         "training": {"max_steps": 1, "precision": "bf16", "per_device_batch_size": 32, "device": "cuda"},
         "strategy": strategy})
-    return plan_run(cfg, world_size=1, on_gpu=True)
+    return plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=True)
 
 
 @pytest.mark.slow

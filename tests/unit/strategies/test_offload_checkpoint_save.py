@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 from lean_offload_common import make_optimizer  # noqa: E402
 from tiny_llm import build_tiny_tokenizer, tiny_llm_config  # noqa: E402
 

@@ -129,7 +129,7 @@ def test_a_task_of_a_two_task_srun_step_under_single_is_refused(config, srun_tas
     assert load_config(config).strategy.name == "single"
 
 
-# ---- 9. a duplicate beside merges (what merges mean: tests/unit/test_yaml_merges.py) -----------------------
+# ---- 9. a duplicate beside merges (what merges mean: tests/unit/config/test_yaml_merges.py) -----------------------
 @pytest.mark.parametrize("text, key, where", [
     ("a: &a {p: 1, p: 2}\nb: {<<: *a}\n", "a.p", "line 1, columns 8 and 14"),
     ("b: {<<: &a {p: 1, p: 2}}\n", "b.<<.p", "line 1, columns 13 and 19"),

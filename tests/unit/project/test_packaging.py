@@ -12,7 +12,7 @@ from packaging.specifiers import SpecifierSet
 
 from ft_framework.strategies.deepspeed_adapter import SUPPORTED_DEEPSPEED
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 

@@ -16,8 +16,9 @@ from ft_framework import cli
 from ft_framework.config import validate_config
 from ft_framework.strategies.memory_fit import fit_to_budget, largest_micro_batches, parse_size, plan_run
 from ft_framework.strategies.memory_trace import live_bytes, trace_micro_batch
+from ft_framework.task_kinds import build_task_kind
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import memory_plan as bench  # noqa: E402  (benchmarks/memory_plan.py: the measured run)
 
 TINY = {"model_type": "bert", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -55,7 +56,7 @@ def test_live_bytes_counts_a_storage_once_and_frees_it():
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_plan_is_within_10_percent_of_a_measured_run(tiny_dir, checkpointing):
     cfg = run_cfg(tiny_dir, activation_checkpointing=checkpointing)
-    plan = plan_run(cfg, world_size=1, on_gpu=False)
+    plan = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=False)
     measured, _ = bench.measured_run(cfg)
     assert plan.live_bytes == pytest.approx(measured["live_peak"], rel=0.10)
 
@@ -65,7 +66,8 @@ def test_checkpointing_traces_fewer_activation_bytes(tiny_dir):
     from ft_framework.strategies.memory_fit import load_architecture
 
     arch = load_architecture(cfg.model).config
-    kw = dict(batch_size=8, seq_len=64, param_dtype=torch.float32, autocast_dtype=None, keep_grads=False)
+    kw = dict(batch_size=8, seq_len=64, param_dtype=torch.float32, autocast_dtype=None, keep_grads=False,
+              task=build_task_kind(cfg))
     plain = trace_micro_batch(arch, checkpointing=False, **kw)
     ckpt = trace_micro_batch(arch, checkpointing=True, **kw)
     assert ckpt.param_bytes == plain.param_bytes and ckpt.above_params < 0.8 * plain.above_params
@@ -107,21 +109,21 @@ def test_ft_plan_json_has_each_ranks_peaks_and_rows(tiny_dir, tmp_path):
 
 def test_fit_keeps_the_global_batch_and_takes_the_largest_micro_batch(tiny_dir):
     cfg = run_cfg(tiny_dir, device="cuda", per_device_batch_size=8, gradient_accumulation_steps=2)
-    plans = {b: plan_run(run_cfg(tiny_dir, device="cuda", per_device_batch_size=b), world_size=1, on_gpu=True)
+    plans = {b: plan_run((planned := run_cfg(tiny_dir, device="cuda", per_device_batch_size=b)), task=build_task_kind(planned), world_size=1, on_gpu=True)
              for b in (4, 8)}
     budget = (plans[4].device_peak + plans[8].device_peak) / 2  # batch 4 fits, batch 8 does not
-    fit = fit_to_budget(cfg, budget_bytes=budget, world_size=1, on_gpu=True)
+    fit = fit_to_budget(cfg, task=build_task_kind(cfg), budget_bytes=budget, world_size=1, on_gpu=True)
     assert fit.overrides == ["training.per_device_batch_size=4", "training.gradient_accumulation_steps=4"]
     assert fit.plan.device_peak <= budget
 
 
 def test_fit_turns_checkpointing_on_when_batch_one_does_not_fit(tiny_dir):
     cfg = run_cfg(tiny_dir, per_device_batch_size=2)  # a CPU run: activations are a large share
-    one = plan_run(run_cfg(tiny_dir, per_device_batch_size=1), world_size=1, on_gpu=False)
-    fit = fit_to_budget(cfg, budget_bytes=one.device_peak * 0.999, world_size=1, on_gpu=False)
+    one = plan_run((planned := run_cfg(tiny_dir, per_device_batch_size=1)), task=build_task_kind(planned), world_size=1, on_gpu=False)
+    fit = fit_to_budget(cfg, task=build_task_kind(cfg), budget_bytes=one.device_peak * 0.999, world_size=1, on_gpu=False)
     assert fit is not None and "training.activation_checkpointing=true" in fit.overrides
     assert fit.plan.device_peak <= one.device_peak * 0.999
-    assert fit_to_budget(cfg, budget_bytes=1.0, world_size=1, on_gpu=False) is None
+    assert fit_to_budget(cfg, task=build_task_kind(cfg), budget_bytes=1.0, world_size=1, on_gpu=False) is None
 
 
 def test_sizes_and_a_bad_size():
@@ -139,10 +141,10 @@ def test_ft_plan_names_a_hub_model_it_cannot_read_in_one_line(tmp_path):
 
 def test_largest_micro_batch_fits_and_the_next_does_not(tiny_dir):
     cfg = run_cfg(tiny_dir, device="cuda")  # on a GPU the step's temporaries flatten the plan at small batches
-    peak = {b: plan_run(run_cfg(tiny_dir, device="cuda", per_device_batch_size=b), world_size=1,
+    peak = {b: plan_run((planned := run_cfg(tiny_dir, device="cuda", per_device_batch_size=b)), task=build_task_kind(planned), world_size=1,
                         on_gpu=True).device_peak for b in (1, 40, 41)}
     budgets = [peak[1] / 2, (peak[40] + peak[41]) / 2]
-    assert largest_micro_batches(cfg, budgets_bytes=budgets, world_size=1, on_gpu=True) == [0, 40]
+    assert largest_micro_batches(cfg, task=build_task_kind(cfg), budgets_bytes=budgets, world_size=1, on_gpu=True) == [0, 40]
 
 
 def test_ft_plan_says_which_device_it_planned_for(tiny_dir, tmp_path):
@@ -164,11 +166,11 @@ def test_ft_plan_says_which_device_it_planned_for(tiny_dir, tmp_path):
 def test_the_cpu_plan_names_the_process_runtime_and_a_gpu_plan_the_checkpoint_copy(tiny_dir):
     from ft_framework.strategies.memory_plan import HOST_RUNTIME_BYTES
 
-    cpu = plan_run(run_cfg(tiny_dir), world_size=1, on_gpu=False)
+    cpu = plan_run((planned := run_cfg(tiny_dir)), task=build_task_kind(planned), world_size=1, on_gpu=False)
     runtime = [r for r in cpu.runtime if r.what.startswith("process runtime")]
     assert [r.cpu_bytes for r in runtime] == [HOST_RUNTIME_BYTES]
     assert cpu.process_bytes == pytest.approx(cpu.live_bytes + HOST_RUNTIME_BYTES)
-    gpu = plan_run(run_cfg(tiny_dir, device="cuda"), world_size=1, on_gpu=True)
+    gpu = plan_run((planned := run_cfg(tiny_dir, device="cuda")), task=build_task_kind(planned), world_size=1, on_gpu=True)
     copy = [r for r in gpu.tensors if r.what.startswith("host copy of the device state while DCP saves")]
     device_state = sum(r.device_bytes for r in gpu.tensors[:4] if "gradient" not in r.what)  # parameters, moments, theta*
     assert len(copy) == 1 and copy[0].cpu_bytes == device_state > 0
@@ -184,7 +186,7 @@ def test_the_offload_saves_its_host_masters_so_no_host_copy_of_its_device_weight
             "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_steps": 0},
             "training": {"max_steps": 2, "per_device_batch_size": 8, "device": "cuda", "precision": "bf16"},
             "strategy": strategy})
-        return [r for r in plan_run(cfg, world_size=1, on_gpu=True).tensors
+        return [r for r in plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=True).tensors
                 if r.what.startswith("host copy of the device state")]
 
     assert len(copies({"name": "single"})) == 1  # the device holds the weights, moments and theta*

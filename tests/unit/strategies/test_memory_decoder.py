@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from ft_framework import cli
 from ft_framework.config import validate_config
 from ft_framework.strategies.memory_fit import load_architecture, plan_run
-from ft_framework.strategies.memory_plan import lm_probe_reference_bytes, model_shape
+from ft_framework.models.lm_forgetting import LMForgettingProbe, lm_probe_reference_bytes
+from ft_framework.models.probes import build_probe
+from ft_framework.strategies.memory_plan import model_shape
 from ft_framework.strategies.memory_trace import trace_micro_batch
-from ft_framework.task_kinds import model_class_of
+from ft_framework.task_kinds import build_task_kind
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import memory_plan as bench  # noqa: E402  (benchmarks/memory_plan.py: the measured run)
 from tiny_llm import build_tiny_llm_dir  # noqa: E402
 
@@ -64,7 +66,7 @@ def test_decoder_plan_is_within_10_percent_of_a_measured_step(tmp_path, model_ty
     strategy = {"name": "single", "offload_optimizer": {"overlap": False}} if precision == "bf16" else None
     cfg = decoder_cfg(decoder_dir(tmp_path, model_type), strategy=strategy, precision=precision,
                       activation_checkpointing=checkpointing)
-    plan = plan_run(cfg, world_size=1, on_gpu=False)
+    plan = plan_run(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=False)
     measured, _ = bench.measured_run(cfg)
     assert plan.live_bytes == pytest.approx(measured["live_peak"], rel=0.10)
 
@@ -74,11 +76,11 @@ def test_the_trace_holds_the_fp32_logits_of_the_next_token_loss(tmp_path):
     log-softmax for backward, two B x (T-1) x vocabulary fp32 tensors, besides the bf16 logits."""
     cfg = decoder_cfg(decoder_dir(tmp_path))
     arch = load_architecture(cfg.model).config
-    model_class = model_class_of(cfg.data.task_spec(), cfg)
-    assert model_class.auto_class == "AutoModelForCausalLM"
+    kind = build_task_kind(cfg)
+    assert kind.model_class.auto_class == "AutoModelForCausalLM"
     batch, seq = 4, 64
     trace = trace_micro_batch(arch, batch_size=batch, seq_len=seq, param_dtype=torch.bfloat16, autocast_dtype=None,
-                              checkpointing=True, keep_grads=False, model_class=model_class)
+                              checkpointing=True, keep_grads=False, task=kind)
     logits = batch * seq * VOCAB
     assert trace.above_params >= logits * 2 + 2 * batch * (seq - 1) * VOCAB * 4
 
@@ -88,11 +90,17 @@ def test_a_decoders_shape_anchors_every_parameter_and_counts_tied_weights_once(t
 
     cfg = decoder_cfg(decoder_dir(tmp_path))
     arch = load_architecture(cfg.model).config
-    shape = model_shape(arch, model_class=model_class_of(cfg.data.task_spec(), cfg))
+    kind = build_task_kind(cfg)
+    shape = model_shape(arch, model_class=kind.model_class)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(arch)
     assert shape.num_params == sum(p.numel() for p in model.parameters()) == shape.num_anchored
-    assert shape.largest_param == VOCAB * 64 and shape.mlm_head_params == 0
+    assert shape.largest_param == VOCAB * 64
+    # what the decoder's kind keeps besides: nothing, or with its probe theta*'s answers (no MLM head)
+    assert kind.memory_rows(arch, world_size=1) == []
+    probing = build_task_kind(decoder_cfg(tmp_path, forgetting=True))
+    assert [(r.what.split(" (")[0], r.device_bytes) for r in probing.memory_rows(arch, world_size=1)] == [
+        ("theta*'s answers to the forgetting probe", 0.0)]
 
 
 def test_the_forgetting_probe_row_is_what_the_probe_keeps_of_theta_star(tmp_path):
@@ -101,7 +109,6 @@ def test_the_forgetting_probe_row_is_what_the_probe_keeps_of_theta_star(tmp_path
     host row against the tensors a real probe keeps (the tiny tokenizer writes a token per byte, so
     every probe sentence is cut at max_length)."""
     from ft_framework.config.schema import ForgettingConfig
-    from ft_framework.models.lm_forgetting import build_lm_probe
 
     model_dir = build_tiny_llm_dir(tmp_path / "llama", "llama")
     forgetting = ForgettingConfig(num_sentences=7, max_length=16)
@@ -111,8 +118,9 @@ def test_the_forgetting_probe_row_is_what_the_probe_keeps_of_theta_star(tmp_path
     arch = model.config
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for rank, world in ((0, 1), (0, 2), (1, 2)):
-        probe = build_lm_probe(forgetting, tokenizer=tokenizer, batch_size=4, rank=rank, world_size=world)
-        probe.capture_reference(lambda batch: model(**batch))
+        probe = build_probe(LMForgettingProbe, forgetting, tokenizer=tokenizer, batch_size=4, rank=rank,
+                            world_size=world)
+        probe.reference_from_model(lambda batch: model(**batch), None, is_main=True, barrier=lambda: None)
         kept = sum(t.nbytes for t in probe.reference.logprobs + probe.reference.features)
         planned = lm_probe_reference_bytes(arch, forgetting, world_size=world)
         assert kept <= planned and (rank == 1 or kept == planned)  # the last rank's share may be one short
@@ -122,13 +130,13 @@ def test_the_forgetting_probe_row_is_what_the_probe_keeps_of_theta_star(tmp_path
 
 def test_the_decoders_plan_has_the_probe_row_on_the_host_and_no_mlm_head(tmp_path):
     model_dir = decoder_dir(tmp_path)
-    plan = plan_run(decoder_cfg(model_dir, forgetting=True, device="cuda"), world_size=2, on_gpu=True)
+    plan = plan_run((planned := decoder_cfg(model_dir, forgetting=True, device="cuda")), task=build_task_kind(planned), world_size=2, on_gpu=True)
     rows = {r.what: r for r in plan.rows}
     probe = [r for w, r in rows.items() if w.startswith("theta*'s answers to the forgetting probe")]
     assert len(probe) == 1 and probe[0].device_bytes == 0
     assert probe[0].cpu_bytes == 4 * (31 * VOCAB * 4 + 2 * 64 * 8)  # 7 sentences over 2 ranks, max_length 32
     assert not any(w.startswith("MLM head") for w in rows)
-    off = plan_run(decoder_cfg(model_dir, forgetting=False, device="cuda"), world_size=2, on_gpu=True)
+    off = plan_run((planned := decoder_cfg(model_dir, forgetting=False, device="cuda")), task=build_task_kind(planned), world_size=2, on_gpu=True)
     assert not any(r.what.startswith("theta*'s answers") for r in off.rows)
 
 
@@ -151,7 +159,7 @@ def test_cuda_rules_keep_a_dtype_named_by_position_and_widen_an_unnamed_one():
 def test_a_gemma2_gpu_plan_traces_its_eager_attention_under_cuda_rules(tmp_path):
     """Gemma-2's eager attention widens its softmax by a dtype given positionally."""
     model_dir = decoder_dir(tmp_path, "gemma2", head_dim=16, query_pre_attn_scalar=16, sliding_window=32)
-    plan = plan_run(decoder_cfg(model_dir, device="cuda", precision="bf16"), world_size=1, on_gpu=True)
+    plan = plan_run((planned := decoder_cfg(model_dir, device="cuda", precision="bf16")), task=build_task_kind(planned), world_size=1, on_gpu=True)
     assert plan.device_peak > 0
 
 
@@ -202,19 +210,19 @@ def test_fit_reaches_bf16_the_compact_state_and_the_offload_in_that_order(tmp_pa
         if compact:
             run = run.model_copy(update={"optimizer": run.optimizer.model_copy(
                 update={"anchor_dtype": "bfloat16", "state_dtype": "bfloat16"})})
-        return plan_run(run, world_size=1, on_gpu=True).device_peak
+        return plan_run(run, task=build_task_kind(run), world_size=1, on_gpu=True).device_peak
 
     bf16 = peak(per_device_batch_size=1, gradient_accumulation_steps=4, **compact_settings)
     compact = peak(compact=True, per_device_batch_size=1, gradient_accumulation_steps=4, **compact_settings)
     offload = peak({"name": "single", "offload_optimizer": {"overlap": True}}, compact=True,
                    per_device_batch_size=1, gradient_accumulation_steps=4, **compact_settings)
     assert offload < compact < bf16
-    fit = fit_to_budget(cfg, budget_bytes=(compact + bf16) / 2, world_size=1, on_gpu=True)
+    fit = fit_to_budget(cfg, task=build_task_kind(cfg), budget_bytes=(compact + bf16) / 2, world_size=1, on_gpu=True)
     assert fit is not None and fit.plan.device_peak <= (compact + bf16) / 2
     assert {"training.activation_checkpointing=true", "training.precision=bf16", "optimizer.anchor_dtype=bfloat16",
             "optimizer.state_dtype=bfloat16"} <= set(fit.overrides)
     assert not any(o.startswith("strategy.offload_optimizer") for o in fit.overrides)
-    fit = fit_to_budget(cfg, budget_bytes=(offload + compact) / 2, world_size=1, on_gpu=True)
+    fit = fit_to_budget(cfg, task=build_task_kind(cfg), budget_bytes=(offload + compact) / 2, world_size=1, on_gpu=True)
     assert fit is not None and "strategy.offload_optimizer={overlap: true}" in fit.overrides
     assert "optimizer.state_dtype=bfloat16" in fit.overrides and "training.precision=bf16" in fit.overrides
 
@@ -225,7 +233,7 @@ def test_the_llama_8b_recipe_fits_24_gib_as_ft_plan_fit_prints_it():
     (8,030,261,248 parameters, the published count): the device-lean offload with the compact state
     and checkpointing fits 24 GiB at one 2048-token sequence per micro-batch; ft-plan --fit prints
     the device and host peaks and the host bytes per parameter."""
-    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "llama3_8b_sft_recadam.yaml")
+    recipe = str(Path(__file__).resolve().parents[3] / "configs" / "llama3_8b_sft_recadam.yaml")
     code, out, err = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--fit")
     assert code == 0, err
     assert "meta-llama/Llama-3.1-8B-Instruct's published architecture" in out
@@ -265,12 +273,12 @@ def test_a_decoder_run_over_its_budget_is_refused_in_one_line_naming_what_fits(t
     from ft_framework.strategies.memory_fit import check_memory_budget
 
     model_dir = decoder_dir(tmp_path)
-    peaks = {b: plan_run(decoder_cfg(model_dir, per_device_batch_size=b), world_size=1, on_gpu=False).device_peak
+    peaks = {b: plan_run((planned := decoder_cfg(model_dir, per_device_batch_size=b)), task=build_task_kind(planned), world_size=1, on_gpu=False).device_peak
              for b in (4, 8)}
     budget_gib = (peaks[4] + peaks[8]) / 2 / 2**30
     cfg = decoder_cfg(model_dir, per_device_batch_size=8, memory_budget_gib=budget_gib)
     with pytest.raises(UserError) as caught:
-        check_memory_budget(cfg, world_size=1, on_gpu=False)
+        check_memory_budget(cfg, task=build_task_kind(cfg), world_size=1, on_gpu=False)
     message = str(caught.value)
     assert len(message.splitlines()) == 1 and message.startswith("training.memory_budget_gib")
     assert "training.per_device_batch_size=4 training.gradient_accumulation_steps=2" in message

@@ -110,6 +110,7 @@ def test_the_memory_plan_counts_the_window_it_is_given(tmp_path):
 
     from ft_framework.config import load_config
     from ft_framework.strategies.memory_plan import plan_peak
+    from ft_framework.task_kinds import build_task_kind
 
     import yaml
 
@@ -124,7 +125,8 @@ def test_the_memory_plan_counts_the_window_it_is_given(tmp_path):
                "strategy": {"name": "single", "offload_optimizer": offload}}
         path = tmp_path / f"run_{window}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        plan = plan_peak(load_config(path, [], check_paths=False), arch, world_size=1, on_gpu=True)
+        run_cfg = load_config(path, [], check_paths=False)
+        plan = plan_peak(run_cfg, arch, task=build_task_kind(run_cfg), world_size=1, on_gpu=True)
         rows[window] = next(r for r in plan.rows if r.what.startswith("gradients in flight to the host"))
     assert f"at most {MAX_GRADS_IN_FLIGHT} of" in rows[None].what and "at most 5 of" in rows[5].what
     assert rows[5].device_bytes == rows[None].device_bytes * 5 / MAX_GRADS_IN_FLIGHT > 0

@@ -1,7 +1,7 @@
 """Merge keys mean what the merge key's specification says (yaml.org/type/merge.html), whatever
 PyYAML release reads the file: config/yaml_loader.py resolves them itself. PyYAML 6.0.4 changed
 nested merges (a merged mapping's own key lost to a key it merged in); these cases are the
-specification's own example and the shapes around that change. tests/unit/test_yaml_versions.py
+specification's own example and the shapes around that change. tests/unit/config/test_yaml_versions.py
 runs this file again under the oldest and the newest PyYAML we allow."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ is refused when it is planned (sweep/grid.py)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -14,7 +15,9 @@ import yaml
 from ft_framework.checkpointing.export import PARTIAL_SUFFIX, REPLACED_SUFFIX, ExportExistsError, write_atomically
 from ft_framework.config import ConfigError
 from ft_framework.sweep import load_sweep, plan_sweep
-from test_config import minimal as base_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "config"))  # test_config.py's minimal config
+from test_config import minimal as base_config  # noqa: E402
 
 FILES_PER_WRITER = 20
 

@@ -13,7 +13,7 @@ from ft_framework.checkpointing import dcp_io
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 from lean_offload_common import make_model_and_anchors, make_optimizer  # noqa: E402
 from tiny_llm import build_tiny_tokenizer, tiny_llm_config  # noqa: E402
 
@@ -226,7 +226,7 @@ def test_the_plan_keeps_room_for_the_fp32_masters_a_checkpoint_save_forms(monkey
     nothing. The staging row: none with the compact state, a ring of two of the largest parameter
     with the fp32 state on a GPU."""
     from ft_framework.strategies.memory_plan import model_shape, plan_peak
-    from ft_framework.task_kinds import model_class_of
+    from ft_framework.task_kinds import build_task_kind
 
     arch = make_model_and_anchors()[0].config
 
@@ -237,8 +237,9 @@ def test_the_plan_keeps_room_for_the_fp32_masters_a_checkpoint_save_forms(monkey
         data["data"]["max_seq_length"] = 16  # the tiny BERT's positions
         data["training"]["per_device_batch_size"] = 4
         cfg = validate_config(data)
-        shape = model_shape(arch, model_class=model_class_of(cfg.data.task_spec(), cfg))
-        return {r.what.split(" (")[0]: r for r in plan_peak(cfg, arch, world_size=1, on_gpu=on_gpu).rows}, shape
+        kind = build_task_kind(cfg)
+        shape = model_shape(arch, model_class=kind.model_class)
+        return {r.what.split(" (")[0]: r for r in plan_peak(cfg, arch, task=kind, world_size=1, on_gpu=on_gpu).rows}, shape
 
     save = "fp32 weights theta* + delta formed while a checkpoint saves"
     gpu, shape = plan(True)

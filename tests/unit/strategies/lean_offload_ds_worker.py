@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2 with optimizer offload, bf16, our optimizer, one rank on the CPU: the run
-tests/unit/test_offload_lean.py compares the device-lean offload with.
+tests/unit/strategies/test_offload_lean.py compares the device-lean offload with.
 
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=... DS_ACCELERATOR=cpu \\
         python lean_offload_ds_worker.py OUT.pt

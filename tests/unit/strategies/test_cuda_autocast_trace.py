@@ -131,10 +131,12 @@ def test_the_plans_trace_of_a_checkpointed_model_under_cudas_rules():
     from transformers import BertConfig
 
     from ft_framework.strategies.memory_trace import trace_micro_batch
+    from tiny_run import two_label_classifier_kind
 
     arch = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                       intermediate_size=64, hidden_act="gelu_new")
-    kw = dict(batch_size=4, seq_len=16, param_dtype=F32, autocast_dtype=BF16, keep_grads=True, autocast_rules="cuda")
+    kw = dict(batch_size=4, seq_len=16, param_dtype=F32, autocast_dtype=BF16, keep_grads=True, autocast_rules="cuda",
+              task=two_label_classifier_kind())
     plain = trace_micro_batch(arch, checkpointing=False, **kw)
     checkpointed = trace_micro_batch(arch, checkpointing=True, **kw)
     assert checkpointed.above_params < plain.above_params

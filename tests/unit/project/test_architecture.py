@@ -1,7 +1,8 @@
 """The import structure docs/design.md draws, enforced.
 
-- `.importlinter` holds the contracts (layers, independent backends, a sweep that trains nothing, no
-  cycle inside a package); import-linter checks them against the real import graph.
+- `.importlinter` holds the contracts (layers, independent backends, a sweep that trains nothing,
+  strategies that know no task kind, no cycle inside a package); import-linter checks them against
+  the real import graph.
 - Every module of ft_framework sits in a layer of the contract, so a new module cannot slip past it,
   and the layers are those of the picture in docs/design.md ("Layers"), line for line.
 - No module imports one of our own modules inside a function: such an import hides a cycle from a
@@ -21,7 +22,7 @@ import pytest
 
 pytest.importorskip("importlinter", reason="import-linter is in the test extra: pip install -e '.[test]'")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PACKAGE = REPO / "ft_framework"
 CONTRACTS = REPO / ".importlinter"
 
@@ -60,6 +61,28 @@ def test_a_broken_layer_is_reported(tmp_path):
     result = _lint(upside_down)
     assert result.returncode != 0
     assert "ft_framework.trainer is not allowed to import" in result.stdout, result.stdout[-3000:]
+
+
+def test_the_strategies_import_no_task_kind_and_the_check_can_fail(tmp_path):
+    """strategies/ (the memory plan with them) is handed the task kind; it imports neither task_kinds/
+    nor data/. The same contract over an arrow strategies/ does have (models.loading) is broken."""
+    parser = configparser.ConfigParser()
+    parser.read(CONTRACTS)
+    name = "importlinter:contract:strategies-know-no-kind"
+    contract = parser[name]
+    assert contract["type"] == "forbidden" and contract["source_modules"].split() == ["ft_framework.strategies"]
+    assert set(contract["forbidden_modules"].split()) == {"ft_framework.task_kinds", "ft_framework.data"}
+    for section in parser.sections():
+        if section.startswith("importlinter:contract:") and section != name:
+            parser.remove_section(section)
+    parser[name]["forbidden_modules"] = "\nft_framework.models.loading"
+    planted = tmp_path / "contracts.ini"
+    with open(planted, "w") as fh:
+        parser.write(fh)
+    result = _lint(planted)
+    assert result.returncode != 0
+    assert "ft_framework.strategies" in result.stdout and "ft_framework.models.loading" in result.stdout, \
+        result.stdout[-3000:]
 
 
 def test_every_module_is_in_a_layer():
