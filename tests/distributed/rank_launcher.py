@@ -34,6 +34,7 @@ so a test's timeout leaves nothing running.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import gc
 import importlib
@@ -54,6 +55,9 @@ from worker_exit import finish
 
 FIT_WORKER = Path(__file__)  # `python rank_launcher.py PLAN`: a plan of trainer runs (fit_step, train_main_step) only
 _LAUNCHER_VARIABLES = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK", "ROLE_RANK")
+# A step's ranks take seconds to a minute (DeepSpeed's first op build included); a rank past this has
+# hung (one CI run saw a decoder plan's launch wait out its test's 900 s): it says where, and fails.
+STEP_WATCHDOG_S = float(os.environ.get("FT_TEST_STEP_WATCHDOG_S", "600"))
 
 
 # ---- the test's side --------------------------------------------------------------------------
@@ -217,9 +221,13 @@ def _die_with_parent(parent: int) -> None:
 
 def _rank(parent: int, rank: int, world: int, port: int, work: Callable[[], None]) -> NoReturn:
     """In the forked child: the launcher's environment for (rank, world), the work, then
-    worker_exit.finish (every rank done, process group closed, exit 0). Never returns."""
+    worker_exit.finish (every rank done, process group closed, exit 0). Never returns. A rank still
+    running after STEP_WATCHDOG_S prints every thread's stack and exits 1 (faulthandler), so a hung
+    step fails naming its step, rank and where it waits, before the test's own timeout kills the
+    launch without a word."""
     try:
         _die_with_parent(parent)
+        faulthandler.dump_traceback_later(STEP_WATCHDOG_S, exit=True)
         for name in _LAUNCHER_VARIABLES:
             os.environ.pop(name, None)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),

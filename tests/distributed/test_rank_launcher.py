@@ -136,3 +136,16 @@ def test_launch_returns_the_output_of_a_plan_that_ended_well_and_fails_on_one_th
                                              r"\['unknown'\]"):
         launch(worker, [step("record", 1, out=tmp_path, phase="never"), step("unknown", 1)], tmp_path, timeout=120)
     assert not (tmp_path / "never_0.json").exists()  # the plan is checked before any step runs
+
+
+def test_a_hung_step_fails_naming_its_rank_and_where_it_waits(tmp_path):
+    """A rank past the step watchdog (FT_TEST_STEP_WATCHDOG_S) prints its threads' stacks and exits
+    1: the launch fails in seconds, naming the step and the rank, instead of waiting out its timeout."""
+    worker = write_worker(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        launch(worker, [step("hang", 2, out=tmp_path)], tmp_path, timeout=120, env={"FT_TEST_STEP_WATCHDOG_S": "3"})
+    said = str(failed.value)
+    assert "rank_launcher: step 1 ('hang'), rank " in said and "of 2 exited with 1" in said
+    assert "Timeout (0:00:03)!" in said and "in hang" in said   # faulthandler's dump: the hung function
+    assert time.monotonic() - started < 60
