@@ -97,6 +97,8 @@ def measured_run(cfg) -> tuple[dict, int]:
 
     from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
     from ft_framework.models.fused_activations import fuse_activations
+    from ft_framework.models.lm_head_requests import install_head_requests
+    from ft_framework.models.loading import CAUSAL_LM_CLASS
     from ft_framework.optim import build_optimizer
     from ft_framework.optim.groups import build_param_groups
     from ft_framework.strategies import build_strategy
@@ -119,6 +121,8 @@ def measured_run(cfg) -> tuple[dict, int]:
         model = getattr(transformers, model_class.auto_class).from_config(arch)
         if cfg.model.fused_activations:  # as Trainer.setup does (the plan traces the same transform)
             fuse_activations(model)
+        if model_class.auto_class == CAUSAL_LM_CLASS:  # as load_model does: the kind's loss is a head request
+            install_head_requests(model)
         model.train()
         if cfg.training.activation_checkpointing:
             apply_activation_checkpointing(model)

@@ -2,6 +2,7 @@
 
     nice python3 benchmarks/trl_compare.py --threads 2 --repeats 3          # both models
     nice python3 benchmarks/trl_compare.py --models tiny --repeats 1        # the tiny decoder alone
+    nice python3 benchmarks/trl_compare.py --models smollm2 --repeats 1 --seq-length 1024 --alone  # peak RSS
 
 Both train the same rows in the same batches (tests/trl_peer.py: TRL reads ft-train's epoch order
 sequentially, its schedule advanced to ft-train's), with per-device batch --batch-size, no
@@ -25,6 +26,14 @@ time (beside it its CPU seconds a step: every thread's, and the kernel's work fo
 against TRL is TRL's time over its own (the tokens are the same). Each repeat is a
 lock-step run of its own; the table gives each repeat and the medians, with the cores other processes
 kept busy during the timed steps and the load average.
+
+A trainer's peak RSS is its process's own high-water mark (ru_maxrss) at its end. In lock-step every
+trainer's process is resident at once, so their sum must fit the machine: at SmolLM2, 1024 tokens,
+batch 4, two processes of about 11 GiB each did not fit 24 GiB and the kernel killed one. --alone
+runs the trainers one after the other instead, each alone on the machine from its start to its end
+(the same steps, its turn given at once): the peak RSS is then that trainer's alone, nothing else's
+memory can end it, and its tokens/s meet whatever load the machine has at its own time, not the
+others' (lock-step is the mode for comparing tokens/s).
 """
 
 from __future__ import annotations
@@ -324,6 +333,8 @@ def main(argv=None) -> None:
     p.add_argument("--trl-optim", default="adamw_torch_fused", help="TRL's optim (transformers' default here)")
     p.add_argument("--ft-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also ft-train with these training settings, e.g. host_allocator=glibc")
+    p.add_argument("--alone", action="store_true",
+                   help="run the trainers one at a time, each alone on the machine (peak RSS), not in lock-step")
     p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -338,7 +349,8 @@ def main(argv=None) -> None:
     candidates = trainers(a.ft_variant)
     print(harness.machine_line())
     print(f"load average at start: {harness.loadavg()}; threads {a.threads}, batch {a.batch_size}, rows of about "
-          f"{a.seq_length // 2}-{a.seq_length} tokens, a log line every {a.log_every} steps, TRL optim {a.trl_optim}")
+          f"{a.seq_length // 2}-{a.seq_length} tokens, a log line every {a.log_every} steps, TRL optim {a.trl_optim}; "
+          + ("the trainers one at a time, each alone" if a.alone else "the trainers in lock-step"))
     header = ["model", "repeat", "trainer", "timed steps", "s/step", "CPU s/step", "tokens/s", "loss tokens/s",
               "against TRL", "peak RSS GiB", "background cores", "load average"]
     rows, summary = [], []
@@ -347,7 +359,12 @@ def main(argv=None) -> None:
             spec = model_spec(name, a, Path(scratch))
             per_repeat: dict[str, list] = {t: [] for t in candidates}
             for r in range(a.repeats):
-                runs, machine = lockstep_run(candidates, spec, a.threads, Path(scratch) / f"{name}_{r}")
+                runs, machines = {}, {}
+                for group in ([{t: c} for t, c in candidates.items()] if a.alone else [candidates]):
+                    group_runs, machine = lockstep_run(group, spec, a.threads,
+                                                       Path(scratch) / f"{name}_{r}_{len(runs)}")
+                    runs.update(group_runs)
+                    machines.update(dict.fromkeys(group_runs, machine))
                 for trainer, run in runs.items():
                     if run["tokens"] != runs["TRL"]["tokens"] or run["label_tokens"] != runs["TRL"]["label_tokens"]:
                         raise RuntimeError(f"{name}: {trainer} and TRL trained different tokens: {run['tokens'][:5]} "
@@ -361,7 +378,7 @@ def main(argv=None) -> None:
                     rows.append([spec["title"], r, trainer + (f" ({run['optimizer']})" if "optimizer" in run else ""),
                                  spec["steps"] - spec["warmup"], f"{sps:.3f}", f"{cps:.3f}", f"{tps:.0f}", f"{lps:.0f}",
                                  f"{trl_seconds / sps:.2f}x", f"{run['peak_rss_gib']:.2f}",
-                                 harness.fmt_bg(machine["background"]), machine["loadavg"]])
+                                 harness.fmt_bg(machines[trainer]["background"]), machines[trainer]["loadavg"]])
                     harness.log(" | ".join(str(x) for x in rows[-1]))
             for trainer, values in per_repeat.items():
                 summary.append([spec["title"], trainer, f"{median([v[0] for v in values]):.0f}",

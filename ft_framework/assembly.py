@@ -11,12 +11,13 @@ In order (:func:`assemble_run`; each step says why it stands there):
 2. the model and tokenizer (models/loading.py: θ* captured, the transforms applied while loading),
    then the model transforms that stand before the strategy's wrap (models/transforms.py holds
    their order and its reasons, and applies them);
-3. the data, its collation and the forgetting probe (the task kind's), the data seed set;
+3. the data, its collation, the forgetting probe and the lm-eval benchmarks (the task kind's), the
+   data seed set;
 4. the optimizer factory, handed to Strategy.setup with θ*, which wraps the model and places θ* in
    the optimizer; the memory plan's rows logged;
 5. the schedule's totals and evaluation steps, the checkpoint manager, the metrics logger;
-6. where the loop starts: a resume restores the checkpoint and reads θ*'s probe side back; a fresh
-   run captures it from the model and chooses Child-Tuning's child; then the baseline.
+6. where the loop starts: a resume restores the checkpoint and reads θ*'s probe side and benchmark
+   scores back; a fresh run captures them from the model and chooses Child-Tuning's child; then the baseline.
 
 The few ways of using the parts that both the assembly (the Fisher pass, the baseline) and the loop
 need are :class:`AssembledRun`'s methods: this rank's batches of an epoch, the strategy's forward of
@@ -45,12 +46,14 @@ from ft_framework.data.sharding import batches_per_epoch, epoch_batches
 from ft_framework.data.tasks import TaskSpec
 from ft_framework.distributed.config_agreement import check_config_agreement
 from ft_framework.errors import UserError
+from ft_framework.models.lm_benchmarks import BenchmarkSuite
 from ft_framework.models.loading import LoadedModel, load_model_and_tokenizer
 from ft_framework.models.probes import ForgettingProbe
 from ft_framework.models.transforms import apply_before_the_wrap
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.child_tuning import prepare_masks, run_fisher_pass, select_child
 from ft_framework.optim.groups import GROUP_HPARAMS, build_param_groups
+from ft_framework.optim.schedules import lr_schedule
 from ft_framework.run.failures import same_on_every_rank
 from ft_framework.run.files import RunPaths
 from ft_framework.run.lock import RunLock, hold_run_lock
@@ -127,6 +130,7 @@ class AssembledRun:
     data: Any
     collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
     forgetting: ForgettingProbe | None
+    benchmarks: BenchmarkSuite | None  # evaluation.benchmarks' lm-eval tasks (the kind's), θ*'s scores once started
     base_lr: float
     model: nn.Module                   # the strategy's wrapped model
     optimizer: Any
@@ -134,6 +138,7 @@ class AssembledRun:
     micro_batches_per_epoch: int
     total_steps: int
     warmup_steps: int
+    lr_schedule: Callable[[int], float]  # the peak lr's multiplier at scheduler step s (optim/schedules.py)
     eval_at: set[int]
     selection_split: str
     checkpoints: CheckpointManager
@@ -235,6 +240,8 @@ def _assemble(cfg: RunConfig, strategy: Strategy, paths: RunPaths, task: TaskSpe
     # The forgetting probe (models/probes.py): it owns θ*'s side, which it reads from the model
     # once the strategy holds it (_start), or from the run's directory on a resume.
     forgetting = kind.build_probe(loaded.tokenizer, run_context)
+    # The lm-eval tasks (the kind's; checked now, before the wrap): θ* is scored once the strategy holds it.
+    benchmarks = kind.build_benchmarks(loaded.tokenizer, loaded.model, run_context)
     seed_everything(cfg.training.data_seed)
 
     opt_cfg = cfg.optimizer
@@ -266,6 +273,7 @@ def _assemble(cfg: RunConfig, strategy: Strategy, paths: RunPaths, task: TaskSpe
     micro_batches_per_epoch = batches_per_epoch(len(data.train), tcfg.per_device_batch_size, strategy.world_size)
     steps_per_epoch = max(1, micro_batches_per_epoch // tcfg.gradient_accumulation_steps)
     total_steps = tcfg.max_steps or max(1, math.ceil(steps_per_epoch * tcfg.num_epochs))
+    warmup_steps = cfg.schedule.warmup_for(total_steps)
 
     checkpoints = CheckpointManager(paths.checkpoints, keep_last=cfg.checkpoint.keep_last,
                                     is_main_process=strategy.is_main_process, barrier=strategy.barrier,
@@ -276,9 +284,11 @@ def _assemble(cfg: RunConfig, strategy: Strategy, paths: RunPaths, task: TaskSpe
     return AssembledRun(
         cfg=cfg, strategy=strategy, paths=paths, task=task, kind=kind, run_lock=run_lock, resume_point=resume_point,
         loaded=loaded, transforms=transforms, data=data, collate=collate, forgetting=forgetting, base_lr=base_lr,
-        model=model, optimizer=optimizer, peak_lrs=[g["lr"] for g in optimizer.param_groups],
+        benchmarks=benchmarks, model=model, optimizer=optimizer, peak_lrs=[g["lr"] for g in optimizer.param_groups],
         micro_batches_per_epoch=micro_batches_per_epoch, total_steps=total_steps,
-        warmup_steps=cfg.schedule.warmup_for(total_steps),
+        warmup_steps=warmup_steps,
+        lr_schedule=lr_schedule(cfg.schedule.name, warmup_steps=warmup_steps, total_steps=total_steps, base_lr=base_lr,
+                                kwargs=cfg.schedule.kwargs),
         eval_at=set(eval_steps(total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps)),
         selection_split=task.eval_splits[0], checkpoints=checkpoints, log=log)
 
@@ -297,11 +307,19 @@ def _start(run: AssembledRun) -> None:
             saved_by = RunPaths(point.directory.parent.parent).forgetting_reference
             run.forgetting.reference_from_run(saved_by, run.paths.forgetting_reference,
                                               is_main=strategy.is_main_process, barrier=strategy.barrier)
+        if run.benchmarks is not None:  # θ*'s scores as the run that wrote the checkpoint kept them
+            run.benchmarks.reference_from_run(RunPaths(point.directory.parent.parent).benchmark_reference,
+                                              run.paths.benchmark_reference, is_main=strategy.is_main_process,
+                                              barrier=strategy.barrier)
     else:
         if run.forgetting is not None:
             # θ* is the model as it is now, before its first step (collective).
             run.model.eval()
             run.forgetting.reference_from_model(strategy.forward, run.paths.forgetting_reference,
+                                                is_main=strategy.is_main_process, barrier=strategy.barrier)
+        if run.benchmarks is not None:  # θ*'s benchmark scores, on the live model before its first step
+            run.model.eval()
+            run.benchmarks.reference_from_model(strategy.forward, run.paths.benchmark_reference,
                                                 is_main=strategy.is_main_process, barrier=strategy.barrier)
         if run.cfg.optimizer.child_tuning is not None:
             run.state.child_tuning = _choose_child(run)

@@ -12,7 +12,9 @@ cycle can hide there, and import-linter still checks those imports against the l
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -23,34 +25,85 @@ from ft_framework.run.files import LOG_FILE, REPORT_PLOTS_DIR, TRACKERS_FILE, Ru
 from ft_framework.run.results import format_results_table
 
 
+# --section.key=value or --section.key value: a config override in the form torchtitan, TRL and
+# HfArgumentParser users type. A dot in the name tells it from our options, none of which has one.
+_DOTTED_OPTION = re.compile(r"--([A-Za-z_][\w-]*(?:\.[\w-]+)+)(?:=(.*))?", re.DOTALL)
+
+
+def dotted_options_as_overrides(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` with each --section.key=value and --section.key value turned into key.sub=value, in its
+    place. Done before argparse sees them, so that none can be taken for an abbreviation of a real
+    option; after "--" nothing is touched."""
+    out: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            out += [token, *tokens]
+            break
+        match = _DOTTED_OPTION.fullmatch(token)
+        if match is None:
+            out.append(token)
+            continue
+        key, value = match.groups()
+        if value is None:
+            value = next(tokens, None)
+            if value is None or value.startswith("--"):
+                parser.error(f"{token} needs a value: {token}=VALUE or {token} VALUE")
+        out.append(f"{key}={value}")
+    return out
+
+
+def parse_run_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments of a command that takes config overrides, in any of their forms and in any
+    order among the options (`a.b=1 --debug --c.d 2`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return parser.parse_intermixed_args(dotted_options_as_overrides(argv, parser))
+
+
 def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     """--config FILE and the key.sub=value overrides, as ft-train and ft-plan read them."""
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="override config values; the value is parsed as YAML")
+                        help="override config values (also --key.sub=value or --key.sub value); the value is "
+                        "parsed as YAML")
 
 
-def train_main(argv: list[str] | None = None) -> int:
+class _PrintSchema(argparse.Action):
+    """--print-schema: the run config's JSON schema, for editors (YAML language servers), then exit."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ft_framework.config import RunConfig  # pydantic and the schema; no torch (module docstring)
+
+        print(json.dumps(RunConfig.model_json_schema(), indent=2, allow_nan=False))
+        parser.exit()
+
+
+def train_main(argv: list[str] | None = None, prog: str = "ft-train") -> int:
     """ft-train --config FILE [key.sub=value ...]: one fine-tuning run. Exit codes (failures.py):
     0 finished, 1 crashed, 2 user error (one line), 3 diverged, 128 + N stopped by signal N after a
     checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1)."""
     parser = argparse.ArgumentParser(
-        prog="ft-train", description="Fine-tune a pretrained model on a GLUE task. Exit codes: 0 finished, "
+        prog=prog, description="Fine-tune a pretrained model on a GLUE task. Exit codes: 0 finished, "
         "1 crashed, 2 a config or data error (one line; --debug adds the traceback), 3 diverged (results.json "
         "says where), 128+N stopped by signal N after saving a checkpoint (143 SIGTERM, 130 SIGINT, 138 SIGUSR1).",
-        epilog="Example: ft-train --config configs/quickstart.yaml training.num_epochs=2")
+        epilog=f"Example: {prog} --config configs/quickstart.yaml --training.num_epochs=2")
     add_run_config_arguments(parser)
     # DeepSpeed's launcher appends --local_rank=N; the rank also arrives in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--debug", action="store_true", help="print the traceback of a config or data error too")
-    args = parser.parse_args(argv)
+    parser.add_argument("--print-schema", action=_PrintSchema,
+                        help="print the run config's JSON schema (for an editor's YAML completion) and exit")
+    args = parse_run_arguments(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ft_framework.config import load_config  # after --help (module docstring)
 
     try:
         cfg = load_config(args.config, args.overrides)
     except Exception as exc:  # every rank reads the same file: rank 0 alone reports it
-        return report_failure(exc, prog="ft-train", debug=args.debug, same_on_every_rank=True)
+        return report_failure(exc, prog=prog, debug=args.debug, same_on_every_rank=True)
     # Before anything large is allocated (reading the config allocates little): with the default
     # policy the host memory then follows the live tensors (run/allocator.py).
     logging.getLogger("ft_framework.run.allocator").info(
@@ -62,11 +115,11 @@ def train_main(argv: list[str] | None = None) -> int:
         trainer = Trainer(cfg)
         results = trainer.fit()
     except KeyboardInterrupt:  # Ctrl-C before the loop's handlers are installed (or after they are gone)
-        print("ft-train: interrupted (SIGINT) before training started or after it ended; nothing to save",
+        print(f"{prog}: interrupted (SIGINT) before training started or after it ended; nothing to save",
               file=sys.stderr)
         return 130
     except Exception as exc:  # reported before the process group closes (finally): the peers read who failed
-        return report_failure(exc, prog="ft-train", debug=args.debug)
+        return report_failure(exc, prog=prog, debug=args.debug)
     finally:
         if trainer is not None:
             trainer.strategy.close()
@@ -75,7 +128,7 @@ def train_main(argv: list[str] | None = None) -> int:
         return int(results["exit_code"])
     if results.get("diverged"):
         if trainer.strategy.is_main_process:
-            print(diverged_line("ft-train", results), file=sys.stderr)
+            print(diverged_line(prog, results), file=sys.stderr)
         return EXIT_DIVERGED
     if trainer.strategy.is_main_process:
         print()
@@ -105,12 +158,12 @@ def _interpolate_finished_run(cfg, device: str) -> None:
     print(f"\nwrote {out['run_dir']}/interpolation.json and interpolation.png")
 
 
-def sweep_main(argv: list[str] | None = None) -> int:
+def sweep_main(argv: list[str] | None = None, prog: str = "ft-sweep") -> int:
     """ft-sweep --config FILE [--dry-run] [--runner local|ray] [key.sub=value ...]: a grid of runs."""
     parser = argparse.ArgumentParser(
-        prog="ft-sweep", description="Run a grid of fine-tuning runs (configs/sweeps/*.yaml) locally or on Ray. "
+        prog=prog, description="Run a grid of fine-tuning runs (configs/sweeps/*.yaml) locally or on Ray. "
         "Re-running the same command skips finished runs and runs failed or interrupted ones again.",
-        epilog="Example: ft-sweep --config configs/sweeps/quickstart_grid.yaml --max-parallel 2")
+        epilog=f"Example: {prog} --config configs/sweeps/quickstart_grid.yaml --max-parallel 2")
     parser.add_argument("--config", required=True, help="YAML sweep file (see configs/sweeps/)")
     parser.add_argument("--dry-run", action="store_true", help="list the runs and their state; run nothing")
     parser.add_argument("--runner", choices=("local", "ray", "slurm"), help="overrides runner.name of the sweep file")
@@ -121,8 +174,9 @@ def sweep_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", help="results store (default: output_dir of the sweep file)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="set a config value in every run (parsed as YAML); changes the run ids")
-    args = parser.parse_args(argv)
+                        help="set a config value in every run (parsed as YAML; also --key.sub=value or "
+                        "--key.sub value); changes the run ids")
+    args = parse_run_arguments(parser, argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ft_framework.config import ConfigError  # after --help (module docstring)
     from ft_framework.sweep import (SweepInterrupted, SweepLockedError, format_plan, load_sweep, make_runner,
@@ -139,7 +193,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
             spec.runner = type(spec.runner).model_validate({**spec.runner.model_dump(), **updates})
         planned = plan_sweep(spec, args.overrides, args.output_dir)
     except (ConfigError, ValueError) as exc:
-        return print_user_error("ft-sweep", exc)
+        return print_user_error(prog, exc)
     store, runs = planned
     if args.dry_run:
         try:
@@ -147,15 +201,15 @@ def sweep_main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # ft-sweep --dry-run | head
             sys.stdout = None
         except UserError as exc:  # a run's status.json in the store that cannot be read
-            return print_user_error("ft-sweep", exc)
+            return print_user_error(prog, exc)
         return 0
     try:
         result = run_sweep(spec, args.overrides, output_dir=store.root, runner=make_runner(spec.runner),
                            progress=not args.no_progress, planned=planned)
     except (SweepLockedError, UserError) as exc:  # UserError: the slurm runner's (sbatch missing, failing)
-        return print_user_error("ft-sweep", exc)
+        return print_user_error(prog, exc)
     except KeyboardInterrupt as exc:
-        print(f"\nft-sweep: interrupted; finished runs are kept in {store.root}. Run the same command again "
+        print(f"\n{prog}: interrupted; finished runs are kept in {store.root}. Run the same command again "
               "to run the rest.", file=sys.stderr)
         return 143 if isinstance(exc, SweepInterrupted) else 130
     counts = result.counts
@@ -168,11 +222,11 @@ def sweep_main(argv: list[str] | None = None) -> int:
     return 0 if result.complete else 1
 
 
-def report_main(argv: list[str] | None = None) -> int:
+def report_main(argv: list[str] | None = None, prog: str = "ft-report") -> int:
     """ft-report DIR [--out DIR]: Table 1, best settings, Levene's test, expected best of n, plots."""
     parser = argparse.ArgumentParser(
-        prog="ft-report", description="Tables (Markdown and CSV) and plots of a sweep directory or of one run.",
-        epilog="Example: ft-report runs/sweeps/quickstart_grid")
+        prog=prog, description="Tables (Markdown and CSV) and plots of a sweep directory or of one run.",
+        epilog=f"Example: {prog} runs/sweeps/quickstart_grid")
     parser.add_argument("directory", help="a sweep's output directory (or one run's output directory)")
     parser.add_argument("--out", help="where to write report.md, *.csv and plots/ (default: DIRECTORY)")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
@@ -180,9 +234,9 @@ def report_main(argv: list[str] | None = None) -> int:
                         help="bootstrap draws for the expected best score of n trials")
     parser.add_argument("--forgetting-measure", default="auto",
                         help="the frontier's forgetting axis: auto (every output measure every point has: "
-                             "mlm_forgetting, a decoder's kl_from_pretrained and lm_loss_gained; else cka_drift_last), "
-                             "or one of mlm_forgetting, cka_drift_last, cka_drift_mean, lm_loss_gained, "
-                             "kl_from_pretrained")
+                             "mlm_forgetting, a decoder's kl_from_pretrained and lm_loss_gained; else cka_drift_last; and "
+                             "benchmark_forgetting where runs scored evaluation.benchmarks), or one of mlm_forgetting, "
+                             "cka_drift_last, cka_drift_mean, lm_loss_gained, kl_from_pretrained, benchmark_forgetting")
     parser.add_argument("--reference-method", default=None,
                         help="the full fine-tuning method whose best score sets the matched-accuracy target "
                              "(default: vanilla, where the sweep has it)")
@@ -198,7 +252,7 @@ def report_main(argv: list[str] | None = None) -> int:
                               forgetting_measure=args.forgetting_measure, reference_method=args.reference_method,
                               matched_fraction=args.matched_fraction)
     except (FileNotFoundError, UserError) as exc:
-        return print_user_error("ft-report", exc)
+        return print_user_error(prog, exc)
     print(report.markdown())
     out_dir = Path(args.out or args.directory)
     written = report.write(out_dir) + ([] if args.no_plots else write_plots(report, out_dir / REPORT_PLOTS_DIR))
@@ -209,16 +263,16 @@ def report_main(argv: list[str] | None = None) -> int:
         try:
             log_artifacts_to_run(args.directory, [p for p in written if p.suffix == ".png"])
         except Exception as exc:  # noqa: BLE001 - the report is written; a tracker being down is not fatal
-            print(f"ft-report: could not attach the plots to the run's trackers: {exc}", file=sys.stderr)
+            print(f"{prog}: could not attach the plots to the run's trackers: {exc}", file=sys.stderr)
     return 0
 
 
-def interpolate_main(argv: list[str] | None = None) -> int:
+def interpolate_main(argv: list[str] | None = None, prog: str = "ft-interpolate") -> int:
     """ft-interpolate RUN_DIR [--alphas 0,0.1,...,1]: WiSE-FT interpolation toward θ*."""
     parser = argparse.ArgumentParser(
-        prog="ft-interpolate", description="Evaluate theta_a = theta* + a (theta - theta*) of a finished run on its "
+        prog=prog, description="Evaluate theta_a = theta* + a (theta - theta*) of a finished run on its "
         "eval splits; writes interpolation.json and interpolation.png into the run directory.",
-        epilog="Example: ft-interpolate runs/quickstart --alphas 0,0.25,0.5,0.75,1")
+        epilog=f"Example: {prog} runs/quickstart --alphas 0,0.25,0.5,0.75,1")
     parser.add_argument("run_dir", help="a finished run's output directory (holding results.json), or its "
                         "checkpoints/ directory, checkpoints/latest pointer or a checkpoint directory")
     parser.add_argument("--alphas", default=None, help="comma-separated values in [0, 1] (default: 0,0.1,...,1)")
@@ -235,19 +289,19 @@ def interpolate_main(argv: list[str] | None = None) -> int:
         out = run_interpolation(args.run_dir, args.alphas, device=args.device, theta_star=args.theta_star,
                                 plot=not args.no_plot)
     except (ValueError, FileNotFoundError) as exc:
-        return print_user_error("ft-interpolate", exc)
+        return print_user_error(prog, exc)
     print(format_table(out))
     print(f"\nwrote {out['run_dir']}/interpolation.json" + ("" if args.no_plot else " and interpolation.png"))
     return 0
 
 
-def export_main(argv: list[str] | None = None) -> int:
+def export_main(argv: list[str] | None = None, prog: str = "ft-export") -> int:
     """ft-export CHECKPOINT OUT_DIR [--verify]: a Hugging Face model (with its tokenizer) from a checkpoint
     saved under any strategy and number of ranks; one process, offline."""
     parser = argparse.ArgumentParser(
-        prog="ft-export", description="Write a Hugging Face model (save_pretrained, with the tokenizer) from an "
+        prog=prog, description="Write a Hugging Face model (save_pretrained, with the tokenizer) from an "
         "ft_framework checkpoint saved under any strategy and number of ranks; one process, no GPU, offline.",
-        epilog="Example: ft-export runs/rte exported/rte   (a run directory: its latest checkpoint)")
+        epilog=f"Example: {prog} runs/rte exported/rte   (a run directory: its latest checkpoint)")
     parser.add_argument("checkpoint", type=Path, help="a run's output directory, its checkpoints/ directory, the "
                         "checkpoints/latest pointer file, or a checkpoint directory (checkpoints/step_N; checkpoints/best: "
                         "the best evaluation's, with evaluation.select_best)")
@@ -279,7 +333,7 @@ def export_main(argv: list[str] | None = None) -> int:
                               replace="always" if args.overwrite else "never")
             print(f"exported {checkpoint} to {args.out}")
     except UserError as exc:
-        return print_user_error("ft-export", exc)
+        return print_user_error(prog, exc)
     return 0
 
 
@@ -298,15 +352,15 @@ def planned_device(device: str) -> str:
             "its budget against the CPU plan, which training.device=cpu shows)")
 
 
-def plan_main(argv: list[str] | None = None) -> int:
+def plan_main(argv: list[str] | None = None, prog: str = "ft-plan") -> int:
     """ft-plan --config FILE [key.sub=value ...] [--gpu-memory SIZE] [--fit] [--json]: each rank's
     planned memory peak, from the model's config.json alone (no weights)."""
     parser = argparse.ArgumentParser(
-        prog="ft-plan", description="Plan each rank's memory peak of a run (model states, activations traced on "
+        prog=prog, description="Plan each rank's memory peak of a run (model states, activations traced on "
         "fake tensors, buckets, CUDA context) without loading weights; with a budget and --fit, find the largest "
         "micro-batch, then checkpointing, bf16, the compact optimizer state, then offload that fit, keeping the "
         "global batch (docs/memory.md).",
-        epilog="Example: ft-plan --config configs/albert_xxl_recadam.yaml --gpu-memory 16GiB --fit")
+        epilog=f"Example: {prog} --config configs/albert_xxl_recadam.yaml --gpu-memory 16GiB --fit")
     add_run_config_arguments(parser)
     parser.add_argument("--ranks", type=int, default=1, help="number of ranks (processes) of the run (default 1)")
     parser.add_argument("--gpu-memory", help="the budget per device, e.g. 16GiB or 40GB (default: "
@@ -314,7 +368,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", action="store_true", help="search overrides that fit the budget")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error too")
-    args = parser.parse_args(argv)
+    args = parse_run_arguments(parser, argv)
     if args.ranks < 1:
         parser.error(f"--ranks must be at least 1, got {args.ranks}")
     from ft_framework.config import load_config  # after --help (module docstring)
@@ -322,7 +376,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, check_paths=False)
     except Exception as exc:
-        return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)
+        return report_failure(exc, prog=prog, debug=args.debug, same_on_every_rank=True)
     import json
 
     from ft_framework.strategies.memory_fit import NOTHING_FITS, fit_to_budget, load_architecture, parse_size, plan_run
@@ -341,7 +395,7 @@ def plan_main(argv: list[str] | None = None) -> int:
         fit = (fit_to_budget(cfg, task=kind, budget_bytes=budget, world_size=args.ranks, on_gpu=on_gpu, arch=arch)
                if args.fit and plan.device_peak > budget else None)
     except Exception as exc:
-        return report_failure(exc, prog="ft-plan", debug=args.debug, same_on_every_rank=True)
+        return report_failure(exc, prog=prog, debug=args.debug, same_on_every_rank=True)
     fits = budget is None or plan.device_peak <= budget
     if args.json:
         answer = {"ranks": args.ranks, "planned_for": "gpu" if on_gpu else "cpu", "model_source": arch.source,
@@ -366,6 +420,34 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"fits with: {' '.join(fit.overrides)}\n  {format_peaks(fit.plan)}" if fit else
               f"nothing fits: {NOTHING_FITS}")
     return 0
+
+
+# ft COMMAND: each command is the ft-COMMAND console script (kept as an alias), named "ft COMMAND".
+COMMANDS = {
+    "train": (train_main, "one fine-tuning run (--config FILE [--key.sub=value ...])"),
+    "sweep": (sweep_main, "a grid of runs, locally, on Ray or on SLURM"),
+    "report": (report_main, "tables and plots of a sweep or a run"),
+    "plan": (plan_main, "each rank's memory peak of a run, and overrides that fit a budget"),
+    "export": (export_main, "a Hugging Face model from a checkpoint"),
+    "interpolate": (interpolate_main, "WiSE-FT interpolation of a finished run toward theta*"),
+}
+
+
+def ft_main(argv: list[str] | None = None) -> int:
+    """ft COMMAND [ARGS ...]: one command with the subcommands train, sweep, report, plan, export and
+    interpolate, each the same as its ft-COMMAND script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    width = max(map(len, COMMANDS))
+    parser = argparse.ArgumentParser(
+        prog="ft", usage="ft COMMAND [ARGS ...]", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fine-tune pretrained models with less forgetting. Commands:\n"
+        + "\n".join(f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()),
+        epilog="ft COMMAND --help shows a command's arguments. Example: ft train --config configs/quickstart.yaml "
+        "--training.max_steps=10")
+    parser.add_argument("command", choices=COMMANDS, metavar="COMMAND", help="one of " + ", ".join(COMMANDS))
+    command = parser.parse_args(argv[:1]).command  # what follows is the command's own
+    main = COMMANDS[command][0]
+    return main(argv[1:], prog=f"ft {command}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@
 for a finished run on its eval splits, in one process, whatever strategy trained it and whatever its
 task's kind: the kind (task_kinds/) loads the data and scores θ_α as the run's evaluations scored θ,
 and its forgetting probe measures θ_α against θ* (a classifier's accuracy and CKA drift; a decoder's
-exact match and completion loss, its LM loss gained and KL from θ*, WiSE-FT for LLMs).
+exact match and completion loss, its LM loss gained and KL from θ*, WiSE-FT for LLMs), and where
+the run scored lm-eval benchmarks (evaluation.benchmarks) each θ_α's scores and their mean drop from
+θ*'s, θ*'s read from the run's benchmark_reference.json, else scored on θ_0 (ft-report's frontier
+draws these as the α curve on its benchmark axis).
 
     ft-interpolate runs/quickstart --alphas 0,0.25,0.5,0.75,1
 
@@ -25,7 +28,7 @@ exact match and completion loss, its LM loss gained and KL from θ*, WiSE-FT for
 
 Writes <run>/interpolation.json and <run>/interpolation.png, and prints a table of α, the metrics
 of each eval split, ‖θ_α − θ*‖₂ (over the parameters that have a θ*; = α ‖θ − θ*‖₂) and the
-probe's forgetting measures.
+probe's forgetting measures (and the benchmark drop).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ft_framework.checkpointing.run_weights import RunWeightsError, finetuned_st
 from ft_framework.config import validate_config
 from ft_framework.config.schema import DEFAULT_INTERPOLATION_ALPHAS
 from ft_framework.metrics import LOWER_IS_BETTER
+from ft_framework.models.lm_benchmarks import BENCHMARK_FORGETTING, benchmark_forgetting
 from ft_framework.models.loading import load_model, load_tokenizer
 from ft_framework.run.files import CHECKPOINTS_DIR, INTERPOLATION_FILE, INTERPOLATION_PLOT, LATEST_FILE, RunPaths
 from ft_framework.run.tracking import log_artifacts_to_run
@@ -212,6 +216,16 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         else:
             model.load_state_dict(_with_aliases(interpolate_state(theta, star, 0.0), aliases), strict=True)
             probe.reference_from_model(ctx.forward, None, is_main=True, barrier=lambda: None)
+    # The run's lm-eval benchmarks (evaluation.benchmarks), against θ*'s scores as the run kept them
+    # (benchmark_reference.json), else as θ_0 scores them: each θ_α's drop, as the run's evaluations.
+    benchmarks = kind.build_benchmarks(tokenizer, model, run)
+    if benchmarks is not None:
+        kept = RunPaths(run_dir).benchmark_reference
+        if benchmarks.keeps_reference(kept):
+            benchmarks.reference_from_run(kept, None, is_main=True, barrier=lambda: None)
+        else:
+            model.load_state_dict(_with_aliases(interpolate_state(theta, star, 0.0), aliases), strict=True)
+            benchmarks.reference_from_model(ctx.forward, None, is_main=True, barrier=lambda: None)
     full = distance(theta, star)
     rows = []
     for alpha in alphas:
@@ -221,6 +235,9 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         rows.append({"alpha": alpha, "metrics": metrics, "distance": alpha * full})
         if probe is not None:
             rows[-1]["forgetting"] = probe.measure(ctx.forward)
+        if benchmarks is not None:
+            rows[-1]["benchmarks"] = benchmarks.measure(ctx.forward)
+            rows[-1][BENCHMARK_FORGETTING] = benchmark_forgetting(rows[-1]["benchmarks"])
         logger.info("alpha=%g %s", alpha, metrics)
     selection = results.get("selection_split", task.eval_splits[0])
     main = results.get("main_metric", task.main_metric)
@@ -233,6 +250,7 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
         "method": _method_label(cfg), "alphas": alphas, "rows": rows, "best_alpha": best["alpha"],
         **({"forgetting_probe": probe.describe(), "forgetting_measures": list(probe.measures)}
            if probe is not None else {}),
+        **({"benchmarks_run": benchmarks.describe()} if benchmarks is not None else {}),
     }
     if write:
         (run_dir / INTERPOLATION_FILE).write_text(json.dumps(out, indent=2, allow_nan=True))
@@ -263,12 +281,14 @@ def format_table(out: dict[str, Any]) -> str:
     columns = [(split, name) for split, metrics in out["rows"][0]["metrics"].items() for name in metrics]
     forgetting = [name for name in out.get("forgetting_measures", ())
                   if name in out["rows"][0].get("forgetting", {})]
-    header = ["alpha", *[f"{s}/{n}" for s, n in columns], "||theta_a - theta*||", *forgetting]
+    benchmarks = [BENCHMARK_FORGETTING] if BENCHMARK_FORGETTING in out["rows"][0] else []
+    header = ["alpha", *[f"{s}/{n}" for s, n in columns], "||theta_a - theta*||", *forgetting, *benchmarks]
     rows = []
     for r in out["rows"]:
         mark = " *" if r["alpha"] == out["best_alpha"] else ""
         rows.append([f"{r['alpha']:g}{mark}", *[f"{r['metrics'][s][n]:.4f}" for s, n in columns],
-                     f"{r['distance']:.4f}", *[f"{r['forgetting'][n]:.4g}" for n in forgetting]])
+                     f"{r['distance']:.4f}", *[f"{r['forgetting'][n]:.4g}" for n in forgetting],
+                     *[f"{r[n]:+.4g}" for n in benchmarks]])
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

@@ -23,6 +23,7 @@ from ft_framework.checkpointing.export import export_pretrained
 from ft_framework.config import RunConfig
 from ft_framework.distributed.slurm_env import slurm_job_record
 from ft_framework.metrics import is_better, is_failed
+from ft_framework.models.lm_benchmarks import BENCHMARK_FORGETTING, benchmark_forgetting
 from ft_framework.models.lora import merged_forgetting_distance
 from ft_framework.models.r3f import tag_batch
 from ft_framework.run.divergence import DivergenceGuard
@@ -36,16 +37,7 @@ from ft_framework.task_kinds import LossNormalizer
 logger = logging.getLogger(__name__)
 
 # eval_steps and TrainState live in assembly.py (the set-up decides when to evaluate); named here too.
-__all__ = ["TrainState", "Trainer", "eval_steps", "lr_multiplier"]
-
-
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Linear warm-up to 1, then linear decay to 0 at total_steps (or constant after warm-up)."""
-    if warmup_steps and step < warmup_steps:
-        return step / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+__all__ = ["TrainState", "Trainer", "eval_steps"]
 
 
 def _assembled(name: str) -> property:
@@ -73,6 +65,7 @@ class Trainer:
     data = _assembled("data")
     collate = _assembled("collate")
     forgetting = _assembled("forgetting")
+    benchmarks = _assembled("benchmarks")
     fused_activations = _assembled("fused_activations")
     r3f = _assembled("r3f")
     base_lr = _assembled("base_lr")
@@ -82,6 +75,7 @@ class Trainer:
     micro_batches_per_epoch = _assembled("micro_batches_per_epoch")
     total_steps = _assembled("total_steps")
     warmup_steps = _assembled("warmup_steps")
+    lr_schedule = _assembled("lr_schedule")
     eval_at = _assembled("eval_at")
     selection_split = _assembled("selection_split")
     checkpoints = _assembled("checkpoints")
@@ -183,8 +177,9 @@ class Trainer:
         return results
 
     def _set_lr(self, step: int) -> None:
-        # The lr of optimizer step `step`+1 (0-based step index): warm-up starts above zero.
-        mult = lr_multiplier(step + 1, self.total_steps, self.warmup_steps, self.cfg.schedule.name)
+        # Step k (0-based) runs at the schedule's value for k + 1 (docs/training.md, "Schedules"):
+        # a warm-up's first step moves the weights, and recorded runs and checkpoints keep their curve.
+        mult = self.lr_schedule(step + 1)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
             group["lr"] = peak * mult
 
@@ -242,6 +237,10 @@ class Trainer:
         if self.forgetting is not None:  # collective: every rank runs its share of the probe
             self.model.eval()
             record["forgetting"] = self.forgetting.measure(lambda batch: self.strategy.forward(batch))
+        if self.benchmarks is not None and (self.cfg.evaluation.benchmarks.every_eval or st.step >= self.total_steps):
+            self.model.eval()  # collective: every rank scores its share of each task's requests
+            record["benchmarks"] = self.benchmarks.measure(self.strategy.forward)
+            record[BENCHMARK_FORGETTING] = benchmark_forgetting(record["benchmarks"])
         # Every evaluation point carries the distance too, so ft-report can set it against the
         # functional forgetting whatever logging.log_every_steps is.
         record.update(self._forgetting_distance())
@@ -320,6 +319,7 @@ class Trainer:
             # What model.fused_activations replaced ({activation name: modules}); null: the switch was off.
             "fused_activations": self.fused_activations,
             **({"forgetting_probe": self.forgetting.describe()} if self.forgetting is not None else {}),
+            **self._benchmark_results(reported, final),
             **({"child_tuning": st.child_tuning} if st.child_tuning is not None else {}),
             "config_changes": st.config_changes,
             "config": self.cfg.to_dict(),
@@ -331,6 +331,18 @@ class Trainer:
             self.log.log_artifact(self.output_dir / RESULTS_FILE)
         self.log.close()
         return results
+
+    def _benchmark_results(self, reported: dict[str, Any] | None, final: dict[str, Any] | None) -> dict[str, Any]:
+        """results.json's benchmark scores: the reported evaluation's when it scored them (every_eval),
+        else the final one's; with θ*'s and the drop from them, their mean, and what was scored."""
+        if self.benchmarks is None:
+            return {}
+        scored = next((r for r in (reported, final) if r is not None and "benchmarks" in r), None)
+        out: dict[str, Any] = {"benchmarks_run": {**self.benchmarks.describe(),
+                                                  "step": None if scored is None else scored["step"]}}
+        if scored is not None:
+            out.update({"benchmarks": scored["benchmarks"], BENCHMARK_FORGETTING: scored[BENCHMARK_FORGETTING]})
+        return out
 
     def export(self, directory: Path) -> str:
         """Writes the model as a Hugging Face model (save_pretrained) with its tokenizer, the way

@@ -3,7 +3,8 @@
 #   bash scripts/install.sh          the library, its C++ kernel and the quickstarts' models (what ft-train needs;
 #                                    SmolLM2's GGUF converted once)
 #   bash scripts/install.sh --test   the same plus the test extra (pytest, DeepSpeed, Ray, MLflow, W&B, peft, ...)
-#                                    and, as root with apt-get, Debian's slurm-wlm and munge (tests/slurm)
+#                                    and, as root with apt-get, Debian's slurm-wlm and munge (tests/slurm) and
+#                                    wordnet-base (the shipped benchmark's rebuild test)
 # torch is installed first and pinned: a bare `torch` requirement with no torch installed would
 # pull several GB of CUDA packages. On a GPU machine, install your CUDA torch build first and set
 # FT_TORCH_SPEC= (empty) to keep it. FT_EXTRAS=a,b names the extras yourself.
@@ -95,14 +96,21 @@ else:
         get_accelerator().create_op_builder(builder).load(verbose=False)
     print(f"DeepSpeed's CPU ops (cpu_adam, shm_comm) built or found in {time.perf_counter() - started:.0f} s")
 PYEOF
-  # The SLURM tests (tests/slurm/) start a real two-node cluster on this host (scripts/slurm_cluster.sh).
-  if ! command -v apt-get >/dev/null 2>&1; then
-    echo "scripts/install.sh: no apt-get here: SLURM (slurm-wlm, munge) not installed; tests/slurm will skip"
+  # The SLURM tests (tests/slurm/) start a real two-node cluster on this host (scripts/slurm_cluster.sh);
+  # tests/unit/resources/ rebuilds the shipped benchmark from Debian's wordnet-base
+  # (scripts/build_wordnet_benchmark.py) and checks it is byte for byte the one in the package.
+  DEBS=()
+  if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then DEBS+=(slurm-wlm munge); fi
+  if [ ! -f /usr/share/wordnet/data.noun ]; then DEBS+=(wordnet-base); fi
+  if [ "${#DEBS[@]}" = 0 ]; then
+    :
+  elif ! command -v apt-get >/dev/null 2>&1; then
+    echo "scripts/install.sh: no apt-get here: ${DEBS[*]} not installed; the tests that need them will skip"
   elif [ "$(id -u)" != 0 ]; then
-    echo "scripts/install.sh: not root: SLURM (slurm-wlm, munge) not installed; tests/slurm will skip"
-  elif ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then
-    (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null) \
-      || echo "scripts/install.sh: apt-get could not install slurm-wlm and munge; tests/slurm will skip"
+    echo "scripts/install.sh: not root: ${DEBS[*]} not installed; the tests that need them will skip"
+  else
+    (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${DEBS[@]}" >/dev/null) \
+      || echo "scripts/install.sh: apt-get could not install ${DEBS[*]}; the tests that need them will skip"
   fi
 fi
 "$PY" -c "from ft_framework.optim import cpu; print('ft_framework installed (extras: ${EXTRAS}); CPU kernel SIMD level:', cpu.simd_level())"

@@ -24,6 +24,7 @@ TINY_LLM_CONFIGS: dict[str, dict] = {
     "qwen2": dict(_COMMON, tie_word_embeddings=True),
     "qwen3": dict(_COMMON, head_dim=8, tie_word_embeddings=True),
     "mistral": dict(_COMMON, tie_word_embeddings=False, sliding_window=None),
+    "gemma": dict(_COMMON, head_dim=8, tie_word_embeddings=True),
     "gemma2": dict(_COMMON, head_dim=8, query_pre_attn_scalar=8, sliding_window=64, tie_word_embeddings=True),
     "gemma3_text": dict(_COMMON, head_dim=8, query_pre_attn_scalar=8, sliding_window=64, tie_word_embeddings=True),
     "phi3": dict(_COMMON, num_key_value_heads=4, tie_word_embeddings=False, pad_token_id=None),

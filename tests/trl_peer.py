@@ -14,7 +14,7 @@ What is made equal, and why each needs saying:
   own switch). ft-train cuts each epoch into micro-batches and ends it with a short one when the
   rows do not divide; TRL's sequential batches would straddle the epochs there, so the rows must
   divide into micro-batches (checked).
-- **Schedule.** ft-train's optimizer step k (0-based) runs at ``lr_multiplier(k + 1)``: its warm-up
+- **Schedule.** ft-train's optimizer step k (0-based) runs at the schedule's value for k + 1 (optim/schedules.py): its warm-up
   starts above zero and its linear decay reaches zero at the last step. transformers' schedules give
   step k their value at k: the warm-up starts at zero and the decay ends one step above it. The same
   function of the step, one step apart: TRL's scheduler (transformers' own, built by the Trainer) is

@@ -17,15 +17,16 @@ from pydantic import ValidationError
 
 from ft_framework.distributed.slurm_env import check_step_tasks
 from ft_framework.errors import UserError, quoted, shortened
+from ft_framework.data.hub_tables import open_hub_split
 from ft_framework.data.tasks import CAUSAL_LM
-from ft_framework.models.hub import local_config_file, looks_like_path
+from ft_framework.models.hub import hub_is_offline, local_config_file, looks_like_path
 from ft_framework.run.fingerprint import check_allow_list
 from ft_framework.user_files import MissingFile, read_json
 
 from ft_framework.config.errors import ConfigError, check_keys, format_validation_error
 from ft_framework.config.overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
                         resolve_task_overrides, set_path)
-from ft_framework.config.schema import FILES_SOURCE, RunConfig
+from ft_framework.config.schema import EITHER_OR_KEYS, FILES_SOURCE, RunConfig
 
 __all__ = ["validate_config", "load_config"]
 
@@ -169,12 +170,14 @@ def _refuse_non_causal_lm(key: str, name: str) -> None:
 
 def _check_machine(cfg: RunConfig, env: Mapping[str, str]) -> None:
     """What the config asks of the machine the run starts on, checked before anything loads: one task
-    of an srun step of several under strategy single (distributed/slurm_env.py), and the Triton step
-    where it cannot run (it needs the triton package and CUDA tensors, bar triton's interpreter)."""
+    of an srun step of several under strategy single (distributed/slurm_env.py), your own Hub data set
+    offline (in the Hugging Face cache), and the Triton step where it cannot run (it needs the triton
+    package and CUDA tensors, bar triton's interpreter)."""
     try:
         check_step_tasks(env, distributed=cfg.strategy.name != "single")
     except UserError as exc:
         raise ConfigError(str(exc)) from None
+    _check_hub_data(cfg)
     if cfg.optimizer.impl != "triton":
         return
     if importlib.util.find_spec("triton") is None:
@@ -193,6 +196,19 @@ def _check_machine(cfg: RunConfig, env: Mapping[str, str]) -> None:
     raise ConfigError(f"optimizer.impl: 'triton' steps CUDA tensors, but {where}; use 'torch' or 'auto'")
 
 
+def _check_hub_data(cfg: RunConfig) -> None:
+    """Offline (HF_HUB_OFFLINE=1), your own Hub data set loads only from the Hugging Face cache: resolve
+    it and its splits there now (a local read), not after the model has loaded."""
+    source = cfg.data.hub_source()
+    if source is None or not hub_is_offline():
+        return
+    for split in source.splits:
+        try:
+            open_hub_split(source, split)
+        except UserError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def _cuda_available() -> bool:
     """Whether torch sees a CUDA device: asked only for impl triton on device auto (importing torch
     takes seconds; the run imports it next anyway)."""
@@ -201,13 +217,23 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def replacing_either_or(overrides: list[str]) -> list[str]:
+    """`overrides` where one sets a key of an either-or pair (training.max_steps or num_epochs, ...)
+    and none sets the other: that other set to null first. The command line's value replaces the
+    file's, as transformers' max_steps replaces num_train_epochs (a task override still says which)."""
+    given = dict((".".join(path), value) for path, value in map(parse_override, overrides))
+    cleared = [f"{other}=null" for pair in EITHER_OR_KEYS for key, other in (pair, pair[::-1])
+               if given.get(key) is not None and other not in given]
+    return cleared + overrides
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> RunConfig:
     """Reads a YAML config, applies `key.sub=value` overrides, merges task_overrides and validates.
 
     Overrides win over the task's values in task_overrides; each value is parsed as YAML
     (`training.max_steps=10`, `optimizer.hparams.betas=[0.9,0.98]`).
     """
-    overrides = list(overrides)
+    overrides = replacing_either_or(list(overrides))
     data = apply_overrides(read_yaml(path), overrides)
     cfg = validate_config(data, pinned=overrides, where=f"({path})")
     if check_paths:  # against the machine the run starts on (ft-plan plans for another: it passes False)

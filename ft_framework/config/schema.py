@@ -15,9 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ft_framework import optim, resources
+from ft_framework.data.hub_tables import HubSource
 from ft_framework.data.tasks import (CAUSAL_LM, CLASSIFICATION, GLUE_TASK_NAMES, OWN_DATA_SPLITS, REGRESSION, TaskSpec,
                                      get_task, own_data_task, sft_task, task_kinds)
 from ft_framework.errors import did_you_mean, quoted, shortened
+from ft_framework.optim.schedules import REFUSED_SCHEDULES, USABLE_SCHEDULES, check_schedule
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
 
@@ -40,6 +42,13 @@ BUILTIN_DATA_SOURCES: dict[str, str] = {"quickstart": "classification", "quickst
 # and name keys describe (and only then may differ from their defaults).
 FILES_SOURCE = "files"
 _OWN_DATA_KEYS = ("files", "text_columns", "label_column", "problem", "labels", "name")
+# data.source for a data set on the Hugging Face Hub: GLUE (data.task set), or your own labelled
+# texts or SFT rows (data.hub_id given, no data.task), which these keys describe.
+HUB_SOURCE = "hub"
+_HUB_KEYS = ("hub_config", "splits", "streaming")
+# data.hub_id's default: GLUE's data set. Another id names your own (a fact of the value, not of
+# whether it was written: a resolved config, as results.json keeps it, validates back the same).
+GLUE_HUB_ID = "nyu-mll/glue"
 # Keys that only a supervised fine-tuning task of a decoder (data.problem: causal_lm) reads.
 _SFT_KEYS = ("packing", "train_on_prompt", "chat_template", "token_cache_dir", "main_metric")
 # A causal LM's main metric: the mean completion loss (any SFT data), or the exact match of greedy
@@ -123,6 +132,10 @@ class ModelConfig(_Section):
     # the same function (F.gelu tanh): same outputs within the dtype's rounding, far fewer saved
     # activations (models/fused_activations.py). false: keep the model's own modules.
     fused_activations: bool = True
+    # The attention kernel, as transformers names it; None: transformers' default (sdpa). A packed
+    # decoder batch gives a kernel that reads sequence boundaries from position_ids (flex_attention,
+    # flash_attention_2/3, sdpa) no mask; eager gets the dense (B, 1, T, T) mask (data/sft_collate.py).
+    attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"] | None = None
     # LoRA instead of full fine-tuning (needs peft: pip install 'ft_framework[lora]'); None: off.
     lora: LoraConfig | None = None
 
@@ -146,7 +159,16 @@ class DataConfig(_Section):
     # "hub", "builtin:<name>" (a data set shipped in the package: quickstart, quickstart_sft), a local
     # GLUE-format directory, or "files": your own data, described by the keys below.
     source: str = "hub"
-    hub_id: str = "nyu-mll/glue"
+    # The Hub data set of source: hub. GLUE's by default; your own data set (labelled texts, or SFT
+    # rows) must name it, and then these three keys describe it.
+    hub_id: str = GLUE_HUB_ID
+    # The data set's configuration (load_dataset's second argument); None: its default.
+    hub_config: str | None = None
+    # Our split -> the data set's (train and validation required, test optional); None: train and
+    # validation, as named.
+    splits: dict[str, str] | None = None
+    # Read the rows from the Hub as they are tokenized instead of downloading the data set first.
+    streaming: bool = False
     max_seq_length: int = Field(128, gt=0)
     # Zhang et al. 2021: half of the dev set for validation, the other half as the test set.
     split_dev_in_half: bool = False
@@ -238,15 +260,18 @@ class DataConfig(_Section):
         if sft:
             raise ValueError(f"data.{sft[0]} is read only when data.problem is {CAUSAL_LM} (supervised fine-tuning of a "
                              f"decoder); remove it, or set data.problem: {CAUSAL_LM}")
-        if self.source != FILES_SOURCE:
+        if self.source != FILES_SOURCE and not self.own_hub_data():
             fields = type(self).model_fields
             own = [key for key in _OWN_DATA_KEYS if getattr(self, key) != fields[key].default]
             if own:
-                raise ValueError(f"data.{own[0]} describes your own data: set data.source: {FILES_SOURCE} with it, "
-                                 f"or remove it for GLUE (data.source: {self.source})")
+                raise ValueError(f"data.{own[0]} describes your own data: set data.source: {FILES_SOURCE} with it (or "
+                                 f"data.source: {HUB_SOURCE} with data.hub_id and no data.task), or remove it for GLUE "
+                                 f"(data.source: {self.source})")
+            self._refuse_hub_keys()
             if self.task is None:
                 raise ValueError(f"set data.task (a GLUE task: {', '.join(GLUE_TASK_NAMES)}), or "
-                                 f"data.source: {FILES_SOURCE} with data.files for your own data")
+                                 f"data.source: {FILES_SOURCE} with data.files for your own data, or data.hub_id for "
+                                 "your own data set on the Hub")
             if self.problem not in (CLASSIFICATION, REGRESSION):
                 raise ValueError(f"data.problem: {self.problem} reads your files: set data.source: {FILES_SOURCE} "
                                  "with data.files")
@@ -256,7 +281,7 @@ class DataConfig(_Section):
                              "(data.name names your data)")
         if self.name in GLUE_TASK_NAMES:
             raise ValueError(f"data.name {quoted(self.name)} is a GLUE task's name; choose another for your own data")
-        self._check_files()
+        self._check_own_source()
         if not self.text_columns or len(self.text_columns) > 2 or len(set(self.text_columns)) != len(self.text_columns):
             raise ValueError(f"data.text_columns must name one text column or two different ones (a text pair); "
                              f"got {quoted(self.text_columns)}")
@@ -279,17 +304,78 @@ class DataConfig(_Section):
                 raise ValueError(f"data.{key} describes labelled texts; data.problem: {CAUSAL_LM} reads rows of text, "
                                  "prompt + completion, or messages: remove it")
         builtin = self.builtin_name()
-        if self.source == FILES_SOURCE:
-            self._check_files()
+        if self.source == HUB_SOURCE and self.hub_id == GLUE_HUB_ID:
+            raise ValueError(f"data.source: {HUB_SOURCE} with data.problem: {CAUSAL_LM} needs data.hub_id, the Hub "
+                             "data set of your rows (e.g. trl-lib/Capybara)")
+        if self.source in (FILES_SOURCE, HUB_SOURCE):
+            self._check_own_source()
         elif builtin is None or BUILTIN_DATA_SOURCES[builtin] != CAUSAL_LM:
             valid = ", ".join(f"builtin:{n}" for n, kind in BUILTIN_DATA_SOURCES.items() if kind == CAUSAL_LM)
-            raise ValueError(f"data.problem: {CAUSAL_LM} reads your files (data.source: {FILES_SOURCE} with data.files) "
-                             f"or a shipped set ({valid}); got data.source {quoted(self.source)}")
+            raise ValueError(f"data.problem: {CAUSAL_LM} reads your files (data.source: {FILES_SOURCE} with "
+                             f"data.files), a Hub data set (data.source: {HUB_SOURCE} with data.hub_id) or a shipped set "
+                             f"({valid}); got data.source {quoted(self.source)}")
         elif self.files is not None:
             raise ValueError(f"data.files is read only with data.source: {FILES_SOURCE}; remove it, or set the source")
+        else:
+            self._refuse_hub_keys()
         if self.name in GLUE_TASK_NAMES:
             raise ValueError(f"data.name {quoted(self.name)} is a GLUE task's name; choose another for your own data")
         return self
+
+    def own_hub_data(self) -> bool:
+        """Whether the data is your own data set on the Hub (source: hub, a hub_id other than GLUE's, no
+        GLUE task)."""
+        return self.source == HUB_SOURCE and self.task is None and self.hub_id != GLUE_HUB_ID
+
+    def _refuse_hub_keys(self) -> None:
+        fields = type(self).model_fields
+        hub = [key for key in _HUB_KEYS if getattr(self, key) != fields[key].default]
+        if hub:
+            raise ValueError(f"data.{hub[0]} describes your own data set on the Hub: set data.source: {HUB_SOURCE} "
+                             "with data.hub_id (and no data.task), or remove it")
+
+    def _check_own_source(self) -> None:
+        """Your own data: files (source: files) or a Hub data set (source: hub with hub_id)."""
+        if self.source == FILES_SOURCE:
+            if self.hub_id != GLUE_HUB_ID:
+                raise ValueError(f"data.hub_id names a Hub data set, which data.source: {FILES_SOURCE} does not read; "
+                                 f"remove it, or set data.source: {HUB_SOURCE}")
+            self._refuse_hub_keys()
+            self._check_files()
+            return
+        if self.files is not None:
+            raise ValueError(f"data.files is read only with data.source: {FILES_SOURCE}; a Hub data set's splits are "
+                             "data.splits (ours -> the data set's)")
+        if not self.hub_id.strip():
+            raise ValueError("data.hub_id is empty; name a Hub data set (org/name)")
+        splits = self.hub_splits()
+        for split, name in splits.items():
+            if split not in OWN_DATA_SPLITS:
+                raise ValueError(f"unknown split data.splits.{shortened(str(split))}"
+                                 f"{did_you_mean(split, OWN_DATA_SPLITS)}; valid: {', '.join(OWN_DATA_SPLITS)}")
+            if not name.strip():
+                raise ValueError(f"data.splits.{split} is empty; name the data set's split (e.g. train, test)")
+        for split in ("train", "validation"):
+            if split not in splits:
+                raise ValueError(f"data.splits.{split} is required (the data set's split to use as {split})")
+        if "test" in splits and self.split_dev_in_half:
+            raise ValueError("data.split_dev_in_half makes the test split from half of validation, but "
+                             "data.splits.test is set too: use one of them")
+
+    def hub_splits(self) -> dict[str, str]:
+        """Our split -> the Hub data set's (data.splits, or train and validation as named)."""
+        return dict(self.splits) if self.splits is not None else {"train": "train", "validation": "validation"}
+
+    def hub_source(self) -> HubSource | None:
+        """Your own data set on the Hub (data/hub_tables.py), or None for any other source."""
+        if not self.own_hub_data():
+            return None
+        return HubSource(self.hub_id, self.hub_config, self.hub_splits(), self.streaming)
+
+    def _own_splits(self) -> tuple[str, ...]:
+        """The eval splits of your own data: validation, and test where your files or splits name one."""
+        named = self.files if self.source == FILES_SOURCE else self.hub_splits() if self.hub_source() else None
+        return ("validation", "test") if named is not None and "test" in named else ("validation",)
 
     def _check_files(self) -> None:
         if not self.files:
@@ -309,12 +395,11 @@ class DataConfig(_Section):
     def task_spec(self) -> TaskSpec:
         """The run's task: a GLUE task's spec, or the spec of your own data."""
         if self.problem == CAUSAL_LM:
-            name = self.builtin_name() if self.source != FILES_SOURCE and self.name == "custom" else self.name
-            splits = ("validation", "test") if self.files is not None and "test" in self.files else ("validation",)
-            return sft_task(name, eval_splits=splits, exact_match=self.main_metric == "exact_match")
-        if self.source != FILES_SOURCE:
+            name = self.builtin_name() if self.builtin_name() is not None and self.name == "custom" else self.name
+            return sft_task(name, eval_splits=self._own_splits(), exact_match=self.main_metric == "exact_match")
+        if self.source != FILES_SOURCE and self.hub_source() is None:
             return get_task(self.task)
-        eval_splits = ("validation", "test") if "test" in self.files else ("validation",)
+        eval_splits = self._own_splits()
         labels = None if self.problem == REGRESSION else tuple(self.labels)
         return own_data_task(self.name, text_columns=tuple(self.text_columns), label_column=self.label_column,
                              labels=labels, eval_splits=eval_splits,
@@ -330,7 +415,7 @@ class DataConfig(_Section):
         """Keyword arguments of `data.load_task_data(self.task_spec(), tokenizer=..., **these)`."""
         own = self.source == FILES_SOURCE
         return {"max_seq_length": self.max_seq_length, "source": "hub" if own else self.resolved_source(),
-                "hub_id": self.hub_id, "files": dict(self.files) if own else None,
+                "hub_id": self.hub_id, "files": dict(self.files) if own else None, "hub": self.hub_source(),
                 "split_dev_in_half": self.split_dev_in_half, "split_seed": self.split_seed,
                 "max_train_examples": self.max_train_examples, "max_eval_examples": self.max_eval_examples}
 
@@ -422,16 +507,30 @@ class OptimizerConfig(_Section):
 
 
 class ScheduleConfig(_Section):
-    """Learning-rate schedule: linear warm-up, then linear decay to 0 or constant."""
+    """Learning-rate schedule: one of transformers' (get_scheduler's names), with its warm-up and
+    its scheduler_specific_kwargs (optim/schedules.py owns the names and what each takes)."""
 
-    name: Literal["linear", "constant"] = "linear"
+    name: Literal[USABLE_SCHEDULES] = "linear"  # type: ignore[valid-type]
     # Exactly one of the two must be set (use warmup_steps: 0 for no warm-up).
     warmup_steps: int | None = Field(None, ge=0)
     warmup_ratio: float | None = Field(None, ge=0.0, le=1.0)
+    # The schedule's own keyword arguments, as transformers names them (num_cycles, min_lr_rate, ...).
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _refuse_metric_schedules(cls, name: Any) -> Any:
+        if isinstance(name, str) and name in REFUSED_SCHEDULES:
+            raise ValueError(f"{name} cannot drive ft-train's lr: {REFUSED_SCHEDULES[name]}; valid: "
+                             + ", ".join(USABLE_SCHEDULES))
+        return name
 
     @model_validator(mode="after")
     def _exactly_one_warmup(self) -> "ScheduleConfig":
         _require_exactly_one(self, "warmup_steps", "warmup_ratio", hint="use warmup_steps: 0 for no warm-up")
+        problem = check_schedule(self.name, self.kwargs)
+        if problem is not None:
+            raise ValueError(f"kwargs: {problem}")
         return self
 
     def warmup_for(self, total_steps: int) -> int:
@@ -484,6 +583,10 @@ class TrainingConfig(_Section):
     host_allocator: Literal["auto", "predictable", "glibc"] = "auto"
     # R3F's penalty (classification tasks only); None: off.
     r3f: R3FConfig | None = None
+    # A decoder's next-token loss, evaluation and forgetting probe computed from the hidden states a
+    # chunk of label positions at a time inside the LM head, never the whole logits
+    # (models/lm_head_requests.py); the same values. false: the whole logits, as transformers does.
+    chunked_loss: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingConfig":
@@ -540,6 +643,34 @@ class GenerationConfig(_Section):
     max_new_tokens: int = Field(48, gt=0)
 
 
+class BenchmarkTaskConfig(_Section):
+    """One lm-evaluation-harness task (models/lm_benchmarks.py): lm-eval's name (hellaswag,
+    arc_challenge, mmlu, a shipped task's) or a path to your task YAML."""
+
+    name: str | None = None
+    path: str | None = None
+    # Documents scored (the first `limit`); None: all of them.
+    limit: int | None = Field(None, gt=0)
+    # Few-shot examples per prompt; None: the task's own default.
+    num_fewshot: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _name_or_path(self) -> "BenchmarkTaskConfig":
+        _require_exactly_one(self, "name", "path", hint="name: an lm-eval task, or path: your task YAML")
+        if self.path is not None and not self.path.endswith((".yaml", ".yml")):
+            raise ValueError(f"path must be an lm-eval task YAML (.yaml), got {quoted(self.path)}")
+        return self
+
+
+class BenchmarksConfig(_Section):
+    """Benchmarks as LLM users score them (a decoder's run; needs the lm_eval extra): θ* scored before
+    the first step, the model at the end (and at each evaluation with every_eval), each task's drop."""
+
+    tasks: list[BenchmarkTaskConfig] = Field(default_factory=list)
+    every_eval: bool = False
+    batch_size: int = Field(8, gt=0)
+
+
 class EvaluationConfig(_Section):
     """When and how the dev set is evaluated during training (always once at the end)."""
 
@@ -554,6 +685,8 @@ class EvaluationConfig(_Section):
     # Interpolate the finished run toward θ* at its end (needs checkpoint.export_dir or select_best);
     # None: not (ft-interpolate RUN_DIR does it later).
     interpolation: InterpolationConfig | None = None
+    # lm-evaluation-harness tasks scored on the live model (a decoder's run): θ*'s score and the drop.
+    benchmarks: BenchmarksConfig = Field(default_factory=BenchmarksConfig)
 
     @model_validator(mode="after")
     def _at_most_one(self) -> "EvaluationConfig":
@@ -781,6 +914,9 @@ class RunConfig(_Section):
         if self.evaluation.interpolation is not None and not (self.checkpoint.export_dir or self.evaluation.select_best):
             raise ValueError("evaluation.interpolation needs the run's final weights saved: set checkpoint.export_dir "
                              "(or evaluation.select_best), or set evaluation.interpolation: null")
+        problem = check_schedule(self.schedule.name, self.schedule.kwargs, self.optimizer.resolved_hparams()["lr"])
+        if problem is not None:
+            raise ValueError(f"schedule.kwargs: {problem}")
         _warn_if_pull_overshoots(self.optimizer)
         return self
 
@@ -829,7 +965,12 @@ def _check_task_kind(cfg: "RunConfig") -> None:
         if cfg.evaluation.generation != GenerationConfig():
             raise ValueError(f"evaluation.generation is read only when data.problem is {CAUSAL_LM} (a classifier "
                              "generates nothing); remove it")
+        if cfg.evaluation.benchmarks.tasks:
+            raise ValueError(f"evaluation.benchmarks scores a decoder LLM (data.problem: {CAUSAL_LM}) on "
+                             "lm-evaluation-harness tasks; an encoder's run has none: remove evaluation.benchmarks")
         return
+    if cfg.evaluation.benchmarks.tasks and importlib.util.find_spec("lm_eval") is None:
+        raise ValueError("evaluation.benchmarks needs lm-evaluation-harness: pip install 'ft_framework[lm_eval]'")
     refused = [
         (cfg.model.init == "random", "model.init: random (re-initializing a pretrained decoder discards what "
                                      "fine-tuning builds on; use init: pretrained)"),
@@ -853,6 +994,11 @@ def _warn_if_pull_overshoots(opt: OptimizerConfig) -> None:
 # --------------------------------------------------------------------------------------------------
 # Validators' helpers
 # --------------------------------------------------------------------------------------------------
+
+
+# Keys of which a section takes exactly one (_require_exactly_one): a command-line value of one
+# replaces the file's other (config/loading.py, replacing_either_or).
+EITHER_OR_KEYS = (("training.max_steps", "training.num_epochs"), ("schedule.warmup_steps", "schedule.warmup_ratio"))
 
 
 def _require_exactly_one(model: BaseModel, a: str, b: str, hint: str = "") -> None:

@@ -1,4 +1,5 @@
-"""A decoder's supervised fine-tuning data (data.problem: causal_lm), from files to torch datasets:
+"""A decoder's supervised fine-tuning data (data.problem: causal_lm), from files or a Hub data set
+(hub_tables.py) to torch datasets:
 rows read and checked (sft_rows.py), tokenized once into the token cache (sft_tokenize.py,
 token_cache.py), memory-mapped by every process, and packed for training when asked
 (sft_packing.py); batches are sft_collate.py's.
@@ -25,10 +26,11 @@ from torch.utils.data import Dataset
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.user_files import make_writable_directory
 
-from ft_framework.data.readers import source_files
+from ft_framework.data.hub_tables import HubSplit
+from ft_framework.data.readers import Table, read_table, source_files
 from ft_framework.data.sft_collate import IGNORE_INDEX, SFTCollator, attention_windows
 from ft_framework.data.sft_packing import best_fit_decreasing
-from ft_framework.data.sft_rows import read_sft_rows
+from ft_framework.data.sft_rows import COLUMNS, sft_rows
 from ft_framework.data.sft_tokenize import TOKENIZATION_VERSION, RowTokenizer, chat_template_text
 from ft_framework.data.token_cache import (DEFAULT_CACHE_DIR, FORMAT_VERSION, CacheEntry, DamagedEntry, EntryWriter,
                                            array_blocks, content_hash, entry_name, open_entry, prepare_entry,
@@ -143,12 +145,14 @@ class SFTData:
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def load_sft_data(files: Mapping[str, str | Path], tokenizer: Any, settings: SFTSettings, *, cache_dir: Path,
+def load_sft_data(files: Mapping[str, str | Path | HubSplit], tokenizer: Any, settings: SFTSettings, *,
+                  cache_dir: Path,
                   is_main: bool = True, barrier: Callable[[], None] = lambda: None,
                   max_train_examples: int | None = None, max_eval_examples: int | None = None,
                   progress: bool = False) -> SFTData:
-    """The SFT data of ``files`` (split -> a file or a directory; ``train`` and at least one eval
-    split), tokenized by ``tokenizer`` under ``settings``, through the token cache in ``cache_dir``.
+    """The SFT data of ``files`` (split -> a file or a directory, or a Hub data set's split from
+    hub_tables.py; ``train`` and at least one eval split), tokenized by ``tokenizer`` under
+    ``settings``, through the token cache in ``cache_dir``.
 
     ``is_main``: this process tokenizes what the cache lacks and writes it, while the others wait at
     ``barrier`` (the caller's; every process calls it once) and then read it: the one process per
@@ -162,35 +166,33 @@ def load_sft_data(files: Mapping[str, str | Path], tokenizer: Any, settings: SFT
         make_writable_directory(cache_dir, key=CACHE_DIR_KEY)
     template = chat_template_text(tokenizer, settings.chat_template)
     tokenizer_hash = tokenizer_fingerprint(tokenizer, template)
-    splits: dict[str, tuple[Path, dict[str, Any]]] = {}
+    splits: dict[str, tuple[_RowSource, dict[str, Any]]] = {}
     for split, name in files.items():
-        path = Path(name).expanduser()
-        if not path.exists():
-            raise MissingPath(f"data.files.{split}: {path} not found (relative paths start at the current directory)")
+        source = _RowSource.of(name, split)
         limit = max_train_examples if split == TRAIN else max_eval_examples
         if limit is not None and limit < 1:
             raise UserError(f"the {split} split's example limit is {limit}; give at least 1 (or none)")
         key = {"format": FORMAT_VERSION, "tokenization": TOKENIZATION_VERSION, "split": split,
-               "source": content_hash(source_files(path, split)), "tokenizer": tokenizer_hash,
+               "source": source.fingerprint, "tokenizer": tokenizer_hash,
                "max_seq_length": settings.max_seq_length, "train_on_prompt": settings.train_on_prompt, "rows": limit}
-        splits[split] = (path, key)
+        splits[split] = (source, key)
     if is_main:
         row_tokenizer = RowTokenizer(tokenizer, max_seq_length=settings.max_seq_length,
                                      train_on_prompt=settings.train_on_prompt, chat_template=settings.chat_template)
-        for split, (path, key) in splits.items():
+        for split, (source, key) in splits.items():
             limit = key["rows"]
             prepare_entry(cache_dir, key, ARRAYS,
-                          build=lambda writer, path=path, split=split, limit=limit: _tokenize_split(
-                              writer, row_tokenizer, path, split, limit, progress),
+                          build=lambda writer, source=source, split=split, limit=limit: _tokenize_split(
+                              writer, row_tokenizer, source, split, limit, progress),
                           check=lambda entry: _check_entry(entry, len(tokenizer)))
     barrier()
     datasets: dict[str, SFTDataset] = {}
     stats: dict[str, dict[str, int]] = {}
-    for split, (path, key) in splits.items():
+    for split, (source, key) in splits.items():
         entry = _open(cache_dir, key, split)
         stats[split] = {name: int(entry.facts[name]) for name in STAT_KEYS}
         if not len(entry.arrays["prompt_lengths"]):
-            raise UserError(f"data.files.{split}: {path}: no row has a completion token left within "
+            raise UserError(f"{source.name}: no row has a completion token left within "
                             f"max_seq_length {settings.max_seq_length} ({stats[split]['rows']} read, "
                             f"{stats[split]['dropped_no_completion']} dropped); raise data.max_seq_length")
         datasets[split] = SFTDataset(entry, key, with_lengths=split != TRAIN)
@@ -199,6 +201,27 @@ def load_sft_data(files: Mapping[str, str | Path], tokenizer: Any, settings: SFT
         train = PackedSFTDataset(train, settings.max_seq_length)
         stats[TRAIN]["packed_sequences"] = len(train)
     return SFTData(train=train, eval=datasets, stats=stats)
+
+
+@dataclass
+class _RowSource:
+    """Where a split's rows come from: a file (or directory) or a Hub data set's split; ``name`` says
+    which in messages, ``fingerprint`` is what the token cache keys on (a file's bytes, a data set's
+    revision)."""
+
+    name: str
+    fingerprint: str
+    table: Callable[[], Table]
+
+    @classmethod
+    def of(cls, source: str | Path | HubSplit, split: str) -> "_RowSource":
+        if isinstance(source, HubSplit):
+            return cls(source.where, source.fingerprint, lambda: source.table(COLUMNS))
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise MissingPath(f"data.files.{split}: {path} not found (relative paths start at the current directory)")
+        return cls(f"data.files.{split}: {path}", content_hash(source_files(path, split)),
+                   lambda: read_table(path, split, columns=COLUMNS))
 
 
 def _open(cache_dir: Path, key: Mapping[str, Any], split: str) -> CacheEntry:
@@ -210,15 +233,15 @@ def _open(cache_dir: Path, key: Mapping[str, Any], split: str) -> CacheEntry:
                         f"be read here ({exc}); every process must see the same {CACHE_DIR_KEY}") from None
 
 
-def _tokenize_split(writer: EntryWriter, row_tokenizer: RowTokenizer, path: Path, split: str, limit: int | None,
-                    progress: bool) -> dict[str, Any]:
+def _tokenize_split(writer: EntryWriter, row_tokenizer: RowTokenizer, source: _RowSource, split: str,
+                    limit: int | None, progress: bool) -> dict[str, Any]:
     """Streams the split's rows through the tokenizer a chunk at a time into ``writer``; the counts."""
     from tqdm.auto import tqdm  # lazy, as the trainer's progress bar
 
     counts = dict.fromkeys(STAT_KEYS, 0)
     writer.append(offsets=np.zeros(1, dtype=np.int64))
     with tqdm(desc=f"tokenizing {split}", unit=" rows", disable=not progress, total=limit) as bar:
-        for chunk in _chunks(read_sft_rows(path, split, limit), CHUNK_ROWS):
+        for chunk in _chunks(sft_rows(source.table(), limit), CHUNK_ROWS):
             tokens = row_tokenizer.tokenize(chunk)
             writer.append(input_ids=tokens.input_ids, target_mask=tokens.target_mask,
                           offsets=counts["tokens"] + np.cumsum(tokens.lengths),
@@ -230,7 +253,7 @@ def _tokenize_split(writer: EntryWriter, row_tokenizer: RowTokenizer, path: Path
             counts["completion_tokens"] += int(np.count_nonzero(tokens.target_mask))
             bar.update(tokens.rows)
     if not counts["rows"]:
-        raise UserError(f"{path}: no rows in the {split} file; a run needs rows to train on and to evaluate")
+        raise UserError(f"{source.name}: no rows in the {split} split; a run needs rows to train on and to evaluate")
     return counts
 
 

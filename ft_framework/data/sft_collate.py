@@ -4,10 +4,15 @@
   loss is taken (prompts, a row's first token, padding); ``position_ids`` (B, T), restarting at 0
   for each row.
 - Rows: ``attention_mask`` (B, T), 1 on tokens and 0 on padding.
-- Packed sequences: ``attention_mask`` is the (B, 1, T, T) additive mask (0 where a token may attend,
-  the dtype's lowest value where not) that lets each token see only the earlier tokens of its own
-  row: block-diagonal and causal. The padding at the end is a block of its own, so that no query
-  sees nothing (a softmax over nothing is NaN, and NaN times a zero gradient is still NaN).
+- Packed sequences: no ``attention_mask``: the ``position_ids`` restarting at 0 mark where each row
+  starts, and transformers (5.24, masking_utils' packed-sequence detection, for a batch without a
+  mask and without a cache) builds each kernel's own form of the block-diagonal causal mask from them
+  (flex attention a block mask, flash attention varlen bounds, sdpa its boolean mask), sliding
+  windows included. The padding at the end is a row of its own, so that no query sees nothing (a
+  softmax over nothing is NaN, and NaN times a zero gradient is still NaN).
+- Packed sequences with ``dense_packed_mask`` (eager attention): ``attention_mask`` is the
+  (B, 1, T, T) additive mask (0 where a token may attend, the dtype's lowest value where not) that
+  lets each token see only the earlier tokens of its own row: block-diagonal and causal.
 
 transformers (5.24) passes a 4D mask to the attention unchanged, for sdpa and eager alike (a boolean
 one would be added to eager's scores as 0 and 1: it must be additive); it does not apply a model's
@@ -60,13 +65,15 @@ def packed_attention_mask(segments: torch.Tensor, window: int | None = None,
 class SFTCollator:
     """Collates SFT items (data/sft.py): rows, or packed sequences (items with ``sequence_lengths``).
 
-    ``attention_windows``: see :func:`attention_windows` (packed batches only). ``mask_dtype``: the
+    ``dense_packed_mask``: packed batches carry the dense 4D mask (else none: position_ids only).
+    ``attention_windows``: see :func:`attention_windows` (dense packed masks only). ``mask_dtype``: the
     packed mask's dtype (float32 works with fp32 and bf16 models, under autocast too; a bf16 mask
     takes half the memory with a bf16 model). A class, not a closure, so that it pickles."""
 
     def __init__(self, pad_token_id: int, *, attention_windows: Windows = None, mask_dtype: torch.dtype = torch.float32,
-                 pad_to_multiple_of: int | None = None):
+                 pad_to_multiple_of: int | None = None, dense_packed_mask: bool = False):
         self.pad_token_id = pad_token_id
+        self.dense_packed_mask = dense_packed_mask
         self.attention_windows = attention_windows
         self.mask_dtype = mask_dtype
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -97,6 +104,8 @@ class SFTCollator:
         batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
         if not packed:
             batch["attention_mask"] = (segments == 0).long()
+        elif not self.dense_packed_mask:
+            pass  # the position_ids say where each row starts
         elif isinstance(self.attention_windows, Mapping):
             batch["attention_mask"] = {kind: packed_attention_mask(segments, window, self.mask_dtype)
                                        for kind, window in self.attention_windows.items()}

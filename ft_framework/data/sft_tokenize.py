@@ -17,6 +17,14 @@ Tokens are TRL's SFTTrainer's (trl 1.16) for the same rows and tokenizer, when n
   up to and including it adds to the conversation before it rendered with the generation prompt:
   its content and its end-of-turn tokens (ChatML: ``content<|im_end|>\\n``). A token is a target
   when it overlaps an assistant turn's characters (transformers' rule for assistant masks).
+- conversational ``prompt`` + ``completion`` (lists of messages, as TRL's SFTTrainer tokenizes them):
+  the prompt rendered with the generation prompt and the prompt + completion rendered, both tokenized
+  without added special tokens; the completion starts where the two first differ, and its tokens are
+  the targets (no EOS appended: the template ends the turn).
+
+A row's ``tools`` go to the chat template's ``tools`` argument. A ``developer`` message is rendered as
+``system`` by a template that never names the developer role (said once in the log). A template that
+never reads ``tools`` (or ``tool_calls``) would drop them silently: a row holding them is refused.
 
 ``train_on_prompt`` makes every token of a prompt/completion or messages row a target.
 
@@ -31,6 +39,7 @@ all-masked.
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -39,10 +48,12 @@ import numpy as np
 
 from ft_framework.errors import UserError, shortened
 
-from ft_framework.data.sft_rows import MESSAGES, PROMPT_COMPLETION, TEXT, SFTRow
+from ft_framework.data.sft_rows import CHAT_PROMPT_COMPLETION, MESSAGES, PROMPT_COMPLETION, TEXT, SFTRow
 
 __all__ = ["RowTokenizer", "TOKENIZATION_VERSION", "TokenizedRows", "chat_template_text", "check_chat_template",
            "has_generation_markers", "truncation_window"]
+
+logger = logging.getLogger(__name__)
 
 # The version of the rules above, part of every token cache key: change it with any rule that changes
 # tokens, targets or windows, so that no entry made by the old rules is read.
@@ -129,6 +140,10 @@ class RowTokenizer:
         # data.chat_template is compiled where its file is read; the tokenizer's own template when a
         # conversation first needs it (rows of the other shapes never render one).
         self._unchecked_template = chat_template is None and self.template is not None
+        self._template_name = "the tokenizer's chat template" if chat_template is None else "data.chat_template"
+        # Templates that know no developer role (most but the gpt-oss / OpenAI-style ones) get it as system.
+        self._developer_as_system = self.template is not None and "developer" not in self.template
+        self._developer_said = False
 
     # ---- one chunk ---------------------------------------------------------------------------------
     def tokenize(self, rows: Sequence[SFTRow]) -> TokenizedRows:
@@ -148,6 +163,9 @@ class RowTokenizer:
         elif shape == MESSAGES:
             ids, masks = self._messages(rows)
             starts = None
+        elif shape == CHAT_PROMPT_COMPLETION:
+            ids, starts = self._chat_prompt_completion(rows)
+            masks = None
         else:
             raise ValueError(f"unknown row shape {shape!r}")
         return self._finish(ids, starts, masks, every_token=shape == TEXT or self.train_on_prompt)
@@ -171,13 +189,49 @@ class RowTokenizer:
         return full, starts
 
     # ---- conversations -----------------------------------------------------------------------------
-    def _messages(self, rows: Sequence[SFTRow]) -> tuple[list[list[int]], list[np.ndarray]]:
+    def _need_template(self, rows: Sequence[SFTRow]) -> None:
         if self.template is None:
             raise UserError(f"{rows[0].where}: rows of the messages shape need a chat template, and the tokenizer has "
                             "none; set data.chat_template to a Jinja template file")
         if self._unchecked_template:
             check_chat_template(self.template, "the tokenizer's own chat template (data.chat_template replaces it)")
             self._unchecked_template = False
+        for row in rows:
+            self._check_tools(row)
+
+    def _check_tools(self, row: SFTRow) -> None:
+        """A template that never reads a row's tools or an assistant's tool calls would drop them."""
+        calls = any("tool_calls" in message for message in row.messages + row.completion_messages)
+        for used, name in ((row.tools is not None, "tools"), (calls, "tool_calls")):
+            if used and name not in self.template:
+                raise UserError(f"{row.where}: the row holds `{name}`, which {self._template_name} never renders (it "
+                                f"does not read `{name}`); give a template that renders tools (data.chat_template)")
+
+    def _conversation(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as the template gets them: developer as system where it knows no developer."""
+        if not self._developer_as_system or not any(m["role"] == "developer" for m in messages):
+            return list(messages)
+        if not self._developer_said:
+            logger.info("%s has no developer role: developer messages are rendered as system messages",
+                        self._template_name)
+            self._developer_said = True
+        return [dict(m, role="system") if m["role"] == "developer" else m for m in messages]
+
+    def _chat_prompt_completion(self, rows: Sequence[SFTRow]) -> tuple[list[list[int]], np.ndarray]:
+        """TRL's conversational prompt/completion: the completion starts where the tokens of the prompt
+        (with the generation prompt) and of the whole conversation first differ."""
+        self._need_template(rows)
+        prompts = [self._render(row.messages, row, tokenize=False, add_generation_prompt=True) for row in rows]
+        whole = [self._render(row.messages + row.completion_messages, row, tokenize=False) for row in rows]
+        encode = dict(add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False,
+                      verbose=False)
+        prompt_ids = self.tokenizer(prompts, **encode)["input_ids"]
+        full = self.tokenizer(whole, **encode)["input_ids"]
+        starts = np.fromiter((_common_prefix(p, f) for p, f in zip(prompt_ids, full)), dtype=np.int64, count=len(rows))
+        return full, starts
+
+    def _messages(self, rows: Sequence[SFTRow]) -> tuple[list[list[int]], list[np.ndarray]]:
+        self._need_template(rows)
         if has_generation_markers(self.template):
             return self._marked_messages(rows)
         texts, spans = zip(*(self._turn_spans(row) for row in rows))
@@ -187,13 +241,14 @@ class RowTokenizer:
                  for offsets, row_spans in zip(encoded["offset_mapping"], spans)]
         return encoded["input_ids"], masks
 
-    def _render(self, messages: Sequence[dict[str, str]], where: str, **kwargs: Any) -> Any:
+    def _render(self, messages: Sequence[dict[str, Any]], row: SFTRow, **kwargs: Any) -> Any:
         from jinja2 import TemplateError  # a dependency of transformers' chat templates
 
         try:
-            return self.tokenizer.apply_chat_template(list(messages), chat_template=self.template, **kwargs)
+            return self.tokenizer.apply_chat_template(self._conversation(messages), chat_template=self.template,
+                                                      tools=_tools(row), **kwargs)
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"{where}: the chat template cannot render this conversation "
+            raise UserError(f"{row.where}: the chat template cannot render this conversation "
                             f"({type(exc).__name__}: {shortened(str(exc))})") from None
 
     def _marked_messages(self, rows: Sequence[SFTRow]) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -201,12 +256,16 @@ class RowTokenizer:
         # verbose=False: a row longer than the model's context is cut afterwards, not an error to warn of
         kwargs = dict(tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
                       tokenizer_kwargs={"verbose": False})
+        if any(row.tools is not None for row in rows):  # tools are one argument per call: a row at a time
+            outs = [self._render(row.messages, row, **kwargs) for row in rows]
+            return ([out["input_ids"] for out in outs],
+                    [np.asarray(out["assistant_masks"], dtype=np.uint8) for out in outs])
         try:
-            out = self.tokenizer.apply_chat_template([list(row.messages) for row in rows], chat_template=self.template,
-                                                     **kwargs)
+            out = self.tokenizer.apply_chat_template([self._conversation(row.messages) for row in rows],
+                                                     chat_template=self.template, **kwargs)
         except Exception:  # which row: render them one by one, the failing one raises a UserError
             for row in rows:
-                self._render(row.messages, row.where, **kwargs)
+                self._render(row.messages, row, **kwargs)
             raise
         return out["input_ids"], [np.asarray(mask, dtype=np.uint8) for mask in out["assistant_masks"]]
 
@@ -214,7 +273,7 @@ class RowTokenizer:
         """The rendered conversation and the characters of each assistant turn: what the conversation up
         to the turn adds to the one before it with the generation prompt."""
         messages = row.messages
-        whole = self._render(messages, row.where, tokenize=False)
+        whole = self._render(messages, row, tokenize=False)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -223,8 +282,8 @@ class RowTokenizer:
                 raise UserError(f"{row.where}: the conversation opens with an assistant message; without "
                                 "{% generation %} markers in the chat template its turn is told apart from what "
                                 "precedes it, so start with a system or user message (or mark the template)")
-            head = self._render(messages[:i], row.where, tokenize=False, add_generation_prompt=True)
-            upto = whole if i == len(messages) - 1 else self._render(messages[: i + 1], row.where, tokenize=False)
+            head = self._render(messages[:i], row, tokenize=False, add_generation_prompt=True)
+            upto = whole if i == len(messages) - 1 else self._render(messages[: i + 1], row, tokenize=False)
             if not (upto.startswith(head) and whole.startswith(upto)):
                 raise UserError(f"{row.where}: the chat template renders the conversation before messages[{i}] "
                                 "differently from the start of the whole one, so the assistant's turn cannot be told "
@@ -262,6 +321,10 @@ class RowTokenizer:
             completion_lengths=np.minimum(completion_lengths, end - starts)[alive].astype(np.int32),
             rows=count, truncated=int(np.count_nonzero(alive & (lengths > self.max_seq_length))),
             dropped=int(np.count_nonzero(~alive)))
+
+
+def _tools(row: SFTRow) -> list[dict[str, Any]] | None:
+    return None if row.tools is None else list(row.tools)
 
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:

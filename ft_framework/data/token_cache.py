@@ -2,9 +2,10 @@
 seed, another run of a sweep or another rank reads them instead of tokenizing again.
 
 An entry is a directory named by the hash of its key: what changes the tokens (the data files' bytes,
-the tokenizer with its chat template, the settings that change tokens; the caller says which). It
-holds flat arrays of plain numbers, each a raw file, and ``header.json``: the key, each array's dtype,
-length and xxh3 checksum, and the caller's facts (counts). Nothing in it is code: arrays are read
+or a Hub data set's revision, configuration and split: hub_tables.HubSplit.fingerprint; the tokenizer
+with its chat template, the settings that change tokens; the caller says which). It holds flat arrays
+of plain numbers, each a raw file, and ``header.json``: the key, each array's dtype, length and xxh3
+checksum, and the caller's facts (counts). Nothing in it is code: arrays are read
 with np.memmap (never unpickled), the header as JSON.
 
 - One process writes (the caller's main process; the others wait for it at the caller's barrier).

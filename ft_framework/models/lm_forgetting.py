@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.errors import UserError
 from ft_framework.user_files import MissingFile, open_binary, read_json, refused_entries
+from ft_framework.models.lm_head_requests import REQUEST_KEY, ProbeLogProbs
 from ft_framework.models.forgetting import CKA_DRIFT_LAST, CKA_DRIFT_MEAN, MIN_PROBE_SENTENCES, debiased_linear_cka
 
 logger = logging.getLogger(__name__)
@@ -67,13 +68,17 @@ class LMForgettingProbe:
     measures = LM_FORGETTING_MEASURES
 
     def __init__(self, *, sentences: list[str], source: str, tokenizer: Any, max_length: int, batch_size: int,
-                 rank: int, world_size: int, device: torch.device, gather: Callable[[Any], list[Any]]):
+                 rank: int, world_size: int, device: torch.device, gather: Callable[[Any], list[Any]],
+                 chunked: bool = False):
         if len(sentences) < MIN_PROBE_SENTENCES:
             raise UserError(f"the forgetting probe text ({source}) has {len(sentences)} sentence(s); it needs at "
                             f"least {MIN_PROBE_SENTENCES} (evaluation.forgetting.num_sentences, probe_file)")
         self.source, self.num_sentences, self.max_length = source, len(sentences), max_length
         self.batch_size, self.device, self.gather = min(batch_size, _MAX_PROBE_BATCH), device, gather
         self.rank, self.world_size = rank, world_size
+        # chunked: the model's head answers a ProbeLogProbs request (models/lm_head_requests.py), a
+        # chunk of predicted positions at a time, instead of returning the batch's whole logits.
+        self.chunked = chunked
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         enc = tokenizer(sentences, truncation=True, max_length=max_length)
         ids = enc["input_ids"]
@@ -210,18 +215,32 @@ class LMForgettingProbe:
             width = int(mask.sum(1).max())
             batch = {"input_ids": self.input_ids[rows, :width].to(self.device),
                      "attention_mask": mask[:, :width].to(self.device), "output_hidden_states": True, "use_cache": False}
+            first = len(features)  # the batch's first sentence's place in the share (and in the reference's)
+            if self.chunked:
+                answers = torch.cat(reference.logprobs[first:first + real]) if reference is not None and real else None
+                batch[REQUEST_KEY] = ProbeLogProbs(batch["input_ids"], batch["attention_mask"], real, answers)
             out = forward(batch)
             hidden = [h.double() for h in out.hidden_states[1:]]
             logits = out.logits.float()
+            start = 0  # a chunked answer's first position of the sentence
             for r in range(real):
-                k = len(features)  # this sentence's place in the share (and in the reference's)
+                k = len(features)
                 length = int(mask[r].sum())
                 pooled = torch.stack([h[r, :length].mean(0) for h in hidden]).cpu()
-                logp = F.log_softmax(logits[r, :length - 1], dim=-1)
-                targets = batch["input_ids"][r, 1:length]
-                loss_sums.append(float(-logp.gather(1, targets[:, None]).sum()))
                 positions.append(length - 1)
                 features.append(pooled)
+                targets = batch["input_ids"][r, 1:length]
+                if self.chunked and reference is not None:  # (2, N): each position's loss and KL
+                    loss_sums.append(float(logits[0, start:start + length - 1].sum()))
+                    kl_sums.append(float(logits[1, start:start + length - 1].sum()))
+                    start += length - 1
+                    continue
+                if self.chunked:  # (N, vocabulary): the log-probabilities
+                    logp = logits[start:start + length - 1]
+                    start += length - 1
+                else:
+                    logp = F.log_softmax(logits[r, :length - 1], dim=-1)
+                loss_sums.append(float(-logp.gather(1, targets[:, None]).sum()))
                 if reference is None:
                     logprobs.append(logp.cpu())
                     kl_sums.append(0.0)

@@ -28,6 +28,7 @@ from torch import nn
 from ft_framework.errors import MissingPath, UserError, shortened
 from ft_framework.models.gguf_cache import gguf_model_dir
 from ft_framework.models.hub import PYPI_PREFIX, check_model_source, pypi_model_dir
+from ft_framework.models.lm_head_requests import install_head_requests
 from ft_framework.models.lora import apply_lora
 from ft_framework.user_files import NO_REMOTE_CODE, read_json
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CAUSAL_LM_CLASS",
     "LoadedModel",
     "ModelClass",
     "sequence_classifier",
@@ -55,6 +57,7 @@ __all__ = [
     "share_mixout_targets",
 ]
 
+CAUSAL_LM_CLASS = "AutoModelForCausalLM"  # a decoder's model class (its LM head takes head requests)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -233,6 +236,9 @@ def load_model(cfg: "ModelConfig", *, model_class: ModelClass, seed: int) -> Loa
             torch.manual_seed(seed)
             model = apply_lora(model, cfg.lora, new_names)
         pretrained_state = {}
+    if model_class.auto_class == CAUSAL_LM_CLASS:
+        # After LoRA: a head that LoRA adapts is no plain Linear, and its requests take finished logits.
+        install_head_requests(model.get_base_model() if hasattr(model, "get_base_model") else model)
     return LoadedModel(model=model, tokenizer=None, pretrained_state=pretrained_state,
                        new_parameter_names=new_names, reinitialized_parameter_names=sorted(set(reinitialized)),
                        mixout_module_names=mixout_names)
@@ -259,9 +265,11 @@ def _from_pretrained(path: str, cfg: "ModelConfig", model_class: ModelClass, loc
                                                      **dict(model_class.config_values), **NO_REMOTE_CODE)
     apply_dropout(config, cfg.dropout)
     auto_class = getattr(transformers, model_class.auto_class)
+    # model.attn_implementation: the attention kernel (None: transformers' default, sdpa where it runs).
+    attention = {} if getattr(cfg, "attn_implementation", None) is None else {"attn_implementation": cfg.attn_implementation}
     return auto_class.from_pretrained(
         path, config=config, local_files_only=local_files_only, output_loading_info=True, ignore_mismatched_sizes=True,
-        **fp32_load_argument(), **NO_REMOTE_CODE,
+        **fp32_load_argument(), **NO_REMOTE_CODE, **attention,
     )
 
 

@@ -18,6 +18,13 @@ def quickstart_sft_dir() -> Path:
     return Path(__file__).resolve().parent / "quickstart_sft"
 
 
+def benchmarks_dir() -> Path:
+    """The lm-evaluation-harness tasks shipped with the package, one folder each (a task YAML, its rows,
+    their licence and provenance): pass it to lm-eval as `--include_path` or `TaskManager(include_path=...)`.
+    wordnet_gloss/ is written by scripts/build_wordnet_benchmark.py from WordNet 3.0."""
+    return Path(__file__).resolve().parent / "benchmarks"
+
+
 # Hub ids whose published architecture (config.json only, no weights) ships in architectures/, so
 # that the memory plan answers for them without the Hugging Face cache.
 PUBLISHED_ARCHITECTURES = {

@@ -14,6 +14,7 @@ A run's output directory (``logging.output_dir``)::
     interpolation.json      ft-interpolate's results, and its plot interpolation.png
     forgetting_reference/   a causal LM's forgetting probe as θ* answered it before the first step
                             (one safetensors file per rank that measured it), read again on resume
+    benchmark_reference.json  θ*'s lm-eval benchmark scores (evaluation.benchmarks), read again on resume
     overwritten-<timestamp>/  a previous run's files, moved aside by logging.overwrite=true
     .ft-train.lock(.json)   the one-writer lock rank 0 holds while the run lives, and who holds it
 
@@ -40,6 +41,7 @@ TRACKERS_FILE = "trackers.json"
 INTERPOLATION_FILE = "interpolation.json"
 INTERPOLATION_PLOT = "interpolation.png"
 FORGETTING_REFERENCE_DIR = "forgetting_reference"
+BENCHMARK_REFERENCE_FILE = "benchmark_reference.json"
 MOVED_ASIDE_PREFIX = "overwritten-"  # + a timestamp: the directory logging.overwrite moves a run into
 RUN_LOCK_FILE = ".ft-train.lock"  # held (flock) by rank 0 for the whole run: one writer per output directory
 RUN_LOCK_INFO_FILE = ".ft-train.lock.json"  # who holds it: host, pid, start time
@@ -111,6 +113,11 @@ class RunPaths:
     def forgetting_reference(self) -> Path:
         """θ*'s answers to a causal LM's forgetting probe, kept for the run's later measurements."""
         return self.root / FORGETTING_REFERENCE_DIR
+
+    @property
+    def benchmark_reference(self) -> Path:
+        """θ*'s benchmark scores (evaluation.benchmarks), kept for the run's later measurements."""
+        return self.root / BENCHMARK_REFERENCE_FILE
 
     @property
     def export_scratch(self) -> Path:

@@ -32,6 +32,8 @@ ALLOWED_ON_RESUME: dict[str, str] = {
     "logging": "where and how often the run logs (includes the progress bar and output_dir)",
     "evaluation.batch_size": "evaluation batch size (same predictions, other memory use)",
     "evaluation.forgetting": "what forgetting is measured on (measuring changes no weight)",
+    "evaluation.benchmarks": "how the benchmarks are scored (scoring changes no weight; θ*'s kept scores must be of "
+                             "the same tasks)",
     "evaluation.interpolation": "the interpolation toward θ* at the run's end (it evaluates the finished model)",
     "checkpoint.every_steps": "checkpoint cadence",
     "checkpoint.keep_last": "checkpoint cadence",
@@ -44,6 +46,8 @@ ALLOWED_ON_RESUME: dict[str, str] = {
     "strategy": "strategy and world size (checkpoints reshard)",
     "training.device": "the device (like the strategy: where it runs, not what it trains)",
     "training.activation_checkpointing": "memory for time: activations recomputed, same gradients",
+    "training.chunked_loss": "memory for time: a decoder's loss a chunk of label tokens at a time, same values",
+    "model.attn_implementation": "the attention kernel: the same attention, computed another way",
     "world_size": "number of processes (checkpoints reshard)",
     # The split of the global batch over ranks and accumulation steps follows the world size; the
     # global batch itself (training.global_batch_size below) must not change.

@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_map_only
 
 from ft_framework.models.activation_checkpointing import apply_activation_checkpointing
 from ft_framework.models.fused_activations import fuse_activations
-from ft_framework.models.loading import ModelClass
+from ft_framework.models.lm_head_requests import install_head_requests
+from ft_framework.models.loading import CAUSAL_LM_CLASS, ModelClass
 from ft_framework.strategies.torch_tracing import (cuda_autocast_rules, dispatch_mode_base, fake_tensor_mode,
                                                    scalar_reads_answer_zero)
 
@@ -143,6 +144,8 @@ def build_model_on_meta(arch: Any, *, model_class: ModelClass, fused_activations
         model = getattr(transformers, model_class.auto_class).from_config(arch)
     if fused_activations:
         fuse_activations(model)
+    if model_class.auto_class == CAUSAL_LM_CLASS:
+        install_head_requests(model)  # as load_model does: the kind's trace batch may hand the head a request
     return model
 
 

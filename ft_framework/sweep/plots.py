@@ -10,7 +10,7 @@
 - frontier_<task>.png         score against functional forgetting, every evaluation of every run, one colour
                               per method, the WiSE-FT α lines, the non-dominated points joined; one panel
                               per forgetting measure of the frontier (a decoder's: the KL from θ* and the
-                              LM loss gained)
+                              LM loss gained; and the benchmark drop where runs scored benchmarks)
 
 Scores are in the report's unit and direction (sweep/scores.py): an axis says "x100", or "lower is
 better" for a loss.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ft_framework.interpolate import plot_interpolation
-from ft_framework.sweep.frontier import EVAL, INTERPOLATED, Frontier
+from ft_framework.sweep.frontier import EVAL, INTERPOLATED, Frontier, measure_label
 from ft_framework.sweep.records import RunRecord, read_metrics
 from ft_framework.sweep.report import Report, interpolation_curves
 from ft_framework.sweep.scores import score_label, score_scale
@@ -256,7 +256,7 @@ def _frontier_panel(ax, points: list, measure: str, metric: str, methods: list[s
             drawstyle="steps-post", label="non-dominated")
     ax.scatter([p.forgetting for p in front], [p.score for p in front], s=70, facecolors="none",
                edgecolors="black", linewidths=1.2)
-    ax.set_xlabel(f"functional forgetting ({measure}; lower is better)")
+    ax.set_xlabel(measure_label(measure))
     ax.set_ylabel(score_label(metric))
     ax.set_title(f"{task}: learning–forgetting frontier ({measure})")
     ax.grid(alpha=0.3)

@@ -26,8 +26,9 @@ How numbers are made (also stated at the top of report.md):
   loss) has no meaning and is left empty (its counts are still summed).
 - Levene's test (median-centred, Brown-Forsythe) compares, per task, the seeds of the chosen
   setting of each pair of methods.
-- The learning–forgetting frontier (score against functional forgetting per evaluation, forgetting
-  at matched accuracy, Spearman between ‖θ − θ*‖ and forgetting): sweep/frontier.py.
+- The learning–forgetting frontier (score against functional forgetting and the benchmark drop per
+  evaluation, forgetting at matched accuracy, Spearman between ‖θ − θ*‖ and forgetting, and between
+  the benchmark drop and the KL, the LM loss gained and ‖θ − θ*‖): sweep/frontier.py.
 - Expected best score of n trials: bootstrap (10,000 draws) of n runs with replacement from ALL
   finished runs of a method on a task (every setting and seed is a random trial), the best by
   selection score counting with its score; the exact expectation is given alongside.
@@ -359,6 +360,9 @@ class Report:
         if self.frontier.correlation_rows:
             tables["forgetting_correlation.csv"] = (["task", "measure", "method", "n", "rho", "pvalue"],
                                                     self.frontier.correlation_rows)
+        if self.frontier.benchmark_correlation_rows:
+            tables["benchmark_correlation.csv"] = (["task", "predictor", "method", "n", "rho", "pvalue"],
+                                                   self.frontier.benchmark_correlation_rows)
         return tables
 
     @staticmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy import special
+from scipy import stats
 
 __all__ = ["LeveneResult", "levene", "expected_max_exact", "expected_max_bootstrap", "expected_max_curve",
            "sample_std"]
@@ -30,48 +30,36 @@ class LeveneResult:
     pvalue: float
 
 
-def _trim_mean(x: np.ndarray, proportiontocut: float) -> float:
-    """Mean after cutting int(proportiontocut * n) values from each end (scipy.stats.trim_mean)."""
-    xs = np.sort(x)
-    cut = int(proportiontocut * len(xs))
-    return float(np.mean(xs[cut:len(xs) - cut]))
+# |y - centre| equal inside every group up to rounding (e.g. two values per group, whose distances to
+# their median or mean are equal): scipy's W would be one rounding error over another.
+_ROUNDING = 1e-12
 
 
 def levene(*groups: Sequence[float], center: str = "median", proportiontocut: float = 0.05) -> LeveneResult:
     """Levene's test that the groups have equal variances (center="median": Brown-Forsythe, the
     default of scipy.stats.levene and the robust choice for few, skewed samples such as seeds).
 
-    W = (N - k) / (k - 1) * sum_i n_i (Zbar_i - Zbar)^2 / sum_ij (Z_ij - Zbar_i)^2 with
-    Z_ij = |Y_ij - center_i|; p = P(F(k - 1, N - k) > W). NaN when fewer than two groups, a group
-    has fewer than two values, or every Z is equal.
+    scipy.stats.levene computes it, W = (N - k) / (k - 1) * sum_i n_i (Zbar_i - Zbar)^2 /
+    sum_ij (Z_ij - Zbar_i)^2 with Z_ij = |Y_ij - center_i| and p = P(F(k - 1, N - k) > W), except
+    where W's denominator is zero, which scipy reads through rounding errors: NaN when fewer than two
+    groups, a group has fewer than two values, or every Z is equal; W = inf (p = 0) when the Z are
+    equal inside each group but not across them.
     """
     arrays = [np.asarray(g, dtype=np.float64).ravel() for g in groups]
-    k = len(arrays)
-    if k < 2 or any(len(a) < 2 for a in arrays):
+    if len(arrays) < 2 or any(len(a) < 2 for a in arrays):
         return LeveneResult(math.nan, math.nan)
-    if center == "median":
-        centers = [float(np.median(a)) for a in arrays]
-    elif center == "mean":
-        centers = [float(np.mean(a)) for a in arrays]
-    elif center == "trimmed":
-        centers = [_trim_mean(a, proportiontocut) for a in arrays]
-    else:
+    centres = {"median": np.median, "mean": np.mean,
+               "trimmed": lambda a: stats.trim_mean(a, proportiontocut)}
+    if center not in centres:
         raise ValueError(f"center must be 'median', 'mean' or 'trimmed', got {center!r}")
-    z = [np.abs(a - c) for a, c in zip(arrays, centers)]
-    n = np.array([len(a) for a in arrays], dtype=np.float64)
-    total = float(n.sum())
-    zbar_i = np.array([zi.mean() for zi in z])
-    zbar = float(np.sum(n * zbar_i) / total)
-    between = float(np.sum(n * (zbar_i - zbar) ** 2))
-    within = float(sum(np.sum((zi - m) ** 2) for zi, m in zip(z, zbar_i)))
-    scale = float(sum(np.sum(zi ** 2) for zi in z))
-    if within <= 1e-12 * scale:  # e.g. two values per group: |y - median| is the same for both
-        within = 0.0
-        between = 0.0 if between <= 1e-12 * scale else between
-    if within == 0.0:
-        return LeveneResult(math.nan if between == 0.0 else math.inf, math.nan if between == 0.0 else 0.0)
-    w = (total - k) / (k - 1) * between / within
-    return LeveneResult(float(w), float(special.fdtrc(k - 1, total - k, w)))
+    z = [np.abs(a - centres[center](a)) for a in arrays]
+    tolerance = _ROUNDING * max(float(zi.max()) for zi in z)
+    if all(np.ptp(zi) <= tolerance for zi in z):
+        if np.ptp([zi.mean() for zi in z]) <= tolerance:
+            return LeveneResult(math.nan, math.nan)
+        return LeveneResult(math.inf, 0.0)
+    result = stats.levene(*arrays, center=center, proportiontocut=proportiontocut)
+    return LeveneResult(float(result.statistic), float(result.pvalue))
 
 
 def _ranked(scores: Sequence[float], selection: Sequence[float] | None,

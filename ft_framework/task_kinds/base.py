@@ -18,6 +18,7 @@ import torch
 
 from ft_framework.data.tasks import TaskSpec
 from ft_framework.models.loading import ModelClass
+from ft_framework.models.lm_benchmarks import BenchmarkSuite
 from ft_framework.models.probes import ForgettingProbe
 
 if TYPE_CHECKING:
@@ -182,6 +183,12 @@ class TaskKind(ABC):
     @abstractmethod
     def build_probe(self, tokenizer: Any, run: RunContext) -> ForgettingProbe | None:
         """The functional-forgetting probe (models/probes.py; None when evaluation.forgetting is off)."""
+
+    def build_benchmarks(self, tokenizer: Any, model: Any, run: RunContext) -> BenchmarkSuite | None:
+        """The lm-evaluation-harness tasks of evaluation.benchmarks (models/lm_benchmarks.py), scored
+        on θ* and the live model through the strategy's forward; None: the kind scores none (the
+        config refuses them for it)."""
+        return None
 
     # ---- the memory plan -----------------------------------------------------------------------
     @abstractmethod

@@ -17,6 +17,7 @@ A run is judged against the pretrained model itself: it is evaluated before the 
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,17 +26,22 @@ import torch
 import torch.nn.functional as F
 
 from ft_framework import resources
+from ft_framework.data.hub_tables import HubSplit, open_hub_split
 from ft_framework.data.sft import DEFAULT_CACHE_DIR, SFTCollator, SFTSettings, attention_windows, load_sft_data
 from ft_framework.data.sft_collate import IGNORE_INDEX, packed_attention_mask
 from ft_framework.data.sft_tokenize import check_chat_template
 from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
+from ft_framework.models.lm_benchmarks import BenchmarkSuite, BenchmarkTask
 from ft_framework.models.lm_forgetting import LMForgettingProbe, lm_probe_reference_bytes
-from ft_framework.models.loading import ModelClass
+from ft_framework.models.lm_head_requests import REQUEST_KEY, NextTokenLoss
+from ft_framework.models.loading import CAUSAL_LM_CLASS, ModelClass
 from ft_framework.models.probes import build_probe
 from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MemoryRow, MicroBatchLoss, RunContext,
                                          TaskKind, TraceBatch, to_device)
 from ft_framework.user_files import read_text
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CausalLMKind", "greedy_completions", "greedy_matches",
            "label_token_count",
@@ -110,13 +116,16 @@ class CausalLMKind(TaskKind):
 
     @property
     def model_class(self) -> ModelClass:
-        return ModelClass("AutoModelForCausalLM", new_head=False)
+        return ModelClass(CAUSAL_LM_CLASS, new_head=False)
 
     # ---- data --------------------------------------------------------------------------------
-    def _files(self) -> dict[str, Path]:
+    def _files(self) -> dict[str, Path | HubSplit]:
         data = self.cfg.data
         if data.files is not None:
             return {split: Path(path).expanduser() for split, path in data.files.items()}
+        hub = data.hub_source()
+        if hub is not None:
+            return {split: open_hub_split(hub, split) for split in hub.splits}
         folder = resources.quickstart_sft_dir()  # the one shipped SFT set (schema.BUILTIN_DATA_SOURCES)
         return {split: folder / f"{split}.jsonl" for split in ("train", "validation")}
 
@@ -154,24 +163,40 @@ class CausalLMKind(TaskKind):
         return loaded
 
     def collator(self, tokenizer: Any, model_config: Any) -> Callable:
-        # Packed rows attend within themselves through a 4D mask, which carries the sliding windows
-        # of the models whose layers slide (the model applies none to a mask it is given).
-        return SFTCollator(_pad_id(tokenizer), attention_windows=attention_windows(model_config))
+        # Packed rows attend within themselves: transformers finds each row's bounds from the
+        # position_ids when a batch has no mask (and applies sliding windows itself); eager attention
+        # takes the dense 4D mask instead, which carries the windows of the models whose layers slide
+        # (the model applies none to a mask it is given).
+        dense = _dense_packed_mask(getattr(model_config, "_attn_implementation", None))
+        if self.cfg.data.packing and dense:
+            logger.info("packed batches carry a dense (B, 1, T, T) mask: attention %r takes no sequence bounds "
+                        "from position_ids (model.attn_implementation: sdpa, flex_attention or flash_attention_2 "
+                        "need none)", model_config._attn_implementation)
+        return SFTCollator(_pad_id(tokenizer), attention_windows=attention_windows(model_config),
+                           dense_packed_mask=dense)
 
     def describe_data(self, data: Any) -> dict[str, Any]:
         return {"sft": data.stats}
 
     # ---- loss ----------------------------------------------------------------------------------
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def model_inputs(self, batch: dict[str, torch.Tensor], *, per_token: bool = False) -> dict[str, Any]:
         # No key/value cache outside generation: it would hold every layer's keys for nothing, and a
         # block recomputed by activation checkpointing would append its keys to it a second time.
-        return {**{k: v for k, v in batch.items() if k in _MODEL_KEYS}, "use_cache": False}
+        inputs = {**{k: v for k, v in batch.items() if k in _MODEL_KEYS}, "use_cache": False}
+        if self.cfg.training.chunked_loss:
+            # The model's head answers the loss itself, a chunk of label tokens at a time
+            # (models/lm_head_requests.py): the output's logits are that answer.
+            inputs[REQUEST_KEY] = NextTokenLoss(batch["labels"], per_token=per_token)
+        return inputs
 
     def step_units(self, batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
         return float(sum(label_token_count(b) for b in batches))
 
     def loss(self, outputs: Any, batch: dict[str, torch.Tensor], normalizer: LossNormalizer) -> MicroBatchLoss:
-        total, count = next_token_losses(outputs.logits, batch["labels"].to(outputs.logits.device))
+        if self.cfg.training.chunked_loss:  # the head's answer to model_inputs' request: the summed loss
+            total, count = outputs.logits, label_token_count(batch)
+        else:
+            total, count = next_token_losses(outputs.logits, batch["labels"].to(outputs.logits.device))
         # The data-parallel strategies average the ranks' gradients: a rank's token sum over the
         # step's tokens on every rank, times the ranks, is the step's token mean once averaged.
         return MicroBatchLoss(total * (normalizer.world_size / normalizer.step_units), float(total.detach()),
@@ -190,8 +215,11 @@ class CausalLMKind(TaskKind):
                 chunk = rows[start:start + ctx.batch_size]
                 real = max(0, min(shard.num_real - start, len(chunk)))
                 batch = ctx.collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in chunk])
-                logits = ctx.forward(to_device(self.model_inputs(batch), ctx.device)).logits
-                if real:
+                logits = ctx.forward(to_device(self.model_inputs(batch, per_token=True), ctx.device)).logits
+                if real and self.cfg.training.chunked_loss:
+                    s, n, h = _scored_rows(logits, batch["labels"], chunk[:real], exact)
+                    total, count, hits = total + s, count + n, hits + h
+                elif real:
                     s, n = next_token_losses(logits[:real], batch["labels"][:real].to(logits.device))
                     total, count = total + float(s), count + n
                     if exact:
@@ -235,28 +263,41 @@ class CausalLMKind(TaskKind):
     def build_probe(self, tokenizer: Any, run: RunContext) -> LMForgettingProbe | None:
         return build_probe(LMForgettingProbe, self.cfg.evaluation.forgetting, tokenizer=tokenizer,
                            batch_size=self.cfg.evaluation.batch_size, rank=run.rank, world_size=run.world_size,
-                           device=run.device, gather=run.gather)
+                           device=run.device, gather=run.gather, chunked=self.cfg.training.chunked_loss)
+
+    def build_benchmarks(self, tokenizer: Any, model: Any, run: RunContext) -> BenchmarkSuite | None:
+        bench = self.cfg.evaluation.benchmarks
+        if not bench.tasks:
+            return None
+        tasks = [BenchmarkTask(name=t.name, path=t.path, limit=t.limit, num_fewshot=t.num_fewshot) for t in bench.tasks]
+        return BenchmarkSuite(tasks, tokenizer=tokenizer, model=model, batch_size=bench.batch_size, rank=run.rank,
+                              world_size=run.world_size, device=run.device, gather=run.gather)
 
     # ---- the memory plan -----------------------------------------------------------------------
     def trace_batch(self, arch: Any, *, batch_size: int, seq_len: int, device: str) -> TraceBatch:
-        """(B, T) labels, positions, no cache, and the next-token loss computed outside the model in
-        fp32 (its copy of the logits, B x T x vocabulary, is a decoder's largest activation). Without
-        packing every row is full length and unpadded, so the model takes no mask (transformers lets
-        scaled-dot-product attention apply causality itself, as for a mask of all ones); with it the
-        batch carries the (B, 1, T, T) mask of packed rows that data/sft_collate.py makes."""
+        """(B, T) labels, positions, no cache, and the next-token loss as the run computes it: with
+        training.chunked_loss the head's own, every position a label token (the most it computes);
+        without it outside the model in fp32 (its copy of the logits, B x T x vocabulary, is then a
+        decoder's largest activation). Every row is full length and unpadded, so the model takes no
+        mask (transformers lets scaled-dot-product attention apply causality itself, as for a mask of
+        all ones; packed rows carry only their position ids), except packed rows under eager
+        attention, which carry the (B, 1, T, T) mask that data/sft_collate.py makes."""
         shape = (batch_size, seq_len)
         labels = torch.randint(0, arch.vocab_size, shape, device=device)
         inputs = {"input_ids": torch.randint(0, arch.vocab_size, shape, device=device),
                   "position_ids": torch.arange(seq_len, device=device).expand(shape), "use_cache": False}
-        if self.cfg.data.packing:  # one packed sequence per row here
-            segments = torch.zeros(shape, dtype=torch.long, device=device)
+        if self.cfg.data.packing and _dense_packed_mask(self.cfg.model.attn_implementation):
+            segments = torch.zeros(shape, dtype=torch.long, device=device)  # one packed sequence per row here
             windows = attention_windows(arch)
             inputs["attention_mask"] = ({kind: packed_attention_mask(segments, window) for kind, window in windows.items()}
                                         if isinstance(windows, dict) else packed_attention_mask(segments, windows))
+        if self.cfg.training.chunked_loss:  # every position a label token: the most the head computes
+            inputs[REQUEST_KEY] = NextTokenLoss(labels, every_position=True)
+            return TraceBatch(inputs, lambda out: out.logits)
         return TraceBatch(inputs, lambda out: next_token_losses(out.logits, labels)[0])
 
     def trace_settings(self) -> tuple[Any, ...]:
-        return (self.cfg.data.packing,)
+        return (self.cfg.data.packing, self.cfg.training.chunked_loss, self.cfg.model.attn_implementation)
 
     def memory_rows(self, arch: Any, *, world_size: int) -> list[MemoryRow]:
         forgetting = self.cfg.evaluation.forgetting
@@ -264,6 +305,36 @@ class CausalLMKind(TaskKind):
             return []
         return [MemoryRow("theta*'s answers to the forgetting probe (its log-probabilities, fp32; this rank's share)",
                           0.0, lm_probe_reference_bytes(arch, forgetting, world_size=world_size))]
+
+
+def _dense_packed_mask(attn_implementation: str | None) -> bool:
+    """Whether a packed batch needs the dense (B, 1, T, T) mask for `attn_implementation` (None:
+    transformers' default, sdpa): only eager attention; the others take the rows' bounds from the
+    position_ids (transformers' packed-sequence detection, flash attention's varlen)."""
+    return attn_implementation == "eager"
+
+
+def _scored_rows(scores: torch.Tensor, labels: torch.Tensor, rows: Sequence[dict[str, Any]],
+                 exact: bool) -> tuple[float, int, int]:
+    """(summed loss, label tokens, exact matches) of a batch's first len(rows) rows, from the head's
+    per-token answer to NextTokenLoss(labels, per_token=True): (2, N), each label token's loss and
+    whether the argmax is its label, in row-major order. A row's completion is written by greedy
+    decoding iff the argmax at each of its completion positions is the next token (greedy_matches);
+    those positions are label tokens."""
+    targets = NextTokenLoss(labels).targets(torch.device("cpu"))
+    keep = targets != IGNORE_INDEX
+    hit = torch.zeros(keep.shape, dtype=torch.bool)
+    hit[keep] = scores[1].cpu() > 0.5
+    losses = torch.zeros(keep.shape, dtype=scores.dtype)
+    losses[keep] = scores[0].cpu()
+    real = len(rows)
+    total, count = float(losses[:real].sum()), int(keep[:real].sum())
+    matches = 0
+    if exact:
+        for r, row in enumerate(rows):
+            start, end = row["prompt_length"] - 1, row["prompt_length"] + row["completion_length"] - 1
+            matches += int(bool(hit[r, start:end].all() and keep[r, start:end].all()))
+    return total, count, matches
 
 
 def _pad_id(tokenizer: Any) -> int:

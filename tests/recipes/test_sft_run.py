@@ -112,7 +112,8 @@ def test_the_cli_prints_the_pretrained_model_against_the_run(setup, tmp_path):
     ("model.reinit_top_layers=1", "model.reinit_top_layers"),
     ("data.text_columns=[text]", "data.text_columns describes labelled texts"),
     ("data.task=sst2", "data.task names a GLUE task"),
-    ("data.source=hub", "data.problem: causal_lm reads your files"),
+    ("data.source=hub", "data.source: hub with data.problem: causal_lm needs data.hub_id"),
+    ("data.source=somewhere", "data.problem: causal_lm reads your files"),
 ])
 def test_a_decoder_run_refuses_what_it_cannot_do_in_one_line(setup, tmp_path, override, message):
     config = write_sft_run_config(tmp_path / "run.yaml", setup["model"], tmp_path / "run", setup["files"])

@@ -31,7 +31,6 @@ from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 from trl_peer import ft_train_order, trl_peer, trl_train_logs
 
 from ft_framework.optim.groups import no_decay_parameter_names
-from ft_framework.trainer import lr_multiplier
 
 pytest.importorskip("trl", reason="trl is in the test extra: pip install -e '.[test]'")
 pytestmark = pytest.mark.slow  # importing trl takes seconds; the runs take a second each
@@ -110,17 +109,3 @@ def test_losses_equal_trl_step_by_step(setting, name):
         assert mine["lr"] == pytest.approx(peer["learning_rate"], rel=1e-12, abs=1e-15), mine["step"]
     assert min(r["grad_norm"] for r in ours) > MAX_GRAD_NORM  # clipping is part of what is compared
     assert ours[-1]["loss"] < ours[0]["loss"] - 1.0  # and the model learns
-
-
-@pytest.mark.parametrize("total,warmup", [(16, 3), (16, 0), (10, 1), (5, 5), (7, 9)])
-def test_lr_multiplier_is_transformers_schedule_one_step_on(total, warmup):
-    """ft-train's step k (0-based) runs at lr_multiplier(k + 1); transformers' linear and constant
-    schedules with warm-up give the same value at k + 1 (tests/trl_peer.py advances TRL's by one)."""
-    from transformers.optimization import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
-
-    for name, make in (("linear", get_linear_schedule_with_warmup), ("constant", get_constant_schedule_with_warmup)):
-        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-        args = (warmup, total) if name == "linear" else (warmup,)
-        schedule = make(optimizer, *args).lr_lambdas[0]
-        assert [lr_multiplier(k + 1, total, warmup, name) for k in range(total)] == [
-            schedule(k + 1) for k in range(total)]

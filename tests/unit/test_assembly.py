@@ -22,7 +22,7 @@ from ft_framework.run.files import RunPaths
 from ft_framework.run.lock import RunLock
 from ft_framework.strategies import build_strategy
 from ft_framework.task_kinds import LossNormalizer, build_task_kind
-from ft_framework.trainer import Trainer, lr_multiplier
+from ft_framework.trainer import Trainer
 
 THETA_STAR = "θ* captured"
 WRAP = "Strategy.setup"
@@ -180,7 +180,7 @@ def test_an_assembled_run_trains_as_the_trainers_loop_trains_it(tiny_bert_dir, t
         losses = []
         for step in range(run.total_steps):
             run.model.train()
-            mult = lr_multiplier(step + 1, run.total_steps, run.warmup_steps, cfg.schedule.name)
+            mult = run.lr_schedule(step + 1)
             for group, peak in zip(run.optimizer.param_groups, run.peak_lrs):
                 group["lr"] = peak * mult
             batch = run.collate([run.data.train[i] for i in next(batches)])

@@ -30,3 +30,13 @@ def test_every_cli_says_a_user_error_as_prog_error_message(prog, tmp_path, capsy
     assert err.endswith("\n") and err.count("\n") == 1, err
     assert err.startswith(f"{prog}: error: ") and "Traceback" not in err, err
     assert str(tmp_path) in err, err  # it names the path it could not use
+
+
+@pytest.mark.parametrize("prog", sorted(CASES))
+def test_ft_command_says_it_as_ft_command(prog, tmp_path, capsys):
+    """ft COMMAND is ft-COMMAND under its own name."""
+    _, argv = CASES[prog]
+    command = prog.removeprefix("ft-")
+    assert cli.ft_main([command, *argv(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ft {command}: error: ") and err.count("\n") == 1 and str(tmp_path) in err, err

@@ -62,3 +62,15 @@ def test_a_config_error_loads_no_slow_package(override, named):
     assert result["code"] == 2 and named in result["err"], result
     assert len(result["err"].strip().splitlines()) == 1, result["err"]
     assert result["loaded"] == [], f"ft-train with a config error imported {result['loaded']}"
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["plan", "--help"], ["sweep", "--help"], ["train", "--print-schema"],
+                                  ["train", "--config", QUICKSTART, "--training.bogus=1"],
+                                  ["train", "--config", QUICKSTART, "--schedule.name", "cosine",
+                                   "--schedule.kwargs.min_lr", "0.1"]])
+def test_ft_commands_answer_before_torch_loads(argv):
+    """ft COMMAND: --help, the schema and a config error given as --section.key, without torch."""
+    result = _run("ft_main", *argv)
+    assert result["code"] in (0, 2) and result["loaded"] == [], (argv, result)
+    if result["code"] == 2:
+        assert len(result["err"].strip().splitlines()) == 1 and result["err"].startswith("ft train: error: "), result

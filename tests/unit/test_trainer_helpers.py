@@ -1,11 +1,5 @@
 from ft_framework.run.results import format_results_table
-from ft_framework.trainer import eval_steps, lr_multiplier
-
-
-def test_warmup_then_linear_decay():
-    assert [lr_multiplier(s, 10, 4, "linear") for s in (1, 2, 4, 7, 10)] == [0.25, 0.5, 1.0, 0.5, 0.0]
-    assert lr_multiplier(9, 10, 4, "constant") == 1.0 and lr_multiplier(2, 10, 4, "constant") == 0.5
-    assert lr_multiplier(1, 10, 0, "linear") == 0.9
+from ft_framework.trainer import eval_steps
 
 
 def test_eval_steps_always_include_the_last_step():

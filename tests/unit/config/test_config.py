@@ -161,7 +161,7 @@ def test_unknown_key_suggests_the_closest():
         ("training.precision=fp64", ["'fp32'", "'bf16'", "'fp16'"]),
         ("model.init=rand", ["'pretrained'", "'random'"]),
         ("strategy.name=horovod", ["'single'", "'ddp'", "'deepspeed'", "'fsdp'"]),
-        ("schedule.name=cosine", ["'linear'", "'constant'"]),
+        ("schedule.name=cosine_annealing", ["'linear'", "'cosine'", "'warmup_stable_decay'"]),
         ("optimizer.impl=cuda", ["'auto'", "'torch'", "'cpu'"]),
         ("data.task=squad", ["'cola'", "'wnli'"]),
         ("training.device=tpu", ["'auto'", "'cpu'", "'cuda'"]),

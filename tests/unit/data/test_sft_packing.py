@@ -1,7 +1,9 @@
 """Packing (data/sft_packing.py) and SFT batches (data/sft_collate.py): best-fit decreasing against a
-plain reference, the packed items, the block-diagonal causal mask and restarting positions, and the
-loss of packed batches equal to that of the same rows unpacked, on tiny models of every architecture
-we support, with sdpa and eager attention, sliding windows included.
+plain reference, the packed items, the restarting positions without a mask (transformers finds the
+rows' bounds from them) and the dense block-diagonal causal mask (eager's fallback), and the loss of
+packed batches, in both forms, equal to that of the same rows unpacked, on tiny models of every
+architecture we support, with sdpa and eager attention, sliding windows included. (flex_attention on
+this CPU: torch 2.13 has no backward for it there, and its forward compiles for a minute.)
 
 The reference loss is written here by hand: the sum of each label token's cross-entropy (label t
 predicted at position t - 1) over their count, token by token."""
@@ -81,7 +83,8 @@ def test_packed_items_and_their_batch(tmp_path):
     assert all(item["labels"][start] == -100 for start in np.cumsum([0] + item["sequence_lengths"][:-1]))
     assert sum(len(packed[k]["input_ids"]) for k in range(len(packed))) == data.stats["train"]["tokens"]
 
-    batch = SFTCollator(tokenizer.pad_token_id)([packed[0], packed[len(packed) - 1]])
+    assert "attention_mask" not in SFTCollator(tokenizer.pad_token_id)([packed[0], packed[len(packed) - 1]])
+    batch = SFTCollator(tokenizer.pad_token_id, dense_packed_mask=True)([packed[0], packed[len(packed) - 1]])
     width = len(packed[0]["input_ids"])
     lengths = packed[len(packed) - 1]["sequence_lengths"]
     short = sum(lengths)
@@ -133,8 +136,8 @@ def batch_loss(model, collator, items, batch_size):
     for start in range(0, len(items), batch_size):
         batch = collator(items[start:start + batch_size])
         labels = batch.pop("labels")
-        with torch.no_grad():
-            part = loss_by_hand(model(**batch).logits, labels)
+        with torch.no_grad():  # no cache: transformers reads packed rows' bounds only without one
+            part = loss_by_hand(model(**batch, use_cache=False).logits, labels)
         total, count = total + part[0], count + part[1]
     return total / count
 
@@ -144,12 +147,14 @@ ARCHITECTURES = [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("qwe
                  ("gemma3_text", "sdpa"), ("gemma3_text", "eager"), ("phi3", "sdpa"), ("phi3", "eager")]
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["position-ids", "dense-mask"])
 @pytest.mark.parametrize("model_type, attention", ARCHITECTURES, ids=["-".join(a) for a in ARCHITECTURES])
-def test_packed_batches_give_the_unpacked_loss(tmp_path, model_type, attention):
+def test_packed_batches_give_the_unpacked_loss(tmp_path, model_type, attention, dense):
     tokenizer = build_tiny_tokenizer()
     data = load_packed(tmp_path, pair_rows(10), 96, tokenizer)
     model = tiny_model(model_type, tokenizer, attention)
-    collator = SFTCollator(tokenizer.pad_token_id, attention_windows=attention_windows(model.config))
+    collator = SFTCollator(tokenizer.pad_token_id, attention_windows=attention_windows(model.config),
+                           dense_packed_mask=dense)
     rows = [data.train.rows[i] for i in range(len(data.train.rows))]
     packed = [data.train[k] for k in range(len(data.train))]
     unpacked = batch_loss(model, collator, rows, batch_size=3)
@@ -173,8 +178,11 @@ def test_sliding_windows_hold_in_packed_batches(tmp_path, model_type, attention,
     assert max(len(r["input_ids"]) for r in rows) > 12
     packed = [data.train[k] for k in range(len(data.train))]
     unpacked = batch_loss(model, SFTCollator(tokenizer.pad_token_id), rows, batch_size=3)
-    assert batch_loss(model, SFTCollator(tokenizer.pad_token_id, attention_windows=windows), packed,
-                      batch_size=2) == pytest.approx(unpacked, rel=2e-6)
-    # Without the windows, a packed batch sees further back than the model does.
-    assert batch_loss(model, SFTCollator(tokenizer.pad_token_id), packed, batch_size=2) != pytest.approx(unpacked,
-                                                                                                         rel=1e-3)
+    assert batch_loss(model, SFTCollator(tokenizer.pad_token_id, attention_windows=windows, dense_packed_mask=True),
+                      packed, batch_size=2) == pytest.approx(unpacked, rel=2e-6)
+    # Without a mask transformers slides the windows itself.
+    assert batch_loss(model, SFTCollator(tokenizer.pad_token_id), packed, batch_size=2) == pytest.approx(unpacked,
+                                                                                                         rel=2e-6)
+    # A dense mask without the windows sees further back than the model does.
+    assert batch_loss(model, SFTCollator(tokenizer.pad_token_id, dense_packed_mask=True), packed,
+                      batch_size=2) != pytest.approx(unpacked, rel=1e-3)

@@ -206,3 +206,41 @@ def test_progress_counts_the_rows_being_tokenized(tmp_path, capsys):
     load(tmp_path, [{"text": f"row {i}"} for i in range(5)], progress=True)
     shown = capsys.readouterr().err
     assert "tokenizing train: " in shown and "5 rows" in shown and "tokenizing validation: " in shown
+
+
+TOOL_ROW = {"messages": [{"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add"}}]},
+                         {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]}
+
+
+@pytest.mark.parametrize("row, key", [
+    ({**TOOL_ROW, "tools": [{"type": "function", "function": {"name": "add"}}]}, "tools"),
+    (TOOL_ROW, "tool_calls"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "ok"}],
+      "tools": [{"type": "function", "function": {"name": "add"}}]}, "tools"),
+])
+def test_a_template_that_never_renders_tools_is_refused_naming_the_row_and_template(tmp_path, row, key):
+    """ChatML (the tiny tokenizer's) reads no tools: it would drop them without a word."""
+    with pytest.raises(UserError, match=rf"train\.jsonl:1: the row holds `{key}`, which the tokenizer's chat template "
+                                        rf"never renders \(it does not read `{key}`\); give a template that renders "
+                                        r"tools \(data\.chat_template\)$"):
+        load(tmp_path, [row])
+
+
+DEVELOPER_KNOWN = ("{% for m in messages %}{{ '<|im_start|>' + ('dev' if m['role'] == 'developer' else m['role']) + "
+                   "'\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, rendered", [(None, "system"), (DEVELOPER_KNOWN, "dev")])
+def test_a_developer_message_is_system_where_the_template_knows_no_developer(tmp_path, caplog, template, rendered):
+    rows = [{"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "ok"}]}] * 3
+    tokenizer = build_tiny_tokenizer()
+    if template is not None:
+        tokenizer.chat_template = template
+    with caplog.at_level("INFO", logger="ft_framework.data.sft_tokenize"):
+        data = load(tmp_path, rows, tokenizer)
+    assert decoded(tokenizer, data.train[0]["input_ids"]).startswith(f"<|im_start|>{rendered}\nBe brief.")
+    said = [r for r in caplog.records if "developer messages are rendered as system" in r.getMessage()]
+    assert len(said) == (1 if template is None else 0)

@@ -4,9 +4,15 @@ never a target in either (a causal LM's loss predicts token t from the tokens be
 there may be the token itself, ours is -100, so the labels are compared from the second token on.
 
 Two tokenizers: the byte-level one of tests/tiny_llm.py, and one whose BPE merges across a prompt's
-end and adds a BOS token (the prompt/completion boundary is where the token lists first differ)."""
+end and adds a BOS token (the prompt/completion boundary is where the token lists first differ).
+
+Rows: text, prompt/completion of strings, conversations (marked templates, or what markers would
+mark), TRL's conversational prompt/completion, ShareGPT conversations as TRL converts them, and
+rows with tools and tool calls."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -91,3 +97,83 @@ def test_conversations_trained_on_every_token(tmp_path, template):
     tokenizer.chat_template = template
     assert_same(our_rows(tmp_path, CHATS, tokenizer, train_on_prompt=True),
                 trl_rows(tmp_path, CHATS, tokenizer, assistant_only_loss=False))
+
+
+# ShareGPT as TRL converts it (maybe_convert_to_chatml: from -> role, value -> content): the speakers
+# TRL keeps as roles. Ours reads the same rows (and maps human / gpt, which TRL would not).
+SHAREGPT = [{"conversations": [{"from": m["role"], "value": m["content"]} for m in row["messages"]]}
+            for row in CHATS]
+# TRL's conversational prompt/completion, a completion of several messages among them.
+CHAT_PAIRS = [{"prompt": row["messages"][:-1], "completion": row["messages"][-1:]} for row in CHATS[:2]] + [
+    {"prompt": [{"role": "user", "content": "Count"}],
+     "completion": [{"role": "assistant", "content": "one"}, {"role": "user", "content": "more"},
+                    {"role": "assistant", "content": "two"}]}]
+# With tools: a ChatML template that renders them and the assistant's calls (Arrow gives every message
+# every field, null where absent: the template reads only what is there).
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}{{ '<call>' + (c['function'] | tojson) + '</call>' }}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOOL_PAIRS = [{"prompt": [{"role": "user", "content": "2+2?"}],
+               "completion": [{"role": "assistant", "content": "",
+                               "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "2, 2"}}]},
+                              {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}],
+               "tools": [{"type": "function", "function": {"name": "add", "description": "adds"}}]}]
+
+
+@pytest.mark.parametrize("tokenizer_name", TOKENIZERS)
+def test_sharegpt_conversations_as_trl_converts_them(tmp_path, tokenizer_name):
+    tokenizer = TOKENIZERS[tokenizer_name]()
+    (tmp_path / "every").mkdir()
+    ours = our_rows(tmp_path, SHAREGPT, tokenizer)
+    every = our_rows(tmp_path / "every", SHAREGPT, tokenizer, train_on_prompt=True)
+    # SFTTrainer converts ShareGPT rows itself when it trains on every token; it checks assistant_only_loss
+    # before converting (and refuses), so that case takes the rows through its conversion function first.
+    assert_same(every, trl_rows(tmp_path / "every", SHAREGPT, tokenizer, assistant_only_loss=False))
+    tokenizer.chat_template = MARKED_CHATML  # TRL needs markers for the assistant's turns
+    converted = [trl.maybe_convert_to_chatml(json.loads(json.dumps(row))) for row in SHAREGPT]
+    assert_same(ours, trl_rows(tmp_path, converted, tokenizer, assistant_only_loss=True))
+
+
+@pytest.mark.parametrize("tokenizer_name", TOKENIZERS)
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+def test_conversational_prompt_completion_rows(tmp_path, tokenizer_name, train_on_prompt):
+    tokenizer = TOKENIZERS[tokenizer_name]()
+    assert_same(our_rows(tmp_path, CHAT_PAIRS, tokenizer, train_on_prompt=train_on_prompt),
+                trl_rows(tmp_path, CHAT_PAIRS, tokenizer, completion_only_loss=not train_on_prompt))
+
+
+@pytest.mark.parametrize("tokenizer_name", TOKENIZERS)
+def test_conversational_prompt_completion_with_tools(tmp_path, tokenizer_name):
+    tokenizer = TOKENIZERS[tokenizer_name]()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    ours = our_rows(tmp_path, TOOL_PAIRS, tokenizer)
+    assert "Tools: " in tokenizer.decode(ours[0][0]) and "<call>" in tokenizer.decode(ours[0][0])
+    assert_same(ours, trl_rows(tmp_path, TOOL_PAIRS, tokenizer))
+
+
+MARKED_TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}"
+    "{{ m['content'] }}{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{{ '<call>' + (c['function'] | tojson) + '</call>' }}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endgeneration %}{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOOL_CHATS = [{"messages": row["prompt"] + row["completion"], "tools": row["tools"]} for row in TOOL_PAIRS] + [
+    {"messages": CHATS[0]["messages"], "tools": TOOL_PAIRS[0]["tools"]}]
+
+
+@pytest.mark.parametrize("tokenizer_name", TOKENIZERS)
+def test_conversations_with_tools_follow_the_templates_markers(tmp_path, tokenizer_name):
+    """A marked template gets each row's tools (a row at a time); the same rows through the unmarked
+    template take the same tokens and targets."""
+    tokenizer = TOKENIZERS[tokenizer_name]()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    (tmp_path / "unmarked").mkdir()
+    unmarked = our_rows(tmp_path / "unmarked", TOOL_CHATS, tokenizer)
+    tokenizer.chat_template = MARKED_TOOLS_TEMPLATE
+    ours = our_rows(tmp_path, TOOL_CHATS, tokenizer)
+    assert ours == unmarked and all("Tools: " in tokenizer.decode(ids) for ids, _ in ours)
+    assert_same(ours, trl_rows(tmp_path, TOOL_CHATS, tokenizer, assistant_only_loss=True))

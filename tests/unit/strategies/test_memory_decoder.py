@@ -71,10 +71,11 @@ def test_decoder_plan_is_within_10_percent_of_a_measured_step(tmp_path, model_ty
     assert plan.live_bytes == pytest.approx(measured["live_peak"], rel=0.10)
 
 
-def test_the_trace_holds_the_fp32_logits_of_the_next_token_loss(tmp_path):
-    """bf16 weights (the device-lean offload): the loss widens the logits to fp32 and keeps their
-    log-softmax for backward, two B x (T-1) x vocabulary fp32 tensors, besides the bf16 logits."""
-    cfg = decoder_cfg(decoder_dir(tmp_path))
+def test_the_trace_holds_the_fp32_logits_of_the_whole_logits_loss(tmp_path):
+    """bf16 weights (the device-lean offload), training.chunked_loss off: the loss widens the logits
+    to fp32 and keeps their log-softmax for backward, two B x (T-1) x vocabulary fp32 tensors,
+    besides the bf16 logits."""
+    cfg = decoder_cfg(decoder_dir(tmp_path), chunked_loss=False)
     arch = load_architecture(cfg.model).config
     kind = build_task_kind(cfg)
     assert kind.model_class.auto_class == "AutoModelForCausalLM"
@@ -83,6 +84,26 @@ def test_the_trace_holds_the_fp32_logits_of_the_next_token_loss(tmp_path):
                               checkpointing=True, keep_grads=False, task=kind)
     logits = batch * seq * VOCAB
     assert trace.above_params >= logits * 2 + 2 * batch * (seq - 1) * VOCAB * 4
+
+
+def test_the_chunked_loss_traces_one_chunk_of_logits(tmp_path, monkeypatch):
+    """training.chunked_loss (the default): the trace's loss is the head's own, a chunk of 16
+    positions at a time here, so it holds no B x T x vocabulary tensor: far less than the whole
+    logits' loss at the same batch, and less than one bf16 copy of the whole logits above the rest."""
+    from ft_framework.models import lm_head_requests
+
+    monkeypatch.setattr(lm_head_requests, "CHUNK_LOGITS", 16 * VOCAB)
+    arch_dir = decoder_dir(tmp_path)
+    batch, seq = 5, 64  # a batch no other test traces (traces are cached by their settings)
+    traces = {}
+    for chunked in (True, False):
+        cfg = decoder_cfg(arch_dir, chunked_loss=chunked)
+        traces[chunked] = trace_micro_batch(load_architecture(cfg.model).config, batch_size=batch, seq_len=seq,
+                                            param_dtype=torch.bfloat16, autocast_dtype=None, checkpointing=True,
+                                            keep_grads=False, task=build_task_kind(cfg))
+    logits = batch * seq * VOCAB
+    assert traces[False].above_params - traces[True].above_params >= 2 * batch * (seq - 1) * VOCAB * 4
+    assert traces[True].above_params < logits * 2 + 2 * VOCAB * 64 * 2  # + the head's gradient in bf16
 
 
 def test_a_decoders_shape_anchors_every_parameter_and_counts_tied_weights_once(tmp_path):
@@ -230,9 +251,10 @@ def test_fit_reaches_bf16_the_compact_state_and_the_offload_in_that_order(tmp_pa
 @pytest.mark.slow
 def test_the_llama_8b_recipe_fits_24_gib_as_ft_plan_fit_prints_it():
     """configs/llama3_8b_sft_recadam.yaml: planned from the shipped architecture of Llama-3.1-8B
-    (8,030,261,248 parameters, the published count): the device-lean offload with the compact state
-    and checkpointing fits 24 GiB at one 2048-token sequence per micro-batch; ft-plan --fit prints
-    the device and host peaks and the host bytes per parameter."""
+    (8,030,261,248 parameters, the published count): the device-lean offload with the compact state,
+    checkpointing and the chunked loss fits 24 GiB at four 2048-token sequences per micro-batch (the
+    whole logits' loss with packing's dense mask: one); ft-plan --fit prints the device and host
+    peaks and the host bytes per parameter."""
     recipe = str(Path(__file__).resolve().parents[3] / "configs" / "llama3_8b_sft_recadam.yaml")
     code, out, err = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--fit")
     assert code == 0, err
@@ -243,10 +265,18 @@ def test_the_llama_8b_recipe_fits_24_gib_as_ft_plan_fit_prints_it():
     rank = json.loads(out)["per_rank"][0]
     assert rank["num_params"] == 8_030_261_248
     assert rank["device_peak_bytes"] <= 24 * 2**30
-    # The same run with one sequence more per micro-batch does not fit: the recipe's micro-batch is the largest.
-    code, out, _ = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--json", "training.per_device_batch_size=2",
-                           "training.gradient_accumulation_steps=8")
+    # The next micro-batch of the same step (8 x 2) does not fit: the recipe's micro-batch is the largest.
+    code, out, _ = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--json", "training.per_device_batch_size=8",
+                           "training.gradient_accumulation_steps=2")
     assert json.loads(out)["fits"] is False
+    # Before: the whole logits in the loss and packing's dense mask fit one sequence, not two.
+    before = ("training.chunked_loss=false", "model.attn_implementation=eager")
+    code, out, _ = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--fit", "training.per_device_batch_size=16",
+                           "training.gradient_accumulation_steps=1", *before)
+    assert "fits with: training.per_device_batch_size=1 training.gradient_accumulation_steps=16" in out
+    code, out, _ = ft_plan("--config", recipe, "--gpu-memory", "24GiB", "--fit", "training.per_device_batch_size=16",
+                           "training.gradient_accumulation_steps=1")
+    assert "fits with: training.per_device_batch_size=4 training.gradient_accumulation_steps=4" in out
 
 
 def test_the_published_decoder_architectures_have_their_published_parameter_counts():

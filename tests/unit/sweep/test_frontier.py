@@ -10,10 +10,11 @@ import json
 
 import numpy as np
 import pytest
+import scipy.stats
 
 from ft_framework.cli import report_main
 from ft_framework.sweep import build_report
-from ft_framework.sweep.frontier import _exact_spearman_pvalue, non_dominated
+from ft_framework.sweep.frontier import _spearman, non_dominated
 from sweep_helpers import write_results
 
 METHODS = ("vanilla", "recadam", "lora")
@@ -210,17 +211,39 @@ def test_brute_force_helper_is_itself_right():
     assert all(len(non_dominated(list(p))) == len(p) for p in itertools.permutations(points[:3]))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_exact_spearman_pvalue_equals_enumeration_by_hand(seed):
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(3, 7))
+    n = int(rng.integers(3, 8))
     x = rng.integers(0, 4, n).astype(float).tolist()   # ties included
-    y = rng.normal(size=n).tolist()
+    # odd seeds: ties in y too, where rho's null is not symmetric and "|rho| at least as large" is the rule
+    y = (rng.integers(0, 3, n) if seed % 2 else rng.normal(size=n)).astype(float).tolist()
     if len(set(x)) < 2:
         x[0] = 9.0
+    if len(set(y)) < 2:
+        y[0] = 9.0
     rho = _spearman_by_hand(x, y)
     count = 0
     perms = list(itertools.permutations(y))
     for perm in perms:
         count += abs(_spearman_by_hand(x, list(perm))) >= abs(rho) - 1e-12
-    assert _exact_spearman_pvalue(x, y, rho) == pytest.approx(count / len(perms))
+    assert _spearman(x, y) == pytest.approx((rho, count / len(perms)), abs=1e-12)
+
+
+# The values the hand-written enumeration that scipy.stats.permutation_test replaced gave (sweep/frontier.py
+# before issue 52); the last one has ties in both x and y, where scipy's two-sided test of rho reads 5/9.
+@pytest.mark.parametrize("x, y, rho, pvalue", [
+    ([1, 2, 3, 4], [1.5, 2.5, 3.5, 4.5], 1.0, 2 / 24),
+    ([1, 2, 3, 4, 5], [2, 1, 4, 3, 5], 0.8, 16 / 120),
+    ([1, 2, 3], [3, 1, 2], -0.5, 1.0),
+    ([0.1, 0.5, 0.2, 0.9, 0.4, 0.7, 0.3, 0.8], [1, 3, 2, 8, 4, 5, 6, 7], 0.8333333333333335, 0.015376984126984126),
+    ([1, 2, 2, 3, 5, 4], [1, 1, 2, 3, 3, 0.5], 0.3134677528639293, 0.5666666666666667),
+])
+def test_spearman_pvalues_of_the_former_implementation(x, y, rho, pvalue):
+    assert _spearman(x, y) == pytest.approx((rho, pvalue), abs=1e-12)
+
+
+def test_spearman_of_a_constant_and_beyond_the_exact_limit():
+    assert all(np.isnan(v) for v in _spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+    x, y = list(range(9)), [2, 1, 3, 5, 4, 6, 8, 7, 9]   # 9 points: scipy's t approximation
+    assert _spearman(x, y)[1] == pytest.approx(scipy.stats.spearmanr(x, y).pvalue, rel=1e-12)

@@ -1,10 +1,11 @@
-"""Levene's test against scipy, and the expected best of n trials: closed form against brute-force
-enumeration, bootstrap against the closed form."""
+"""Levene's test against its definition in exact arithmetic, and the expected best of n trials:
+closed form against brute-force enumeration, bootstrap against the closed form."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -19,13 +20,59 @@ B = [72.0, 72.3, 71.8, 73.1, 72.6]
 C = [71.1, 69.8, 72.4, 70.9, 71.6, 68.2]
 
 
+def _levene_by_hand(groups, center, proportiontocut):
+    """W in exact rational arithmetic from its definition, and P(F(k - 1, N - k) > W)."""
+    def centre(values):
+        xs = sorted(values)
+        if center == "median":
+            mid = len(xs) // 2
+            return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+        cut = int(proportiontocut * len(xs)) if center == "trimmed" else 0
+        kept = xs[cut:len(xs) - cut]
+        return sum(kept) / len(kept)
+
+    groups = [[Fraction(v) for v in g] for g in groups]
+    z = [[abs(v - centre(g)) for v in g] for g in groups]
+    k, total = len(z), sum(len(zi) for zi in z)
+    means = [sum(zi) / len(zi) for zi in z]
+    grand = sum(sum(zi) for zi in z) / total
+    between = sum(len(zi) * (m - grand) ** 2 for zi, m in zip(z, means))
+    within = sum((v - m) ** 2 for zi, m in zip(z, means) for v in zi)
+    w = float(Fraction(total - k, k - 1) * between / within)
+    return w, scipy.stats.f.sf(w, k - 1, total - k)
+
+
 @pytest.mark.parametrize("center", ["median", "mean", "trimmed"])
-@pytest.mark.parametrize("groups", [(A, B), (A, B, C), (B, C)], ids=["AB", "ABC", "BC"])
-def test_levene_matches_scipy(groups, center):
+@pytest.mark.parametrize("groups", [(A, B), (A, B, C), (B, C), ([3.0, 3.0, 3.0], [1.0, 2.0, 4.0])],
+                         ids=["AB", "ABC", "BC", "one-constant"])
+def test_levene_equals_its_definition(groups, center):
     ours = levene(*groups, center=center, proportiontocut=0.2)
-    ref = scipy.stats.levene(*groups, center=center, proportiontocut=0.2)
-    assert ours.statistic == pytest.approx(ref.statistic, rel=1e-12)
-    assert ours.pvalue == pytest.approx(ref.pvalue, rel=1e-10)
+    w, p = _levene_by_hand(groups, center, 0.2)
+    assert ours.statistic == pytest.approx(w, rel=1e-12)
+    assert ours.pvalue == pytest.approx(p, rel=1e-10)
+
+
+# The values the former hand-written test gave (sweep/stats.py before issue 52 delegated W and p to
+# scipy.stats.levene), center="median" and "mean" alike.
+@pytest.mark.parametrize("center", ["median", "mean"])
+@pytest.mark.parametrize("groups, statistic, pvalue", [
+    (([64.9, 69.8], [69.3, 74.2]), math.nan, math.nan),   # two seeds each, equal spreads up to rounding
+    (([69.6, 72.8], [74.5, 71.3]), math.nan, math.nan),
+    (([70.1, 71.5], [72.0, 72.3]), math.inf, 0.0),        # two seeds each, different spreads
+    (([1.0, 1.0], [2.0, 2.0]), math.nan, math.nan),       # no spread at all
+])
+def test_levene_where_w_divides_by_zero(groups, center, statistic, pvalue):
+    # scipy.stats.levene reads the first two through rounding errors (W = 1.0, p = 0.42; W = 0, p = 1)
+    result = levene(*groups, center=center)
+    assert result.statistic == pytest.approx(statistic, nan_ok=True)
+    assert result.pvalue == pytest.approx(pvalue, nan_ok=True)
+
+
+@pytest.mark.parametrize("center, statistic, pvalue", [("median", 2.0922651775443306, 0.1786525102033529),
+                                                       ("mean", 15.490395444136743, 0.0027939026714930574)])
+def test_levene_values_of_the_former_implementation(center, statistic, pvalue):
+    result = levene(A, B, center=center)
+    assert (result.statistic, result.pvalue) == pytest.approx((statistic, pvalue), rel=1e-12)
 
 
 def test_levene_separates_a_spread_out_method():
