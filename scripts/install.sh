@@ -99,9 +99,10 @@ PYEOF
   # The SLURM tests (tests/slurm/) start a real two-node cluster on this host (scripts/slurm_cluster.sh);
   # tests/unit/resources/ rebuilds the shipped benchmark from Debian's wordnet-base
   # (scripts/build_wordnet_benchmark.py) and checks it is byte for byte the one in the package.
-  DEBS=()
-  if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then DEBS+=(slurm-wlm munge); fi
-  if [ ! -f /usr/share/wordnet/data.noun ]; then DEBS+=(wordnet-base); fi
+  SLURM_DEBS=() WORDNET_DEBS=()
+  if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ]; then SLURM_DEBS=(slurm-wlm munge); fi
+  if [ ! -f /usr/share/wordnet/data.noun ]; then WORDNET_DEBS=(wordnet-base); fi
+  DEBS=("${SLURM_DEBS[@]}" "${WORDNET_DEBS[@]}")
   if [ "${#DEBS[@]}" = 0 ]; then
     :
   elif ! command -v apt-get >/dev/null 2>&1; then
@@ -109,7 +110,10 @@ PYEOF
   elif [ "$(id -u)" != 0 ]; then
     echo "scripts/install.sh: not root: ${DEBS[*]} not installed; the tests that need them will skip"
   else
-    (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${DEBS[@]}" >/dev/null) \
+    # wordnet-base alone, without its recommended browser (wordnet-gui)
+    (apt-get update -q >/dev/null \
+      && { [ "${#SLURM_DEBS[@]}" = 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${SLURM_DEBS[@]}" >/dev/null; } \
+      && { [ "${#WORDNET_DEBS[@]}" = 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${WORDNET_DEBS[@]}" >/dev/null; }) \
       || echo "scripts/install.sh: apt-get could not install ${DEBS[*]}; the tests that need them will skip"
   fi
 fi

@@ -83,3 +83,24 @@ def two_label_classifier_kind():
                                             "data": {"task": "sst2", "source": "builtin:quickstart"},
                                             "optimizer": {"name": "adamw"}, "schedule": {"name": "linear", "warmup_steps": 0},
                                             "training": {"max_steps": 1}}))
+
+
+class InProcessRunner:
+    """Each run in this process, recorded in the store as the local runner records a subprocess."""
+
+    def run(self, store, runs, on_done=None, on_change=None):
+        from ft_framework.trainer import Trainer
+
+        states = {}
+        for run in runs:
+            store.prepare_attempt(run.run_id)
+            store.write_status(run.run_id, state="running", attempts=1)
+            trainer = Trainer(run.config)
+            try:
+                trainer.fit()
+            finally:
+                trainer.strategy.close()
+            states[run.run_id] = store.write_status(run.run_id, state="finished")["state"]
+            if on_done is not None:
+                on_done(run, states[run.run_id])
+        return states

@@ -39,7 +39,7 @@ from ft_framework.user_files import MissingFile, read_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BENCHMARK_FORGETTING", "BenchmarkSuite", "BenchmarkTask", "benchmark_forgetting",
+__all__ = ["BENCHMARK_FORGETTING", "BenchmarkSuite", "BenchmarkTask", "LM_EVAL_SPECIFIER", "benchmark_forgetting",
            "check_lm_eval_version"]
 
 Forward = Callable[[dict[str, torch.Tensor]], Any]
@@ -48,6 +48,9 @@ Forward = Callable[[dict[str, torch.Tensor]], Any]
 BENCHMARK_FORGETTING = "benchmark_forgetting"
 # The lm-eval releases this adapter was written against (HFLM's attributes and methods it reads).
 LM_EVAL_VERSIONS = ((0, 4, 13), (0, 5, 0))  # [first, last) as (major, minor, micro)
+# The same range as a pip specifier: pyproject's lm_eval extra (tests/unit/project/test_packaging.py keeps them equal).
+LM_EVAL_SPECIFIER = (f">={'.'.join(map(str, LM_EVAL_VERSIONS[0]))},"
+                     f"<{'.'.join(map(str, LM_EVAL_VERSIONS[1][:2]))}")
 _REFERENCE_VERSION = 1
 
 
@@ -57,10 +60,10 @@ def check_lm_eval_version() -> None:
         import lm_eval
     except ImportError:
         raise UserError("evaluation.benchmarks needs lm-evaluation-harness: pip install 'ft_framework[lm_eval]' "
-                        "(lm-eval>=0.4.13,<0.5)") from None
+                        f"(lm-eval{LM_EVAL_SPECIFIER})") from None
     found = tuple(int(p) for p in lm_eval.__version__.split(".")[:3] if p.isdigit())
     if not LM_EVAL_VERSIONS[0] <= found < LM_EVAL_VERSIONS[1]:
-        raise UserError(f"evaluation.benchmarks needs lm-eval>=0.4.13,<0.5; {lm_eval.__version__} is installed: "
+        raise UserError(f"evaluation.benchmarks needs lm-eval{LM_EVAL_SPECIFIER}; {lm_eval.__version__} is installed: "
                         "pip install 'ft_framework[lm_eval]'")
 
 

@@ -1,5 +1,5 @@
-"""Packaging facts that live in two files stay equal: the DeepSpeed range pyproject installs is the one
-the adapter accepts, the test extra is the other extras plus test tools, and install.sh's two modes."""
+"""Packaging facts that live in two files stay equal: the DeepSpeed and lm-eval ranges pyproject installs
+are the ones their adapters accept, the test extra is the other extras plus test tools, and install.sh's two modes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
+from ft_framework.models.lm_benchmarks import LM_EVAL_SPECIFIER
 from ft_framework.strategies.deepspeed_adapter import SUPPORTED_DEEPSPEED
 
 REPO = Path(__file__).resolve().parents[3]
@@ -25,6 +26,14 @@ def test_deepspeed_extra_is_the_range_the_adapter_accepts():
     # no other place in pyproject spells a deepspeed requirement of its own
     others = [r for name, reqs in EXTRAS.items() if name != "deepspeed" for r in reqs
               if Requirement(r).name == "deepspeed"]
+    assert others == []
+
+
+def test_lm_eval_extra_is_the_range_the_adapter_accepts():
+    (req,) = [Requirement(r) for r in EXTRAS["lm_eval"]]
+    assert req.name == "lm-eval"
+    assert req.specifier == SpecifierSet(LM_EVAL_SPECIFIER)
+    others = [r for name, reqs in EXTRAS.items() if name != "lm_eval" for r in reqs if Requirement(r).name == "lm-eval"]
     assert others == []
 
 

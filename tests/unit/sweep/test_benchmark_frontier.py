@@ -17,7 +17,7 @@ import scipy.stats
 import yaml
 
 from lm_eval_tasks import write_lm_eval_tasks
-from test_sft_frontier_sweep import InProcessRunner
+from tiny_run import InProcessRunner
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 from ft_framework.cli import report_main
 from ft_framework.sweep import load_sweep, run_sweep

@@ -18,32 +18,12 @@ import scipy.stats
 import yaml
 
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
+from tiny_run import InProcessRunner
 from ft_framework.cli import report_main
 from ft_framework.sweep import load_sweep, run_sweep
 
 pytestmark = pytest.mark.slow   # four short runs: about 15 s on 2 cores
 MEASURES = ("kl_from_pretrained", "lm_loss_gained", "cka_drift_last", "cka_drift_mean")
-
-
-class InProcessRunner:
-    """Each run in this process, recorded in the store as the local runner records a subprocess."""
-
-    def run(self, store, runs, on_done=None, on_change=None):
-        from ft_framework.trainer import Trainer
-
-        states = {}
-        for run in runs:
-            store.prepare_attempt(run.run_id)
-            store.write_status(run.run_id, state="running", attempts=1)
-            trainer = Trainer(run.config)
-            try:
-                trainer.fit()
-            finally:
-                trainer.strategy.close()
-            states[run.run_id] = store.write_status(run.run_id, state="finished")["state"]
-            if on_done is not None:
-                on_done(run, states[run.run_id])
-        return states
 
 
 def _dominated(point, others):
