@@ -206,26 +206,24 @@ def run_interpolation(run_dir: str | Path, alphas: Sequence[float] | None = None
     ctx = EvalContext(forward=lambda batch: model(**batch), device=dev, rank=0, world_size=1,
                       gather=lambda obj: [obj], batch_size=cfg.evaluation.batch_size,
                       collate=kind.collator(tokenizer, model.config))
+    def take_reference(measurer: Any, kept: Path) -> None:
+        """θ*'s side of `measurer` as the run kept it in `kept`, else measured on θ_0 itself."""
+        if measurer.keeps_reference(kept):
+            measurer.reference_from_run(kept, None, is_main=True, barrier=lambda: None)
+        else:
+            model.load_state_dict(_with_aliases(interpolate_state(theta, star, 0.0), aliases), strict=True)
+            measurer.reference_from_model(ctx.forward, None, is_main=True, barrier=lambda: None)
+
     # The run's own probe: θ_α's forgetting reads like the run's evaluations, against θ*'s side as
     # the run kept it (a decoder's), else as the probe takes it from θ* itself.
     probe = kind.build_probe(tokenizer, run)
     if probe is not None:
-        kept = RunPaths(run_dir).forgetting_reference
-        if probe.keeps_reference(kept):
-            probe.reference_from_run(kept, None, is_main=True, barrier=lambda: None)
-        else:
-            model.load_state_dict(_with_aliases(interpolate_state(theta, star, 0.0), aliases), strict=True)
-            probe.reference_from_model(ctx.forward, None, is_main=True, barrier=lambda: None)
+        take_reference(probe, RunPaths(run_dir).forgetting_reference)
     # The run's lm-eval benchmarks (evaluation.benchmarks), against θ*'s scores as the run kept them
     # (benchmark_reference.json), else as θ_0 scores them: each θ_α's drop, as the run's evaluations.
     benchmarks = kind.build_benchmarks(tokenizer, model, run)
     if benchmarks is not None:
-        kept = RunPaths(run_dir).benchmark_reference
-        if benchmarks.keeps_reference(kept):
-            benchmarks.reference_from_run(kept, None, is_main=True, barrier=lambda: None)
-        else:
-            model.load_state_dict(_with_aliases(interpolate_state(theta, star, 0.0), aliases), strict=True)
-            benchmarks.reference_from_model(ctx.forward, None, is_main=True, barrier=lambda: None)
+        take_reference(benchmarks, RunPaths(run_dir).benchmark_reference)
     full = distance(theta, star)
     rows = []
     for alpha in alphas:
