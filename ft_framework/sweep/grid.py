@@ -4,9 +4,12 @@ identity that is a hash of its resolved config.
     runs = expand(load_sweep("configs/sweeps/quickstart_grid.yaml"), store_root="runs/sweeps/q")
     runs[0].run_id, runs[0].method, runs[0].axes, runs[0].config  # RunConfig, output_dir set
 
-The identity is sha256 of the canonical JSON of ``RunConfig.to_dict()`` without the keys that do
-not change what a run computes (where it writes, whether it draws a progress bar, whether it
-resumes), first 12 hex digits. The same config in two sweeps is the same run id.
+The identity is sha256 of the canonical JSON of the resolved config's values that differ from the
+schema's defaults, without the keys that do not change what a run computes (where it writes,
+whether it draws a progress bar, whether it resumes), first 12 hex digits. The same config in two
+sweeps is the same run id; a key a later release adds at a default that computes what the run
+computed before (a method that is off unless asked for) leaves every earlier run id as it was, so
+re-running a sweep that gained methods runs only the new ones.
 """
 
 from __future__ import annotations
@@ -103,9 +106,9 @@ def _canonical(value: Any) -> Any:
     return value
 
 
-def run_identity(config: RunConfig | dict[str, Any]) -> str:
+def run_identity(config: RunConfig) -> str:
     """12 hex digits of sha256 over the canonical JSON of the resolved config (see module doc)."""
-    data = config.to_dict() if isinstance(config, RunConfig) else deepcopy(config)
+    data = config.model_dump(mode="json", exclude_defaults=True)
     for path in IDENTITY_EXCLUDED:
         node = data
         for part in path[:-1]:

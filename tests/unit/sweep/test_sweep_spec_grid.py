@@ -50,6 +50,20 @@ def test_identity_ignores_where_a_run_writes_but_not_what_it_computes():
     assert run_identity(validate_config(a)) == run_identity(validate_config(b))
 
 
+def test_identity_reads_only_the_values_that_differ_from_the_schema_defaults():
+    # A key written at its default is the run that leaves it out: a key a later release adds, off
+    # unless asked for, leaves every earlier run id as it was (a sweep that gains methods runs only them).
+    cfg = validate_config(copy.deepcopy(BASE_RUN))
+    spelled = copy.deepcopy(BASE_RUN)
+    spelled["evaluation"]["benchmarks"] = {"tasks": []}
+    spelled["training"]["gradient_accumulation_steps"] = 1   # TrainingConfig's default
+    assert run_identity(validate_config(spelled)) == run_identity(cfg)
+    # A value off its default is another run, wherever in the tree it sits.
+    changed = copy.deepcopy(BASE_RUN)
+    changed["training"]["gradient_accumulation_steps"] = 2
+    assert run_identity(validate_config(changed)) != run_identity(cfg)
+
+
 def test_an_interpolating_sweep_gives_every_run_its_interpolation_and_export_without_changing_the_ids(tmp_path):
     plain = expand(validate_sweep(sweep_dict()), store_root=tmp_path)
     spec = validate_sweep(sweep_dict(interpolate={"alphas": [1, 0, 0.5], "theta_star": "pretrained"}))
