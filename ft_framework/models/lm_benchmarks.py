@@ -40,11 +40,11 @@ from ft_framework.user_files import MissingFile, read_json
 logger = logging.getLogger(__name__)
 
 __all__ = ["BENCHMARK_FORGETTING", "BenchmarkSuite", "BenchmarkTask", "LM_EVAL_SPECIFIER", "benchmark_forgetting",
-           "check_lm_eval_version"]
+           "check_lm_eval_version", "is_rate"]
 
 Forward = Callable[[dict[str, torch.Tensor]], Any]
 
-# results.json's name of the mean drop over the tasks: the run's benchmark forgetting.
+# results.json's name of the mean drop over the tasks scored by a rate: the run's benchmark forgetting.
 BENCHMARK_FORGETTING = "benchmark_forgetting"
 # The lm-eval releases this adapter was written against (HFLM's attributes and methods it reads).
 LM_EVAL_VERSIONS = ((0, 4, 13), (0, 5, 0))  # [first, last) as (major, minor, micro)
@@ -81,9 +81,18 @@ class BenchmarkTask:
         return {"name": self.name, "path": self.path, "limit": self.limit, "num_fewshot": self.num_fewshot}
 
 
+def is_rate(score: dict[str, Any]) -> bool:
+    """Whether a task's score is a rate (accuracy, exact match, F1 ...: higher is better, θ*'s score
+    and the model's both in [0, 1]), the one unit a mean drop over tasks may average. A perplexity
+    or bits per byte (lower is better) or a BLEU in 0-100 is reported per task, never averaged."""
+    return bool(score.get("higher_is_better", True)) and all(
+        isinstance(score.get(key), (int, float)) and 0.0 <= score[key] <= 1.0 for key in ("score", "theta_star"))
+
+
 def benchmark_forgetting(scores: dict[str, dict[str, Any]]) -> float | None:
-    """The mean drop from θ* over the tasks (None without tasks)."""
-    drops = [s["drop"] for s in scores.values()]
+    """The mean drop from θ* over the tasks scored by a rate (measure's "rate": is_rate); None where
+    there is none."""
+    drops = [s["drop"] for s in scores.values() if s["rate"]]
     return float(np.mean(drops)) if drops else None
 
 
@@ -170,6 +179,11 @@ def _forward_lm_class():
             # One generation setting at a time, so that every rank's share cuts into the same batches.
             groups: dict[str, list[int]] = {}
             for i, request in enumerate(requests):
+                wanted = request.args[1].get("max_gen_toks", self.max_gen_toks)
+                if wanted >= self.max_length:  # HFLM would cut the context to nothing and fail deep inside
+                    raise UserError(f"evaluation.benchmarks: task {request.task_name} generates up to "
+                                    f"{wanted} tokens (max_gen_toks) but the model reads at most {self.max_length}; "
+                                    f"give the task a generation_kwargs.max_gen_toks below {self.max_length}")
                 groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
             out: list[Any] = [None] * len(requests)
             for indices in groups.values():
@@ -319,6 +333,7 @@ class BenchmarkSuite:
             out[name] = {"metric": now["metric"], "score": now["score"], "stderr": now["stderr"],
                          "theta_star": before["score"], "theta_star_stderr": before["stderr"],
                          "drop": sign * (before["score"] - now["score"])}
+            out[name]["rate"] = is_rate(out[name])  # whether benchmark_forgetting averages its drop
         return out
 
     # ---- θ*'s side ----------------------------------------------------------------------------

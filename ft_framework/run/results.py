@@ -51,5 +51,10 @@ def _benchmark_lines(results: dict[str, Any]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["", *("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)]
     lines.insert(2, "  ".join("-" * w for w in widths))
-    lines.append(f"benchmark forgetting (the mean drop from θ*): {results['benchmark_forgetting']:+.4f}")
+    rates = [task for task, s in scores.items() if s.get("rate")]
+    if results.get("benchmark_forgetting") is not None:
+        lines.append(f"benchmark forgetting (the mean drop from θ* over the {len(rates)} task(s) scored by a rate: "
+                     f"{', '.join(rates)}): {results['benchmark_forgetting']:+.4f}")
+    else:
+        lines.append("benchmark forgetting: none (no task is scored by a rate in [0, 1]; each drop is above)")
     return lines

@@ -13,7 +13,7 @@ import torch
 from lm_eval_tasks import write_lm_eval_tasks
 from tiny_llm import build_tiny_llm_dir
 from ft_framework.errors import UserError
-from ft_framework.models.lm_benchmarks import BenchmarkSuite, BenchmarkTask, benchmark_forgetting
+from ft_framework.models.lm_benchmarks import BenchmarkSuite, BenchmarkTask, benchmark_forgetting, is_rate
 
 pytest.importorskip("lm_eval")
 
@@ -137,6 +137,19 @@ def test_a_sampling_task_and_an_unknown_task_are_refused_in_one_line(tiny, tmp_p
                        gather=lambda obj: [obj])
 
 
-def test_the_mean_drop_is_the_benchmark_forgetting():
-    assert benchmark_forgetting({"a": {"drop": 0.25}, "b": {"drop": -0.05}}) == pytest.approx(0.1)
-    assert benchmark_forgetting({}) is None
+def test_the_mean_drop_over_the_rate_scored_tasks_is_the_benchmark_forgetting():
+    acc = {"score": 0.5, "theta_star": 0.75, "drop": 0.25, "higher_is_better": True}
+    exact = {"score": 0.3, "theta_star": 0.25, "drop": -0.05, "higher_is_better": True}
+    perplexity = {"score": 40.0, "theta_star": 30.0, "drop": 10.0, "higher_is_better": False}
+    bleu = {"score": 20.0, "theta_star": 25.0, "drop": 5.0, "higher_is_better": True}
+    assert [is_rate(s) for s in (acc, exact, perplexity, bleu)] == [True, True, False, False]
+    # A perplexity's rise or a BLEU's points are another unit: reported per task, never averaged.
+    scores = {n: {**s, "rate": is_rate(s)} for n, s in zip("abcd", (acc, exact, perplexity, bleu))}
+    assert benchmark_forgetting(scores) == pytest.approx(0.1)
+    assert benchmark_forgetting({"c": scores["c"]}) is None and benchmark_forgetting({}) is None
+
+
+def test_a_generation_longer_than_the_model_reads_is_refused_in_one_line(tiny):
+    requests = instances("generate_until", [("x", {"until": ["e"], "max_gen_toks": 48})])
+    with pytest.raises(UserError, match=r"generates up to 48 tokens .* reads at most 48; .* below 48$"):
+        ours(tiny, 1).generate_until(requests)
