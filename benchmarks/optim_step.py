@@ -25,6 +25,8 @@ Every RecAdam candidate (also the multi-pass ones) is credited 32 B, so its GB/s
 Candidates (--only takes these names):
   ours_fp32    ft_framework recadam, impl="cpu" (C++ kernel), fp32 anchors
   ours_bf16    ft_framework recadam, impl="cpu", anchor_dtype="bfloat16"
+  ours_importance  ours_fp32 with a per-element importance F~ (bf16 optimizer state, issue 51): the
+               pull weighted by min(w F~, 1); 34 B moved, 18 B host (opt-in)
   ours_compact ft_framework recadam, impl="cpu", state_dtype="bfloat16" (the compact state: 26 B moved, 10 B
                host; opt-in)
   ours_compact_ds  the same with the parameter as its own master (keep_masters_in_params: the step on
@@ -69,6 +71,7 @@ from harness import (  # noqa: E402
 
 from ft_framework.optim import build_optimizer  # noqa: E402
 from ft_framework.optim import cpu as cpu_kernel  # noqa: E402
+from ft_framework.optim.base import IMPORTANCE  # noqa: E402
 
 # RecAdam hyper-parameters of the authors' GLUE recipe (lr*(w-lambda)*gamma = 0.1 at the start).
 HP = dict(lr=2e-5, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, anneal_fun="sigmoid",
@@ -80,11 +83,14 @@ BYTES = {"recadam": 32, "recadam_bf16": 30, "adam": 28,
          "recadam_compact": 26,
          # the compact state on DeepSpeed's partitions (the fp32 weight is the master, no delta):
          # reads g 4, p 4, m 2, v 2, theta* 2; writes p 4, m 2, v 2
-         "recadam_compact_ds": 22}
+         "recadam_compact_ds": 22,
+         # the fp32 state with the per-element importance F~ (bf16): RecAdam's 32 B plus reading F~ 2
+         "recadam_importance": 34}
 # Bytes per parameter the optimizer keeps in host memory: its master (the fp32 weight, or delta),
 # the moments and theta*; the model's own fp32 weight and gradient are not counted (they exist in
 # every candidate; in the compact state the weight is a copy of theta* + delta, not the master).
-HOST_BYTES = {"recadam": 16, "recadam_bf16": 14, "adam": 12, "recadam_compact": 10, "recadam_compact_ds": 10}
+HOST_BYTES = {"recadam": 16, "recadam_bf16": 14, "adam": 12, "recadam_compact": 10, "recadam_compact_ds": 10,
+              "recadam_importance": 18}
 
 # Steps of the slow multi-pass candidates are capped so that their timed steps take about this long.
 SLOW_BUDGET_S = 3.0
@@ -154,7 +160,8 @@ class Candidate:
         return HOST_BYTES["adam"] if self.bytes_per_param == BYTES["adam"] else HOST_BYTES["recadam"]
 
 
-def _ours(impl: str, anchor_dtype: str = "float32", state_dtype: str = "float32", masters_in_params: bool = False):
+def _ours(impl: str, anchor_dtype: str = "float32", state_dtype: str = "float32", masters_in_params: bool = False,
+          importance: bool = False):
     def build(data: SizeData):
         params = fresh_params(data)
         group = {"params": params, "anchors": data.theta_star}
@@ -162,6 +169,10 @@ def _ours(impl: str, anchor_dtype: str = "float32", state_dtype: str = "float32"
                               **HP)
         if masters_in_params:
             opt.keep_masters_in_params()
+        if importance:  # F~ in [0, 2), mean 1 (what optim/importance.py's normalisation gives)
+            gen = torch.Generator().manual_seed(5)
+            for p in params:
+                opt.state[p][IMPORTANCE] = (2 * torch.rand(p.shape, generator=gen)).to(torch.bfloat16)
         if opt.impl != impl:
             raise Skip(f"asked impl={impl!r}, got {opt.impl!r}")
         return opt.step
@@ -234,6 +245,8 @@ CANDIDATES = [
               host_bytes_per_param=HOST_BYTES["recadam_compact_ds"]),
     Candidate("ours_bf16", "ours cpu bf16-anchor", BYTES["recadam_bf16"], _ours("cpu", "bfloat16"),
               host_bytes_per_param=HOST_BYTES["recadam_bf16"]),
+    Candidate("ours_importance", "ours cpu fp32 + importance", BYTES["recadam_importance"],
+              _ours("cpu", importance=True), host_bytes_per_param=HOST_BYTES["recadam_importance"]),
     Candidate("ours_torch", "ours torch", BYTES["recadam"], _ours("torch"), ("cpu", "cuda"), slow=True),
     Candidate("ours_triton", "ours triton", BYTES["recadam"], _ours("triton"), ("cuda",)),
     Candidate("ours_triton_compact", "ours triton compact state", BYTES["recadam_compact"],
@@ -375,6 +388,10 @@ RATIOS = [
      lambda r: r <= BYTES["recadam_bf16"] / BYTES["adam"] / 0.97),
     ("ours compact / DeepSpeedCPUAdam", "ours_compact", "ds_adam", "<= 0.67", lambda r: r <= 0.67),
     ("ours compact on DS masters / DeepSpeedCPUAdam", "ours_compact_ds", "ds_adam", "<= 0.67", lambda r: r <= 0.67),
+    # Issue 51: the importance-weighted step's bandwidth share (34 B against DeepSpeedCPUAdam's 28 B:
+    # 1.21 is parity), and what reading F~ costs over the unweighted step.
+    ("ours importance / DeepSpeedCPUAdam", "ours_importance", "ds_adam", "info (1.21: equal GB/s)", None),
+    ("ours importance / ours fp32", "ours_importance", "ours_fp32", "info", None),
     ("authors-style / ours fp32", "authors", "ours_fp32", ">= 5", lambda r: r >= 5.0),
     ("AdamW fused + pull / ours fp32", "adamw_pull", "ours_fp32", "> 1", lambda r: r > 1.0),
     ("ours torch / ours fp32", "ours_torch", "ours_fp32", "info", None),

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -114,18 +116,55 @@ FiniteFn finite_fn(Level level) {
 
 // 1 / (1 - A), where p' = (1 - A) p - B is the forward step as a function of p (step_args.h).
 // A depends only on the coefficients and on which stages the kernel runs; double, rounded once.
-float inverse_keep(const ftk::StepCoeffs& c, bool has_anchor) {
+// With the per-element importance the pulls' part is the kernel's, per element: this is the
+// decays' alone, and `largest_importance` (the tensor's largest F~) says whether some element's
+// pull fraction min(w * F~, 1) reached 1 (that element is theta* whatever it was: no undo).
+float inverse_keep(const ftk::StepCoeffs& c, bool has_anchor, bool has_importance = false,
+                   float largest_importance = 0.0f) {
     double a = 0.0;
     const bool pre = c.pre_decay != 0.0f || (has_anchor && c.pre_pull != 0.0f);
+    const bool pulls = has_anchor && !has_importance;
     if (pre) {
         a = c.pre_decay;
-        if (has_anchor) a += c.pre_pull * (1.0 - a);
+        if (pulls) a += c.pre_pull * (1.0 - a);
     }
-    if (has_anchor) a += c.post_pull * (1.0 - a);
+    if (pulls) a += c.post_pull * (1.0 - a);
     if (c.post_decay != 0.0f) a += c.post_decay * (1.0 - a);
-    if (!(1.0 - a > 0.0))
-        throw std::invalid_argument("this step removes all of p (pulls and decays sum to >= 1): it cannot be undone");
+    bool whole = !(1.0 - a > 0.0);
+    if (has_anchor && has_importance) {
+        const float largest_pull = std::max(pre ? c.pre_pull * largest_importance : 0.0f,
+                                            c.post_pull * largest_importance);  // one fp32 product each
+        whole = whole || !(largest_pull < 1.0f);
+    }
+    if (whole)
+        throw std::invalid_argument("this step removes all of p (pulls and decays sum to >= 1, or an importance-"
+                                    "weighted pull reached theta*): it cannot be undone");
     return static_cast<float>(1.0 / (1.0 - a));
+}
+
+// The largest of n bf16 values (a NaN counts as infinitely large: its step cannot be undone either).
+float largest_bf16(const uint16_t* bits, int64_t n) {
+    float best = 0.0f;
+    for (int64_t k = 0; k < n; ++k) {
+        const uint32_t word = static_cast<uint32_t>(bits[k]) << 16;
+        float x;
+        std::memcpy(&x, &word, sizeof(x));
+        if (x != x) return std::numeric_limits<float>::infinity();
+        best = std::max(best, x);
+    }
+    return best;
+}
+
+// Sets the per-element importance F~ of s (bf16 bits, the anchored tensor's; step_args.h).
+void set_importance(ftk::StepArgs& s, const std::optional<py::buffer>& importance, int64_t numel) {
+    if (!importance) return;
+    if (s.anchor == nullptr)
+        throw std::invalid_argument("the importance weighs the pull toward theta*: it needs its anchor");
+    const Buffer f = as_buffer(*importance, "importance", false, true);
+    if (f.type != ftk::ElemType::BF16) throw std::invalid_argument("the importance must hold bfloat16 bits (int16)");
+    if (f.numel != numel)
+        throw std::invalid_argument("importance must have the parameter's " + std::to_string(numel) + " elements");
+    s.importance = static_cast<const uint16_t*>(f.ptr);
 }
 
 // Checks the buffers (GIL held) and describes the step over them. `bf16_moments`: the compact
@@ -204,18 +243,20 @@ bool all_finite(const ftk::StepArgs& s, int64_t numel, int num_threads) {
 
 void fused_step(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
                 const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
-                const ftk::StepCoeffs& coeffs, int num_threads) {
+                const ftk::StepCoeffs& coeffs, int num_threads, const std::optional<py::buffer>& importance) {
     int64_t numel = 0;
-    const ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    set_importance(s, importance, numel);
     py::gil_scoped_release nogil;  // the buffers' memory stays alive: the caller holds the arrays
     run_step(s, numel, num_threads);
 }
 
 bool guarded_step(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
                   const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
-                  const ftk::StepCoeffs& coeffs, int num_threads) {
+                  const ftk::StepCoeffs& coeffs, int num_threads, const std::optional<py::buffer>& importance) {
     int64_t numel = 0;
-    const ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    set_importance(s, importance, numel);
     py::gil_scoped_release nogil;
     if (!all_finite(s, numel, num_threads)) return false;
     run_step(s, numel, num_threads);
@@ -224,11 +265,21 @@ bool guarded_step(const py::buffer& param, const py::buffer& grad, const py::buf
 
 void fused_inverse(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
                    const py::buffer& exp_avg_sq, const std::optional<py::buffer>& anchor,
-                   const ftk::StepCoeffs& coeffs, int num_threads) {
+                   const ftk::StepCoeffs& coeffs, int num_threads, const std::optional<py::buffer>& importance) {
     int64_t numel = 0;
     ftk::StepArgs s = make_args(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, &numel);
+    set_importance(s, importance, numel);
     s.inverse = true;
-    s.inv_keep = inverse_keep(coeffs, s.anchor != nullptr);
+    if (s.importance == nullptr) {
+        s.inv_keep = inverse_keep(coeffs, s.anchor != nullptr);
+    } else {
+        float largest = 0.0f;
+        {
+            py::gil_scoped_release nogil;
+            largest = largest_bf16(s.importance, numel);
+        }
+        s.inv_keep = inverse_keep(coeffs, true, true, largest);
+    }
     py::gil_scoped_release nogil;
     run_step(s, numel, num_threads);
 }
@@ -239,7 +290,7 @@ void fused_inverse(const py::buffer& param, const py::buffer& grad, const py::bu
 void fused_step_compact(const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg,
                         const py::buffer& exp_avg_sq, const std::optional<py::buffer>& delta,
                         const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, uint32_t sr_key,
-                        int64_t index_base, int num_threads) {
+                        int64_t index_base, int num_threads, const std::optional<py::buffer>& importance) {
     if (delta.has_value() && !anchor.has_value())
         throw std::invalid_argument("the compact step's delta is theta - theta*: it needs its anchor");
     if (index_base < 0) throw std::invalid_argument("index_base must be >= 0");
@@ -252,6 +303,7 @@ void fused_step_compact(const py::buffer& param, const py::buffer& grad, const p
     s.delta = static_cast<float*>(d.ptr);
     s.sr_key = sr_key;
     s.index_base = index_base;
+    set_importance(s, importance, numel);
     py::gil_scoped_release nogil;
     run_step(s, numel, num_threads);
 }
@@ -267,12 +319,13 @@ void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::ve
                              const std::vector<int64_t>& numels, const std::vector<bool>& grad_bf16,
                              const std::vector<bool>& anchor_bf16, const std::vector<int64_t>& index_bases,
                              const std::vector<uintptr_t>& weights, const ftk::StepCoeffs& coeffs, uint32_t sr_key,
-                             int num_threads) {
+                             int num_threads, const std::vector<uintptr_t>& importances) {
     const size_t n = params.size();
     if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || deltas.size() != n ||
         anchors.size() != n || numels.size() != n || grad_bf16.size() != n || anchor_bf16.size() != n ||
-        index_bases.size() != n || weights.size() != n)
-        throw std::invalid_argument("fused_step_compact_many: every list must have one entry per tensor");
+        index_bases.size() != n || weights.size() != n || (!importances.empty() && importances.size() != n))
+        throw std::invalid_argument("fused_step_compact_many: every list must have one entry per tensor (importances: "
+                                    "one per tensor, or none)");
     std::vector<ftk::StepArgs> args(n);
     for (size_t i = 0; i < n; ++i) {
         // The one master without an fp32 param: a delta master of the bf16 weight form.
@@ -282,6 +335,8 @@ void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::ve
                                !exp_avgs[i] || !exp_avg_sqs[i])))
             throw std::invalid_argument("fused_step_compact_many: a null address, a negative size or index, a "
                                         "delta without its anchor, or a param beside a delta in the bf16 weight form");
+        if (!importances.empty() && importances[i] != 0 && anchors[i] == 0)
+            throw std::invalid_argument("fused_step_compact_many: an importance without its anchor");
         ftk::StepArgs& s = args[i];
         s.param = reinterpret_cast<float*>(params[i]);
         s.grad = reinterpret_cast<const void*>(grads[i]);
@@ -296,6 +351,7 @@ void fused_step_compact_many(const std::vector<uintptr_t>& params, const std::ve
         s.sr_key = sr_key;
         s.index_base = index_bases[i];
         s.weight16 = reinterpret_cast<uint16_t*>(weights[i]);   // 0: the fp32 param form
+        if (!importances.empty()) s.importance = reinterpret_cast<const uint16_t*>(importances[i]);  // 0: none
     }
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < n; ++i) run_step(args[i], numels[i], num_threads);
@@ -325,15 +381,19 @@ void fused_step_many(const std::vector<uintptr_t>& params, const std::vector<uin
                      const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                      const std::vector<uintptr_t>& anchors, const std::vector<int64_t>& numels,
                      const std::vector<bool>& grad_bf16, const std::vector<bool>& anchor_bf16,
-                     const ftk::StepCoeffs& coeffs, int num_threads) {
+                     const ftk::StepCoeffs& coeffs, int num_threads, const std::vector<uintptr_t>& importances) {
     const size_t n = params.size();
     if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n || anchors.size() != n ||
-        numels.size() != n || grad_bf16.size() != n || anchor_bf16.size() != n)
-        throw std::invalid_argument("fused_step_many: every list must have one entry per tensor");
+        numels.size() != n || grad_bf16.size() != n || anchor_bf16.size() != n ||
+        (!importances.empty() && importances.size() != n))
+        throw std::invalid_argument("fused_step_many: every list must have one entry per tensor (importances: one "
+                                    "per tensor, or none)");
     std::vector<ftk::StepArgs> args(n);
     for (size_t i = 0; i < n; ++i) {
         if (numels[i] < 0 || (numels[i] > 0 && (!params[i] || !grads[i] || !exp_avgs[i] || !exp_avg_sqs[i])))
             throw std::invalid_argument("fused_step_many: a null address or a negative size");
+        if (!importances.empty() && importances[i] != 0 && anchors[i] == 0)
+            throw std::invalid_argument("fused_step_many: an importance without its anchor");
         ftk::StepArgs& s = args[i];
         s.param = reinterpret_cast<float*>(params[i]);
         s.grad = reinterpret_cast<const void*>(grads[i]);
@@ -343,6 +403,7 @@ void fused_step_many(const std::vector<uintptr_t>& params, const std::vector<uin
         s.grad_type = grad_bf16[i] ? ftk::ElemType::BF16 : ftk::ElemType::F32;
         s.anchor_type = anchor_bf16[i] ? ftk::ElemType::BF16 : ftk::ElemType::F32;
         s.c = coeffs;
+        if (!importances.empty()) s.importance = reinterpret_cast<const uint16_t*>(importances[i]);  // 0: none
     }
     py::gil_scoped_release nogil;
     for (size_t i = 0; i < n; ++i) run_step(args[i], numels[i], num_threads);
@@ -374,27 +435,29 @@ PYBIND11_MODULE(_cpu_kernel, m) {
     // The buffers are read before the GIL is released (py::buffer needs it); the step runs without.
     m.def("fused_step",
           [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
-             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {
-              fused_step(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads);
+             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads,
+             const std::optional<py::buffer>& importance) {
+              fused_step(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads, importance);
           },
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
-          py::arg("coeffs"), py::arg("num_threads") = 0,
-          "One fused step in place over 1-D buffers of equal length; anchor=None means none.");
+          py::arg("coeffs"), py::arg("num_threads") = 0, py::arg("importance") = py::none(),
+          "One fused step in place over 1-D buffers of equal length; anchor=None means none; importance (bf16 "
+          "bits, beside an anchor): each pull's fraction min(w * importance, 1) per element.");
     m.def("_fused_step_many", &fused_step_many, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
           py::arg("exp_avg_sqs"), py::arg("anchors"), py::arg("numels"), py::arg("grad_bf16"), py::arg("anchor_bf16"),
-          py::arg("coeffs"), py::arg("num_threads") = 0,
-          "fused_step over many tensors given by address (0: no anchor); private to ft_framework.optim.cpu, "
-          "which checks every tensor first.");
+          py::arg("coeffs"), py::arg("num_threads") = 0, py::arg("importances") = std::vector<uintptr_t>{},
+          "fused_step over many tensors given by address (0: no anchor, no importance; importances empty: none); "
+          "private to ft_framework.optim.cpu, which checks every tensor first.");
     m.def("fused_step_compact", &fused_step_compact, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
           py::arg("exp_avg_sq"), py::arg("delta"), py::arg("anchor"), py::arg("coeffs"), py::arg("sr_key"),
-          py::arg("index_base"), py::arg("num_threads") = 0,
+          py::arg("index_base"), py::arg("num_threads") = 0, py::arg("importance") = py::none(),
           "One step of the compact state in place (bf16 moments, stochastic rounding of v; with an anchor the fp32 "
           "delta is the master and param is written as anchor + delta, without delta param is the master); no "
           "inverse exists.");
     m.def("_fused_step_compact_many", &fused_step_compact_many, py::arg("params"), py::arg("grads"),
           py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("deltas"), py::arg("anchors"), py::arg("numels"),
           py::arg("grad_bf16"), py::arg("anchor_bf16"), py::arg("index_bases"), py::arg("weights"), py::arg("coeffs"),
-          py::arg("sr_key"), py::arg("num_threads") = 0,
+          py::arg("sr_key"), py::arg("num_threads") = 0, py::arg("importances") = std::vector<uintptr_t>{},
           "fused_step_compact over many tensors given by address (weights: 0, or the bf16 weight form's output, "
           "which may be the bf16 gradient); private to ft_framework.optim.cpu, which checks every tensor first.");
     m.def("sr_bits", &sr_bits, py::arg("key"), py::arg("index_base"), py::arg("n"),
@@ -403,18 +466,20 @@ PYBIND11_MODULE(_cpu_kernel, m) {
           "The kernel's copy of counter_rng's lowbias32 multipliers (tested against the Python owner)");
     m.def("guarded_step",
           [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
-             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {
-              return guarded_step(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads);
+             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads,
+             const std::optional<py::buffer>& importance) {
+              return guarded_step(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads, importance);
           },
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
-          py::arg("coeffs"), py::arg("num_threads") = 0,
+          py::arg("coeffs"), py::arg("num_threads") = 0, py::arg("importance") = py::none(),
           "fused_step when every gradient element is finite (returns True); else touches nothing, returns False.");
     m.def("fused_inverse",
           [](const py::buffer& param, const py::buffer& grad, const py::buffer& exp_avg, const py::buffer& exp_avg_sq,
-             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads) {
-              fused_inverse(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads);
+             const std::optional<py::buffer>& anchor, const ftk::StepCoeffs& coeffs, int num_threads,
+             const std::optional<py::buffer>& importance) {
+              fused_inverse(param, grad, exp_avg, exp_avg_sq, anchor, coeffs, num_threads, importance);
           },
           py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("anchor"),
-          py::arg("coeffs"), py::arg("num_threads") = 0,
+          py::arg("coeffs"), py::arg("num_threads") = 0, py::arg("importance") = py::none(),
           "Undoes fused_step with the same coefficients and gradient, in place (cpp/step_args.h).");
 }

@@ -18,6 +18,15 @@
 // The anchor terms run only when an anchor pointer is given. Python computes the coefficients
 // (bias corrections, lambda(t)) once per tensor, so the kernel is one pass over memory.
 //
+// The per-element importance F~ (an anchored tensor's normalised Fisher, bf16, optional): where it
+// is given, each pull's fraction becomes per element
+//
+//   w_i = min(fp32(w) * fp32(F~_i), 1)      (w = pre_pull or post_pull; one rounded product, no FMA)
+//
+// and the decays never read it. The clamp keeps an element from being pulled past theta* (w_i = 1
+// lands on it); with F~ = 1 and w <= 1, w_i = w and the step is the unweighted one bit for bit.
+// Without F~ the kernel runs the unweighted loop (a separate instantiation, no extra load).
+//
 // The inverse step (StepArgs::inverse) undoes one step from the same coefficients and the same
 // gradient, with no copy of the old state (the overlapped offload speculates and rolls back):
 //
@@ -27,6 +36,9 @@
 //   m  = (m' - (1 - beta1) * g) / beta1
 //   v  = max(0, (v' - (1 - beta2) * g * g) / beta2)
 //
+// With F~ the pulls' fractions are per element, so A is too: the caller's inv_keep is then
+// 1 / (1 - A) of the decays alone, and each element divides it by (1 - w_pre_i) (1 - w_post_i) in
+// fp32 (a few ulp more); a step whose largest w_i reaches 1 cannot be undone (the binding refuses).
 // The restored values are within a few ulp of the old ones (the forward rounded once). With
 // beta = 0 the old moment is gone from m' (and never read again by a later step): it becomes 0.
 // A non-finite gradient cannot be undone: guarded steps check the gradient first (grad_finite_*)
@@ -59,8 +71,12 @@ struct StepArgs {
     ElemType grad_type;
     ElemType anchor_type;
     StepCoeffs c;
+    // The per-element importance F~ as bf16 bits (nullptr: none; only beside an anchor): each pull's
+    // fraction is min(w * F~_i, 1), see above.
+    const uint16_t* importance = nullptr;
     bool inverse = false;  // undo the step described by c instead of taking it
-    float inv_keep = 1.0f; // 1 / (1 - A) of the comment above, from the coefficients (inverse only)
+    float inv_keep = 1.0f; // 1 / (1 - A) of the comment above, from the coefficients (inverse only;
+                           // with importance, of the decays alone)
     // The compact state (optimizer.state_dtype bfloat16, docs/optimizers.md): exp_avg and exp_avg_sq
     // point to bf16 bit patterns; m is stored rounded to nearest even, v stochastically rounded with
     // the top 16 of 32 counter_rng bits of (sr_key, index_base + element). With an anchor and a

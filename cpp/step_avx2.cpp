@@ -21,6 +21,7 @@ struct Avx2Ops {
     static inline Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
     static inline Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
     static inline Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+    static inline Reg min(Reg a, Reg b) { return _mm256_min_ps(a, b); }
     static inline Reg sqrt(Reg a) { return _mm256_sqrt_ps(a); }
     // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
     using IReg = __m256i;

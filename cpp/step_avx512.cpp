@@ -22,6 +22,7 @@ struct Avx512Ops {
     static inline Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
     static inline Reg div(Reg a, Reg b) { return _mm512_div_ps(a, b); }
     static inline Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+    static inline Reg min(Reg a, Reg b) { return _mm512_min_ps(a, b); }
     static inline Reg sqrt(Reg a) { return _mm512_sqrt_ps(a); }
     // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
     using IReg = __m512i;

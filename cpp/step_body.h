@@ -57,12 +57,15 @@ struct SrBits {
     }
 };
 
+// HasImportance: the anchored tensor's pulls are weighted per element by F~ (step_args.h); without
+// it no importance is loaded and the pulls' fractions are the coefficients themselves.
 template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool HasPre, bool HasPostDecay,
-          bool Compact = false>
+          bool Compact = false, bool HasImportance = false>
 struct StepProgram {
     using R = typename V::Reg;
     using I = typename V::IReg;
     static constexpr int W = V::kWidth;
+    static constexpr bool Weighted = HasAnchor && HasImportance;
 
     // One exact program for both states, the same bits on every level (and in the torch and Triton
     // paths, optim/torch_step.py and optim/triton_step.py): only correctly rounded IEEE operations,
@@ -75,26 +78,33 @@ struct StepProgram {
 
     // Applies the program to W elements whose operands are already loaded.
     // e + w * (x - e): moves the accumulated change toward x by w (a lerp on the delta).
-    static inline R lerp(R e, R x, float w) { return madd(V::set1(w), V::sub(x, e), e); }
+    static inline R lerp(R e, R x, R w) { return madd(w, V::sub(x, e), e); }
 
-    static inline void apply(const ftk::StepCoeffs& c, R& p, R g, R& m, R& v, R a) {
-        const R d = HasAnchor ? V::sub(p, a) : V::zero();   // p - a, before this step
-        p = V::sub(p, change(c, p, d, g, m, v));
+    // A pull's fraction: the coefficient w, or per element min(w * F~, 1) (step_args.h). min(1, x)
+    // returns x where x is a NaN at every level, as torch's and Triton's minimum do.
+    static inline R pull_weight(float w, R f) {
+        if (Weighted) return V::min(V::set1(1.0f), V::mul(V::set1(w), f));
+        return V::set1(w);
     }
 
-    // Updates m and v and returns the step's total change e of p, given d = p - a.
-    static inline R change(const ftk::StepCoeffs& c, R p, R d, R g, R& m, R& v) {
+    static inline void apply(const ftk::StepCoeffs& c, R& p, R g, R& m, R& v, R a, R f) {
+        const R d = HasAnchor ? V::sub(p, a) : V::zero();   // p - a, before this step
+        p = V::sub(p, change(c, p, d, g, m, v, f));
+    }
+
+    // Updates m and v and returns the step's total change e of p, given d = p - a (and F~ in f).
+    static inline R change(const ftk::StepCoeffs& c, R p, R d, R g, R& m, R& v, R f) {
         m = madd(V::set1(c.one_minus_beta1), g, V::mul(V::set1(c.beta1), m));
         v = madd(V::mul(V::set1(c.one_minus_beta2), g), g, V::mul(V::set1(c.beta2), v));
         const R denom = madd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
         R e = V::mul(V::set1(c.step_size), quotient(m, denom));   // change of p so far
         if (HasPre) {
             R pre = V::mul(V::set1(c.pre_decay), p);
-            if (HasAnchor) pre = lerp(pre, d, c.pre_pull);
+            if (HasAnchor) pre = lerp(pre, d, pull_weight(c.pre_pull, f));
             e = V::add(e, pre);
         }
-        if (HasAnchor) e = lerp(e, d, c.post_pull);
-        if (HasPostDecay) e = lerp(e, p, c.post_decay);
+        if (HasAnchor) e = lerp(e, d, pull_weight(c.post_pull, f));
+        if (HasPostDecay) e = lerp(e, p, V::set1(c.post_decay));
         return e;
     }
 
@@ -123,24 +133,26 @@ struct StepProgram {
     template <bool DeltaMaster, bool WeightOut>
     static inline void compact_at(const ftk::StepCoeffs& c, uint32_t key, float* __restrict param, const void* grad,
                                   uint16_t* __restrict m16, uint16_t* __restrict v16, float* __restrict delta,
-                                  const void* anchor, uint16_t* w16, int64_t i, int64_t gidx) {
+                                  const void* anchor, const uint16_t* __restrict imp, uint16_t* w16, int64_t i,
+                                  int64_t gidx) {
         const R g = load_typed(grad, i, GT);
+        const R f = Weighted ? V::load_bf16(imp + i) : V::zero();
         R m = V::load_bf16(m16 + i), v = V::load_bf16(v16 + i);
         R theta;
         if (HasAnchor && DeltaMaster) {
             const R a = load_typed(anchor, i, AT);
             R d = V::load(delta + i);   // theta - theta*, the master: the pull reads it exactly
-            d = V::sub(d, change(c, V::add(a, d), d, g, m, v));
+            d = V::sub(d, change(c, V::add(a, d), d, g, m, v, f));
             V::store(delta + i, d);
             theta = V::add(a, d);
             if (!WeightOut) V::store(param + i, theta);
         } else if (HasAnchor) {
             const R p = V::load(param + i);
-            theta = V::sub(p, change(c, p, V::sub(p, load_typed(anchor, i, AT)), g, m, v));
+            theta = V::sub(p, change(c, p, V::sub(p, load_typed(anchor, i, AT)), g, m, v, f));
             V::store(param + i, theta);
         } else {
             const R p = V::load(param + i);
-            theta = V::sub(p, change(c, p, V::zero(), g, m, v));
+            theta = V::sub(p, change(c, p, V::zero(), g, m, v, f));
             V::store(param + i, theta);
         }
         if (WeightOut) store_rne(w16 + i, theta);
@@ -174,6 +186,7 @@ struct StepProgram {
         uint16_t* w16 = s.weight16;
         const void* grad = s.grad;
         const void* anchor = s.anchor;
+        const uint16_t* __restrict imp = s.importance;
         int64_t i = begin;
         for (; i + W <= end; i += W) {
             if (i % kLineElems == 0) {
@@ -183,15 +196,16 @@ struct StepProgram {
                 prefetch_typed(grad, i + kPrefetchElems, GT);
                 if (HasDelta) V::prefetch(delta + i + kPrefetchElems);
                 if (HasAnchor) prefetch_typed(anchor, i + kPrefetchElems, AT);
+                if (Weighted) V::prefetch(imp + i + kPrefetchElems);
             }
-            compact_at<DeltaMaster, WeightOut>(c, key, param, grad, m16, v16, delta, anchor, w16, i, base + i);
+            compact_at<DeltaMaster, WeightOut>(c, key, param, grad, m16, v16, delta, anchor, imp, w16, i, base + i);
         }
         const int64_t tail = end - i;
         if (tail == 0) return;
         // Tail: the same vector code on zero-padded copies (bit-identical to the body's arithmetic).
         // Every input is copied before any output is written back (w16 may be the gradient).
         alignas(64) float pb[W] = {}, db[W] = {}, gb[W] = {}, ab[W] = {};
-        alignas(64) uint16_t mb[W] = {}, vb[W] = {}, wb[W] = {};
+        alignas(64) uint16_t mb[W] = {}, vb[W] = {}, wb[W] = {}, fb[W] = {};
         const size_t gsize = GT == ftk::ElemType::BF16 ? 2 : 4, asize = AT == ftk::ElemType::BF16 ? 2 : 4;
         if (HasParam) std::memcpy(pb, param + i, tail * sizeof(float));
         std::memcpy(mb, m16 + i, tail * sizeof(uint16_t));
@@ -199,7 +213,8 @@ struct StepProgram {
         std::memcpy(gb, static_cast<const char*>(grad) + i * gsize, tail * gsize);
         if (HasDelta) std::memcpy(db, delta + i, tail * sizeof(float));
         if (HasAnchor) std::memcpy(ab, static_cast<const char*>(anchor) + i * asize, tail * asize);
-        compact_at<DeltaMaster, WeightOut>(c, key, pb, gb, mb, vb, db, ab, wb, 0, base + i);
+        if (Weighted) std::memcpy(fb, imp + i, tail * sizeof(uint16_t));
+        compact_at<DeltaMaster, WeightOut>(c, key, pb, gb, mb, vb, db, ab, fb, wb, 0, base + i);
         if (HasParam) std::memcpy(param + i, pb, tail * sizeof(float));
         std::memcpy(m16 + i, mb, tail * sizeof(uint16_t));
         std::memcpy(v16 + i, vb, tail * sizeof(uint16_t));
@@ -208,15 +223,23 @@ struct StepProgram {
     }
 
     // Undoes apply() (see step_args.h): p first, from the stepped m and v, then m and v.
-    static inline void apply_inverse(const ftk::StepCoeffs& c, float inv_keep, R& p, R g, R& m, R& v, R a) {
+    static inline void apply_inverse(const ftk::StepCoeffs& c, float inv_keep, R& p, R g, R& m, R& v, R a, R f) {
         const R denom = madd(V::sqrt(v), V::set1(c.denom_scale), V::set1(c.eps));
         R e = V::mul(V::set1(c.step_size), quotient(m, denom));   // the forward's Adam term, bit for bit
         // The rest of the forward's change at p = 0 (d = -a): the constant B of p' = (1 - A) p - B.
         const R d0 = HasAnchor ? V::sub(V::zero(), a) : V::zero();
-        if (HasPre && HasAnchor) e = V::add(e, V::mul(V::set1(c.pre_pull), d0));
-        if (HasAnchor) e = lerp(e, d0, c.post_pull);
+        const R w_pre = pull_weight(c.pre_pull, f), w_post = pull_weight(c.post_pull, f);
+        if (HasPre && HasAnchor) e = V::add(e, V::mul(w_pre, d0));
+        if (HasAnchor) e = lerp(e, d0, w_post);
         if (HasPostDecay) e = V::mul(V::set1(1.0f - c.post_decay), e);
-        p = V::mul(V::add(p, e), V::set1(inv_keep));
+        R keep = V::set1(inv_keep);
+        if (Weighted) {   // inv_keep holds the decays' part; the pulls' is per element (step_args.h)
+            const R one = V::set1(1.0f);
+            R kept = V::sub(one, w_post);
+            if (HasPre) kept = V::mul(V::sub(one, w_pre), kept);
+            keep = V::div(keep, kept);
+        }
+        p = V::mul(V::add(p, e), keep);
         // The gradient terms are rounded before they are subtracted (no fused multiply-add): from a
         // zero moment (a first step) the forward's m' is exactly that rounded term, so the old
         // moment comes back exactly 0, whatever the forward fused.
@@ -255,12 +278,13 @@ struct StepProgram {
     template <bool Inverse>
     static inline void step_at(const ftk::StepCoeffs& c, float inv_keep, float* __restrict param,
                                const void* grad, float* __restrict exp_avg, float* __restrict exp_avg_sq,
-                               const void* anchor, int64_t i) {
+                               const void* anchor, const uint16_t* __restrict imp, int64_t i) {
         R p = V::load(param + i), m = V::load(exp_avg + i), v = V::load(exp_avg_sq + i);
         R g = load_typed(grad, i, GT);
         R a = HasAnchor ? load_typed(anchor, i, AT) : V::zero();
-        if (Inverse) apply_inverse(c, inv_keep, p, g, m, v, a);
-        else apply(c, p, g, m, v, a);
+        R f = Weighted ? V::load_bf16(imp + i) : V::zero();
+        if (Inverse) apply_inverse(c, inv_keep, p, g, m, v, a, f);
+        else apply(c, p, g, m, v, a, f);
         V::store(param + i, p);
         V::store(exp_avg + i, m);
         V::store(exp_avg_sq + i, v);
@@ -278,6 +302,7 @@ struct StepProgram {
         float* __restrict exp_avg_sq = s.exp_avg_sq;
         const void* grad = s.grad;
         const void* anchor = s.anchor;
+        const uint16_t* __restrict imp = s.importance;
         int64_t i = begin;
         for (; i + kStride <= end; i += kStride) {
             // One prefetch per cache line of each stream (past the end is harmless).
@@ -287,17 +312,20 @@ struct StepProgram {
                 V::prefetch(exp_avg_sq + i + k + kPrefetchElems);
                 prefetch_typed(grad, i + k + kPrefetchElems, GT);
                 if (HasAnchor) prefetch_typed(anchor, i + k + kPrefetchElems, AT);
+                if (Weighted && k % (2 * kLineElems) == 0) V::prefetch(imp + i + k + kPrefetchElems);  // bf16
             }
             for (int u = 0; u < kStride; u += W)
-                step_at<Inverse>(c, inv_keep, param, grad, exp_avg, exp_avg_sq, anchor, i + u);
+                step_at<Inverse>(c, inv_keep, param, grad, exp_avg, exp_avg_sq, anchor, imp, i + u);
         }
-        for (; i + W <= end; i += W) step_at<Inverse>(c, inv_keep, param, grad, exp_avg, exp_avg_sq, anchor, i);
+        for (; i + W <= end; i += W)
+            step_at<Inverse>(c, inv_keep, param, grad, exp_avg, exp_avg_sq, anchor, imp, i);
         return i;
     }
 
-    static void apply_kind(const ftk::StepCoeffs& c, bool inverse, float inv_keep, R& p, R g, R& m, R& v, R a) {
-        if (inverse) apply_inverse(c, inv_keep, p, g, m, v, a);
-        else apply(c, p, g, m, v, a);
+    static void apply_kind(const ftk::StepCoeffs& c, bool inverse, float inv_keep, R& p, R g, R& m, R& v, R a,
+                           R f) {
+        if (inverse) apply_inverse(c, inv_keep, p, g, m, v, a, f);
+        else apply(c, p, g, m, v, a, f);
     }
 
     static void run(const ftk::StepArgs& s, int64_t begin, int64_t end) {
@@ -318,13 +346,16 @@ struct StepProgram {
         // Tail: stage the last < W elements in zero-padded buffers and run the same vector code,
         // so tails get bit-identical arithmetic to the body (zeros are safe: sqrt(0) + eps > 0).
         alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {}, gb[W] = {}, ab[W] = {};
+        alignas(64) uint16_t fb[W] = {};
         std::memcpy(pb, s.param + i, tail * sizeof(float));
         std::memcpy(mb, s.exp_avg + i, tail * sizeof(float));
         std::memcpy(vb, s.exp_avg_sq + i, tail * sizeof(float));
         widen(s.grad, GT, i, tail, gb);
         if (HasAnchor) widen(s.anchor, AT, i, tail, ab);
+        if (Weighted) std::memcpy(fb, s.importance + i, tail * sizeof(uint16_t));
         R p = V::load(pb), m = V::load(mb), v = V::load(vb), g = V::load(gb), a = V::load(ab);
-        apply_kind(c, inverse, inv_keep, p, g, m, v, a);
+        const R f = Weighted ? V::load_bf16(fb) : V::zero();
+        apply_kind(c, inverse, inv_keep, p, g, m, v, a, f);
         V::store(pb, p);
         V::store(mb, m);
         V::store(vb, v);
@@ -347,21 +378,28 @@ struct StepProgram {
     }
 };
 
-// Picks the template instance for the runtime dtypes, anchor presence and the stages in use.
-template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool Compact>
+// Picks the template instance for the runtime dtypes, anchor and importance presence and the stages in use.
+template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool Compact, bool Imp>
 void dispatch_stages_of(const ftk::StepArgs& s, int64_t begin, int64_t end) {
     const bool pre = s.c.pre_decay != 0.0f || (HasAnchor && s.c.pre_pull != 0.0f);
     const bool post_decay = s.c.post_decay != 0.0f;
-    if (pre && post_decay)  StepProgram<V, GT, AT, HasAnchor, true, true, Compact>::run(s, begin, end);
-    else if (pre)           StepProgram<V, GT, AT, HasAnchor, true, false, Compact>::run(s, begin, end);
-    else if (post_decay)    StepProgram<V, GT, AT, HasAnchor, false, true, Compact>::run(s, begin, end);
-    else                    StepProgram<V, GT, AT, HasAnchor, false, false, Compact>::run(s, begin, end);
+    if (pre && post_decay)  StepProgram<V, GT, AT, HasAnchor, true, true, Compact, Imp>::run(s, begin, end);
+    else if (pre)           StepProgram<V, GT, AT, HasAnchor, true, false, Compact, Imp>::run(s, begin, end);
+    else if (post_decay)    StepProgram<V, GT, AT, HasAnchor, false, true, Compact, Imp>::run(s, begin, end);
+    else                    StepProgram<V, GT, AT, HasAnchor, false, false, Compact, Imp>::run(s, begin, end);
 }
 
-template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor>
+template <class V, ftk::ElemType GT, ftk::ElemType AT, bool HasAnchor, bool Imp = false>
 void dispatch_stages(const ftk::StepArgs& s, int64_t begin, int64_t end) {
-    if (s.compact) dispatch_stages_of<V, GT, AT, HasAnchor, true>(s, begin, end);
-    else           dispatch_stages_of<V, GT, AT, HasAnchor, false>(s, begin, end);
+    if (s.compact) dispatch_stages_of<V, GT, AT, HasAnchor, true, Imp>(s, begin, end);
+    else           dispatch_stages_of<V, GT, AT, HasAnchor, false, Imp>(s, begin, end);
+}
+
+// The anchored instances, with or without the per-element importance.
+template <class V, ftk::ElemType GT, ftk::ElemType AT>
+void dispatch_anchored(const ftk::StepArgs& s, int64_t begin, int64_t end) {
+    if (s.importance != nullptr) dispatch_stages<V, GT, AT, true, true>(s, begin, end);
+    else                         dispatch_stages<V, GT, AT, true, false>(s, begin, end);
 }
 
 // True when every element of grad[begin, end) is finite: x * 0 is 0 for finite x and NaN for
@@ -405,10 +443,10 @@ void dispatch_step(const ftk::StepArgs& s, int64_t begin, int64_t end) {
         return;
     }
     const bool a16 = s.anchor_type == ElemType::BF16;
-    if (g16 && a16)  dispatch_stages<V, ElemType::BF16, ElemType::BF16, true>(s, begin, end);
-    else if (g16)    dispatch_stages<V, ElemType::BF16, ElemType::F32, true>(s, begin, end);
-    else if (a16)    dispatch_stages<V, ElemType::F32, ElemType::BF16, true>(s, begin, end);
-    else             dispatch_stages<V, ElemType::F32, ElemType::F32, true>(s, begin, end);
+    if (g16 && a16)  dispatch_anchored<V, ElemType::BF16, ElemType::BF16>(s, begin, end);
+    else if (g16)    dispatch_anchored<V, ElemType::BF16, ElemType::F32>(s, begin, end);
+    else if (a16)    dispatch_anchored<V, ElemType::F32, ElemType::BF16>(s, begin, end);
+    else             dispatch_anchored<V, ElemType::F32, ElemType::F32>(s, begin, end);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ struct ScalarOps {
     static inline Reg mul(Reg a, Reg b) { return a * b; }
     static inline Reg div(Reg a, Reg b) { return a / b; }
     static inline Reg max(Reg a, Reg b) { return a > b ? a : b; }
+    static inline Reg min(Reg a, Reg b) { return a < b ? a : b; }   // b where either is a NaN (as minps)
     static inline Reg sqrt(Reg a) { return std::sqrt(a); }
     // 32-bit integer lanes: counter_rng's hash and the bf16 rounding of the compact state.
     using IReg = uint32_t;

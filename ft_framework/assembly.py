@@ -16,8 +16,10 @@ In order (:func:`assemble_run`; each step says why it stands there):
 4. the optimizer factory, handed to Strategy.setup with θ*, which wraps the model and places θ* in
    the optimizer; the memory plan's rows logged;
 5. the schedule's totals and evaluation steps, the checkpoint manager, the metrics logger;
-6. where the loop starts: a resume restores the checkpoint and reads θ*'s probe side and benchmark
-   scores back; a fresh run captures them from the model and chooses Child-Tuning's child; then the baseline.
+6. where the loop starts: loss.kl_to_pretrained's stored targets of θ* (reused from the token cache or
+   made by a pass while the model is still θ*); a resume restores the checkpoint and reads θ*'s probe
+   side and benchmark scores back; a fresh run captures them from the model and chooses Child-Tuning's
+   child; then the baseline.
 
 The few ways of using the parts that both the assembly (the Fisher pass, the baseline) and the loop
 need are :class:`AssembledRun`'s methods: this rank's batches of an epoch, the strategy's forward of
@@ -42,16 +44,19 @@ from ft_framework.checkpointing.dcp_io import CheckpointReadError
 from ft_framework.checkpointing.export import ExportExistsError, check_run_export_dir
 from ft_framework.checkpointing.manager import CheckpointManager
 from ft_framework.config import RunConfig
+from ft_framework.data.replay import ReplayMix
 from ft_framework.data.sharding import batches_per_epoch, epoch_batches
 from ft_framework.data.tasks import TaskSpec
 from ft_framework.distributed.config_agreement import check_config_agreement
 from ft_framework.errors import UserError
+from ft_framework.models.kl_anchor import KLAnchor
 from ft_framework.models.lm_benchmarks import BenchmarkSuite
 from ft_framework.models.loading import LoadedModel, load_model_and_tokenizer
 from ft_framework.models.probes import ForgettingProbe
 from ft_framework.models.transforms import apply_before_the_wrap
 from ft_framework.optim import build_optimizer
 from ft_framework.optim.child_tuning import prepare_masks, run_fisher_pass, select_child
+from ft_framework.optim.importance import capture_fisher, holds_importance, place_importance, prepare_importance
 from ft_framework.optim.groups import GROUP_HPARAMS, build_param_groups
 from ft_framework.optim.schedules import lr_schedule
 from ft_framework.run.failures import same_on_every_rank
@@ -59,7 +64,7 @@ from ft_framework.run.files import RunPaths
 from ft_framework.run.lock import RunLock, hold_run_lock
 from ft_framework.run.logs import MetricsLogger
 from ft_framework.run.preflight import check_data_not_empty, check_max_seq_length
-from ft_framework.run.start import ResumePoint, check_start, restore_rng
+from ft_framework.run.start import ResumePoint, check_resume_data, check_start, restore_rng
 from ft_framework.run.tracking import open_trackers
 from ft_framework.strategies import Strategy
 from ft_framework.strategies.memory_fit import check_memory_budget
@@ -87,11 +92,17 @@ class TrainState:
     window_loss: float = 0.0       # running sums for the next log line: this rank's summed loss,
     window_micro_batches: int = 0  # its micro-batches
     window_units: float = 0.0      # and the units the loss sums over (examples, a decoder's label tokens)
+    window_replay_loss: float = 0.0   # the same of data.replay's rows (not in window_loss): their summed loss,
+    window_replay_units: float = 0.0  # label tokens
+    window_replay_rows: int = 0       # and rows (padding rows not counted)
+    window_terms: dict[str, float] = field(default_factory=dict)  # the objective's added terms' sums (MicroBatchLoss)
     train_seconds: float = 0.0
     # Config changes accepted on resume (fingerprint.py): {"step", "key", "old", "new", "allowed_by"}.
     config_changes: list[dict[str, Any]] = field(default_factory=list)
     # Child-Tuning's Fisher pass and child network (ChildTuningResult.to_record), None when off.
     child_tuning: dict[str, Any] | None = None
+    # optimizer.importance's Fisher pass (ImportanceResult.to_record), None when off.
+    importance: dict[str, Any] | None = None
     # What the run is judged against (Baseline.to_record): the majority class, or a causal LM's own
     # scores before its first step (which a resumed run cannot measure again).
     baseline: dict[str, Any] | None = None
@@ -145,6 +156,11 @@ class AssembledRun:
     log: MetricsLogger
     state: TrainState = field(default_factory=TrainState)  # where the loop starts (a resume's: the checkpoint's)
     baseline: Baseline | None = None
+    kl_anchor: KLAnchor | None = None  # loss.kl_to_pretrained's stored targets (the kind's), None: off
+    replay: ReplayMix | None = None    # data.replay's rows and their draw (the kind's), None: off
+    # {config key: content id} of every data file the run read (the kind's data_content), checked on a
+    # resume (run/start.py: check_resume_data); the checkpoints' config record and results.json hold it.
+    data_content: dict[str, str] = field(default_factory=dict)
 
     @property
     def data_seed(self) -> int:
@@ -165,6 +181,15 @@ class AssembledRun:
         return epoch_batches(len(self.data.train), batch_size=self.cfg.training.per_device_batch_size,
                              data_seed=self.data_seed, epoch=epoch, rank=self.strategy.rank,
                              world_size=self.strategy.world_size)
+
+    def replay_batches(self, step: int) -> list[tuple[dict[str, Any], int]]:
+        """This rank's collated replay micro-batches of optimizer step `step` (0-based) with their real
+        rows (data/replay.py; a micro-batch of none holds a padding row without label tokens); [] when off."""
+        if self.replay is None:
+            return []
+        cuts = self.replay.micro_batches(step, rank=self.strategy.rank, world_size=self.strategy.world_size,
+                                         batch_size=self.cfg.training.per_device_batch_size)
+        return [(self.collate(self.replay.items(rows)), len(rows)) for rows in cuts]
 
     def forward(self, batch: dict[str, Any], last_micro_batch: bool = True) -> Any:
         """The strategy's forward of a collated batch's model inputs (the kind says which they are)."""
@@ -231,17 +256,20 @@ def _assemble(cfg: RunConfig, strategy: Strategy, paths: RunPaths, task: TaskSpe
     # The transforms between loading and the strategy's wrap, in models/transforms.py's order.
     transforms = apply_before_the_wrap(loaded.model, cfg, log=lambda line: logger.info("%s", line))
 
-    run_context = RunContext(rank=strategy.rank, world_size=strategy.world_size, is_main=strategy.is_main_process,
-                             barrier=strategy.barrier, gather=strategy.gather_objects, device=strategy.device,
-                             progress=cfg.logging.progress_bar and strategy.is_main_process)
+    run_context = _run_context(cfg, strategy)
     data = kind.load_data(loaded.tokenizer, run_context)
     check_data_not_empty(data, task=task.name, source=cfg.data.source)
     collate = kind.collator(loaded.tokenizer, loaded.model.config)
     # The forgetting probe (models/probes.py): it owns θ*'s side, which it reads from the model
     # once the strategy holds it (_start), or from the run's directory on a resume.
     forgetting = kind.build_probe(loaded.tokenizer, run_context)
+    # The data read (and the probe's file) must be what a resumed checkpoint trained on.
+    data_content = check_resume_data(cfg, resume_point, kind.data_content(data))
     # The lm-eval tasks (the kind's; checked now, before the wrap): θ* is scored once the strategy holds it.
     benchmarks = kind.build_benchmarks(loaded.tokenizer, loaded.model, run_context)
+    # loss.kl_to_pretrained's stored targets, keyed on the weights as loaded (whole, before the wrap);
+    # made or reused once the strategy holds the model (_start).
+    kl_anchor = kind.build_kl_anchor(loaded.model, data)
     seed_everything(cfg.training.data_seed)
 
     opt_cfg = cfg.optimizer
@@ -284,23 +312,45 @@ def _assemble(cfg: RunConfig, strategy: Strategy, paths: RunPaths, task: TaskSpe
     return AssembledRun(
         cfg=cfg, strategy=strategy, paths=paths, task=task, kind=kind, run_lock=run_lock, resume_point=resume_point,
         loaded=loaded, transforms=transforms, data=data, collate=collate, forgetting=forgetting, base_lr=base_lr,
-        benchmarks=benchmarks, model=model, optimizer=optimizer, peak_lrs=[g["lr"] for g in optimizer.param_groups],
+        benchmarks=benchmarks, kl_anchor=kl_anchor, data_content=data_content, model=model, optimizer=optimizer, peak_lrs=[g["lr"] for g in optimizer.param_groups],
         micro_batches_per_epoch=micro_batches_per_epoch, total_steps=total_steps,
         warmup_steps=warmup_steps,
         lr_schedule=lr_schedule(cfg.schedule.name, warmup_steps=warmup_steps, total_steps=total_steps, base_lr=base_lr,
                                 kwargs=cfg.schedule.kwargs),
         eval_at=set(eval_steps(total_steps, cfg.evaluation.num_evals, cfg.evaluation.every_steps)),
-        selection_split=task.eval_splits[0], checkpoints=checkpoints, log=log)
+        selection_split=task.eval_splits[0], checkpoints=checkpoints, log=log, replay=kind.replay(data))
+
+
+def _run_context(cfg: RunConfig, strategy: Strategy) -> RunContext:
+    return RunContext(rank=strategy.rank, world_size=strategy.world_size, is_main=strategy.is_main_process,
+                      barrier=strategy.barrier, gather=strategy.gather_objects, device=strategy.device,
+                      progress=cfg.logging.progress_bar and strategy.is_main_process)
 
 
 def _start(run: AssembledRun) -> None:
     """Where the loop starts (run.state): a resume's checkpoint, or a fresh run's θ* reference and
     child network; then the baseline the run is judged against."""
     strategy, point = run.strategy, run.resume_point
+    if run.kl_anchor is not None:
+        # θ*'s distributions at the trained tokens, from the cache or a pass now: the model is θ* until
+        # its first step, and until a resume loads its checkpoint (collective).
+        run.model.eval()
+        run.kl_anchor.prepare(run.data, forward=strategy.forward, collate=run.collate, device=strategy.device,
+                              batch_size=run.cfg.evaluation.batch_size, rank=strategy.rank,
+                              world_size=strategy.world_size, is_main=strategy.is_main_process,
+                              barrier=strategy.barrier, gather=strategy.gather_objects)
     if point is not None:
         if run.cfg.optimizer.child_tuning is not None:
             prepare_masks(run.optimizer)  # targets of the checkpoint's masks: no second Fisher pass
+        if run.cfg.optimizer.importance is not None:
+            prepare_importance(run.optimizer)  # targets of the checkpoint's F~: never captured again
         run.state = _resume(run, point)
+        importance = run.cfg.optimizer.importance is not None
+        if importance and not any(strategy.gather_objects(holds_importance(run.optimizer))):
+            raise same_on_every_rank(UserError(
+                f"checkpoint {point.directory} holds no importance F~ (its run had no optimizer.importance), and "
+                "capturing it now would weigh the pull by a model that has moved; resume without "
+                "optimizer.importance, or start a fresh run"))
         if run.forgetting is not None:
             # θ*'s side as the run that wrote the checkpoint kept it (its output directory:
             # <run>/checkpoints/<checkpoint>), kept in this run's directory too for its own resumes.
@@ -321,6 +371,9 @@ def _start(run: AssembledRun) -> None:
             run.model.eval()
             run.benchmarks.reference_from_model(strategy.forward, run.paths.benchmark_reference,
                                                 is_main=strategy.is_main_process, barrier=strategy.barrier)
+        if run.cfg.optimizer.importance is not None:  # the Fisher of θ*, before anything moves
+            run.state.importance = _capture_importance(run)
+            run.data_content = {**run.data_content, **run.kind.data_content(run.data)}  # its text, now read
         if run.cfg.optimizer.child_tuning is not None:
             run.state.child_tuning = _choose_child(run)
     if run.state.baseline is None:  # a fresh run (or a checkpoint written before baselines were kept)
@@ -376,12 +429,7 @@ def _choose_child(run: AssembledRun) -> dict[str, Any]:
         progress = tqdm(total=len(batches), desc="Fisher (child-tuning)", unit="batch", dynamic_ncols=True)
 
     def micro_step(indices: list[int]) -> None:
-        batch = run.collate([run.data.train[i] for i in indices])
-        out = run.forward(batch)
-        loss = run.kind.loss(out, batch, LossNormalizer(micro_batches=1, world_size=strategy.world_size,
-                                                        step_units=run.step_units([batch])))
-        strategy.backward(loss.backward)
-        strategy.step_unclipped()
+        _unclipped_micro_step(run, run.collate([run.data.train[i] for i in indices]))
         if progress is not None:
             progress.update(1)
 
@@ -398,4 +446,55 @@ def _choose_child(run: AssembledRun) -> dict[str, Any]:
     logger.info("child-tuning: Fisher over %d micro-batch(es) in %.1f s; the child keeps %d of %d candidate "
                 "elements (%.4f, reserve_p %g)", result.fisher_batches, result.fisher_seconds,
                 result.kept_elements, result.candidate_elements, result.kept_fraction, ct.reserve_p)
+    return result.to_record()
+
+
+def _unclipped_micro_step(run: AssembledRun, batch: dict[str, Any]) -> float | None:
+    """One micro-batch of a Fisher pass: the strategy's forward, the kind's loss (the mean over the
+    global micro-batch), backward and the unclipped step, in which the pass reads the reduced
+    gradients. Returns the loss units of the global micro-batch (None: the kind counts none)."""
+    strategy = run.strategy
+    units = run.step_units([batch])
+    out = run.forward(batch)
+    loss = run.kind.loss(out, batch, LossNormalizer(micro_batches=1, world_size=strategy.world_size, step_units=units))
+    strategy.backward(loss.backward)
+    strategy.step_unclipped()
+    return units
+
+
+def _capture_importance(run: AssembledRun) -> dict[str, Any]:
+    """optimizer.importance (optim/importance.py): the Fisher pass over the general text's global
+    batches of batch_size texts (each rank its contiguous share), then F~ in the optimizer state.
+    Returns its record."""
+    strategy, imp = run.strategy, run.cfg.optimizer.importance
+    world = strategy.world_size
+    if imp.batch_size % world:
+        raise same_on_every_rank(UserError(
+            f"optimizer.importance.batch_size {imp.batch_size} does not split over {world} ranks; give a multiple "
+            f"of {world}"))
+    rows = run.kind.general_text(run.loaded.tokenizer, _run_context(run.cfg, strategy))
+    whole = len(rows) // imp.batch_size
+    count = whole if imp.batches is None else imp.batches
+    if whole == 0 or count > whole:
+        raise same_on_every_rank(UserError(
+            f"optimizer.importance: its text ({imp.source}) holds {len(rows)} text(s), {whole} whole batch(es) of "
+            f"batch_size {imp.batch_size}, and {count or 1} are asked for; give more text, or fewer or smaller "
+            "batches (optimizer.importance.batches, batch_size)"))
+    share = imp.batch_size // world
+    batches = [[b * imp.batch_size + strategy.rank * share + j for j in range(share)] for b in range(count)]
+    tokens = 0.0
+
+    def micro_step(indices: list[int]) -> None:
+        nonlocal tokens
+        tokens += _unclipped_micro_step(run, run.collate([rows[i] for i in indices])) or 0.0
+
+    run.model.train()
+    started = time.perf_counter()
+    fisher = capture_fisher(run.optimizer, batches, micro_step)
+    numel_of = {p.name: p.numel for p in strategy.checkpointable().params()}
+    result = place_importance(fisher, numel_of, partitioned=strategy.optimizer_state_is_partitioned,
+                              tokens=int(tokens), seconds=time.perf_counter() - started)
+    logger.info("importance: the Fisher of theta* over %d batch(es) of general text (%d tokens) in %.1f s; mean F %.4g "
+                "over %d anchored elements, max F~ %.4g", result.batches, result.tokens, result.seconds,
+                result.mean_fisher, result.anchored_elements, result.max_importance)
     return result.to_record()

@@ -34,6 +34,7 @@ LOWBIAS32_MUL2 = 0x846CA68B
 # One stream id per use, so that two uses at the same (seed, step, element) draw independently.
 STREAM_R3F_NOISE = 1
 STREAM_STOCHASTIC_ROUNDING = 2
+STREAM_REPLAY_ROWS = 3  # which replay rows a step takes (data/replay.py)
 
 
 def lowbias32_int(x: int) -> int:

@@ -129,22 +129,32 @@ class Trainer:
                 self.model.train()
                 # Before backward: an overlapped offloaded step runs during it (strategies/offload.py).
                 self._set_lr(st.step)
-                step_batches = [next(batches) for _ in range(accum)]
+                # The task's micro-batches, then data.replay's (none when off): one step, one loss over both.
+                replay = self.run.replay_batches(st.step)
+                step_batches = [next(batches) for _ in range(accum)] + [batch for batch, _ in replay]
                 # The trainer alone counts accumulation and ranks: the kind scales each micro-batch's
                 # loss by them (and by the step's loss units), and the strategy hears of the end.
-                normalizer = LossNormalizer(micro_batches=accum, world_size=self.strategy.world_size,
+                normalizer = LossNormalizer(micro_batches=len(step_batches), world_size=self.strategy.world_size,
                                             step_units=self.run.step_units(step_batches))
                 for micro, batch in enumerate(step_batches):
-                    last = micro == accum - 1
+                    last = micro == len(step_batches) - 1
                     out = self.run.forward(batch, last_micro_batch=last)
                     loss = self.kind.loss(out, batch, normalizer)
                     self.strategy.backward(loss.backward, last_micro_batch=last)
-                    st.window_loss += loss.total
-                    st.window_units += loss.units
+                    if micro < accum:
+                        st.window_loss += loss.total
+                        st.window_units += loss.units
+                        for name, value in loss.terms.items():
+                            st.window_terms[name] = st.window_terms.get(name, 0.0) + value
+                    else:
+                        st.window_replay_loss += loss.total
+                        st.window_replay_units += loss.units
+                        st.window_replay_rows += replay[micro - accum][1]
                     st.window_micro_batches += 1
                 grad_norm = self.strategy.clip_and_step(cfg.training.max_grad_norm)
                 st.step += 1
-                diverged = divergence.check(st.step, st.window_loss, grad_norm)  # every rank agrees
+                # every rank agrees
+                diverged = divergence.check(st.step, st.window_loss + st.window_replay_loss, grad_norm)
                 if diverged is not None:
                     self._log_train(grad_norm, progress)
                     if self.strategy.is_main_process:
@@ -193,12 +203,23 @@ class Trainer:
 
     def _log_train(self, grad_norm: float, progress) -> None:
         st = self.state
-        # The mean over every rank's units since the last line (collective: every rank logs here).
-        sums = self.strategy.gather_objects((st.window_loss, st.window_units))
-        loss = sum(total for total, _ in sums) / max(sum(units for _, units in sums), 1.0)
+        # The mean over every rank's units since the last line (collective: every rank logs here);
+        # data.replay's rows apart (their own mean, rows and label tokens), the task's in `loss`.
+        sums = [*zip(*self.strategy.gather_objects((st.window_loss, st.window_units, st.window_replay_loss,
+                                                     st.window_replay_units, st.window_replay_rows,
+                                                     st.window_terms)))]
+        loss = sum(sums[0]) / max(sum(sums[1]), 1.0)
+        # The objective's added terms (loss.kl_to_pretrained's KL), each its mean over the same units.
+        terms = {name: sum(t.get(name, 0.0) for t in sums[5]) / max(sum(sums[1]), 1.0)
+                 for name in sorted(set().union(*sums[5]))}
+        st.window_terms = {}
         st.window_loss, st.window_units, st.window_micro_batches = 0.0, 0.0, 0
+        st.window_replay_loss, st.window_replay_units, st.window_replay_rows = 0.0, 0.0, 0
         record = {"type": "train", "step": st.step, "epoch": st.epoch, "loss": loss,
-                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+                  "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm, **terms}
+        if self.run.replay is not None:
+            record.update(replay_loss=sum(sums[2]) / max(sum(sums[3]), 1.0), replay_rows=int(sum(sums[4])),
+                          replay_tokens=int(sum(sums[3])))
         lambdas = self.strategy.current_lambdas()
         if lambdas is not None:
             record["lambda"] = lambdas
@@ -259,7 +280,8 @@ class Trainer:
         rng = capture_rng(self.strategy)  # collective
         self.state.examples_per_round = self.cfg.training.per_device_batch_size * self.strategy.world_size
         return {"train_state": vars(self.state).copy(), "rng": rng,
-                "config_record": config_record(self.cfg.to_dict(), self.strategy.world_size)}
+                "config_record": config_record(self.cfg.to_dict(), self.strategy.world_size,
+                                               data_content=self.run.data_content)}
 
     def _save_checkpoint(self) -> None:
         self.checkpoints.save(self.state.step, self.strategy, self._checkpoint_state())
@@ -275,7 +297,7 @@ class Trainer:
         name = signal.Signals(signum).name
         results = {"status": "interrupted", "signal": name, "exit_code": 128 + signum, "steps": st.step,
                    "total_steps": self.total_steps, "checkpoint": str(checkpoint), "task": self.task.name,
-                   "evals": st.evals, "config": self.cfg.to_dict()}
+                   "evals": st.evals, "data_content": self.run.data_content, "config": self.cfg.to_dict()}
         if self.strategy.is_main_process:
             self._write_results(results)
             print(interrupted_line("ft-train", signum, st.step, checkpoint), file=sys.stderr, flush=True)
@@ -316,12 +338,20 @@ class Trainer:
             # The size this run trained on (ft-report groups tasks by it, not by the nominal GLUE size).
             "train_examples": len(self.data.train),
             **self.kind.describe_data(self.data),
+            # data.replay: its file (path, sha256), fraction, rows per step and rows used.
+            **({"replay": self.run.replay.record(st.step)} if self.run.replay is not None else {}),
+            # loss.kl_to_pretrained: β, k, its stored targets (tokens, cache bytes) and the pass's seconds.
+            **({"kl_to_pretrained": self.run.kl_anchor.record} if self.run.kl_anchor is not None else {}),
             # What model.fused_activations replaced ({activation name: modules}); null: the switch was off.
             "fused_activations": self.fused_activations,
             **({"forgetting_probe": self.forgetting.describe()} if self.forgetting is not None else {}),
             **self._benchmark_results(reported, final),
             **({"child_tuning": st.child_tuning} if st.child_tuning is not None else {}),
+            # optimizer.importance's Fisher pass: batches, tokens, seconds, mean F, max F~.
+            **({"importance": st.importance} if st.importance is not None else {}),
             "config_changes": st.config_changes,
+            # {config key: content id} of every data file it read (run/fingerprint.py: check_data_content).
+            "data_content": self.run.data_content,
             "config": self.cfg.to_dict(),
         }
         if self.cfg.checkpoint.export_dir and diverged is None:

@@ -26,7 +26,8 @@ from ft_framework.user_files import MissingFile, read_json
 from ft_framework.config.errors import ConfigError, check_keys, format_validation_error
 from ft_framework.config.overrides import (apply_overrides, normalized_task_overrides, parse_override, read_yaml,
                         resolve_task_overrides, set_path)
-from ft_framework.config.schema import EITHER_OR_KEYS, FILES_SOURCE, RunConfig
+from ft_framework.config.schema import (EITHER_OR_KEYS, FILES_SOURCE, IMPORTANCE_PROBE_SOURCE, RunConfig,
+                                        general_text_path)
 
 __all__ = ["validate_config", "load_config"]
 
@@ -85,6 +86,16 @@ def _check_paths(cfg: RunConfig) -> None:
         if not Path(path).expanduser().exists():
             raise ConfigError(f"data.files.{shortened(str(split))}: {quoted(path)} not found (relative paths start at the current "
                               f"directory, {Path.cwd()})")
+    replay = cfg.data.replay
+    if replay is not None and not general_text_path(replay.file).is_file():
+        raise ConfigError(f"data.replay.file: {quoted(replay.file)} is not a file (relative paths start at the current "
+                          f"directory, {Path.cwd()}); give a .txt file of general text or rows with a text field")
+    importance = cfg.optimizer.importance
+    if importance is not None and importance.source != IMPORTANCE_PROBE_SOURCE \
+            and not general_text_path(importance.source).is_file():
+        raise ConfigError(f"optimizer.importance.source: {quoted(importance.source)} is not a file (relative paths "
+                          f"start at the current directory, {Path.cwd()}); give a .txt or .jsonl file of general text, "
+                          "or probe")
     ds = cfg.strategy.deepspeed
     if ds is not None and ds.config_file is not None and not Path(ds.config_file).is_file():
         raise ConfigError(f"strategy.deepspeed.config_file: {quoted(ds.config_file)} not found")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import typing
 import warnings
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,6 +20,7 @@ from ft_framework.data.hub_tables import HubSource
 from ft_framework.data.tasks import (CAUSAL_LM, CLASSIFICATION, GLUE_TASK_NAMES, OWN_DATA_SPLITS, REGRESSION, TaskSpec,
                                      get_task, own_data_task, sft_task, task_kinds)
 from ft_framework.errors import did_you_mean, quoted, shortened
+from ft_framework.optim.registry import optimizer_factory
 from ft_framework.optim.schedules import REFUSED_SCHEDULES, USABLE_SCHEDULES, check_schedule
 from ft_framework.optim.validation import PullOvershootWarning, overshoot_message, pull_overshoot, validate_hparams
 from ft_framework.run.tracking import missing_tracker_packages
@@ -28,7 +30,7 @@ from ft_framework.config.overrides import resolve_task_overrides
 __all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "TrainingConfig",
            "ForgettingConfig", "EvaluationConfig", "DeepSpeedConfig", "FSDPConfig", "StrategyConfig", "LoggingConfig",
-           "CheckpointConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig", "InterpolationConfig",
+           "CheckpointConfig", "LossConfig", "RunConfig", "LoraConfig", "MLflowConfig", "WandbConfig", "InterpolationConfig",
            "GenerationConfig",
            "DEFAULT_INTERPOLATION_ALPHAS"]
 
@@ -50,7 +52,7 @@ _HUB_KEYS = ("hub_config", "splits", "streaming")
 # whether it was written: a resolved config, as results.json keeps it, validates back the same).
 GLUE_HUB_ID = "nyu-mll/glue"
 # Keys that only a supervised fine-tuning task of a decoder (data.problem: causal_lm) reads.
-_SFT_KEYS = ("packing", "train_on_prompt", "chat_template", "token_cache_dir", "main_metric")
+_SFT_KEYS = ("packing", "train_on_prompt", "chat_template", "token_cache_dir", "main_metric", "replay")
 # A causal LM's main metric: the mean completion loss (any SFT data), or the exact match of greedy
 # completions (short answers that have one right form, such as the SFT quickstart's).
 SFT_MAIN_METRICS = ("completion_loss", "exact_match")
@@ -150,6 +152,55 @@ class ModelConfig(_Section):
         return self
 
 
+# General text shipped in the package (resources.GENERAL_TEXTS), named "builtin:<name>" by
+# optimizer.importance.source and data.replay.file; general_text_path resolves both keys' values.
+BUILTIN_PREFIX = "builtin:"
+
+
+def _builtin_general_texts() -> str:
+    return ", ".join(f"{BUILTIN_PREFIX}{name}" for name in resources.GENERAL_TEXTS)
+
+
+def _check_general_text(value: str) -> str:
+    if value.startswith(BUILTIN_PREFIX) and value[len(BUILTIN_PREFIX):] not in resources.GENERAL_TEXTS:
+        raise ValueError(f"unknown built-in general text {quoted(value)}; valid: {_builtin_general_texts()}, or a path "
+                         "to a file of yours")
+    return value
+
+
+def general_text_path(value: str) -> Path:
+    """The file a general-text value names: the shipped text's for "builtin:<name>", else the user's path."""
+    if value.startswith(BUILTIN_PREFIX):
+        return resources.general_text_file(value[len(BUILTIN_PREFIX):])
+    return Path(value).expanduser()
+
+
+class ReplayConfig(_Section):
+    """Replay of general text (data/replay.py, docs/training.md "Replay of general text"): rows of
+    `file` added to every optimizer step of a decoder's run, with the LM loss on all their tokens."""
+
+    # A UTF-8 .txt file (one document per non-empty line) or a file of rows with a `text` field
+    # (.jsonl, .csv, .tsv, .parquet), or builtin:general_text (the shipped text). Relative paths start
+    # at the current directory.
+    file: str
+    # The share of each optimizer step's rows that are replay rows, in (0, 1): the task rows stay as
+    # they are and round(fraction / (1 - fraction) x task rows), at least 1, replay rows join them.
+    fraction: float
+
+    @field_validator("fraction")
+    @classmethod
+    def _check_fraction(cls, value: float) -> float:
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"{value!r} is outside (0, 1); give the share of each step's rows that are replay rows, "
+                             "strictly between 0 and 1 (e.g. 0.2), or data.replay: null for none")
+        return value
+
+    @field_validator("file")
+    @classmethod
+    def _check_file(cls, value: str) -> str:
+        return _check_general_text(value)
+
+
 class DataConfig(_Section):
     """Which task and where its data comes from: a GLUE task, or your own files (source: files):
     labelled texts, or a decoder's supervised fine-tuning rows (problem: causal_lm)."""
@@ -205,6 +256,8 @@ class DataConfig(_Section):
     token_cache_dir: str | None = None
     # completion_loss (lower is better) or exact_match of greedy completions; None: completion_loss.
     main_metric: Literal["completion_loss", "exact_match"] | None = None
+    # Rows of general text mixed into every optimizer step (the LM loss on all their tokens); None: off.
+    replay: ReplayConfig | None = None
 
     @field_validator("problem")
     @classmethod
@@ -431,6 +484,40 @@ class ChildTuningConfig(_Section):
     fisher_batches: int | None = Field(None, gt=0)
 
 
+# optimizer.importance.source: the forgetting probe's text (evaluation.forgetting's), or a file of
+# general text with one of these suffixes (one document a line, or rows with a `text` field).
+IMPORTANCE_PROBE_SOURCE = "probe"
+IMPORTANCE_FILE_SUFFIXES = (".txt", ".jsonl")
+
+
+class ImportanceConfig(_Section):
+    """The diagonal Fisher of theta* on general text, captured before the first step, that weighs the
+    pull toward theta* per element (optim/importance.py, docs/forgetting_methods.md "EWC")."""
+
+    # "probe" (the forgetting probe's text: evaluation.forgetting.probe_file or the shipped one, its
+    # num_sentences), builtin:general_text (the shipped text, disjoint from the shipped probe's), or a
+    # path to a .txt file (one document a line) or .jsonl file (a `text` field).
+    source: str = IMPORTANCE_PROBE_SOURCE
+    # Batches of the pass; None: every whole batch the text holds.
+    batches: int | None = Field(None, gt=0)
+    # Texts per batch, on all ranks together (a multiple of the number of ranks).
+    batch_size: int = Field(8, gt=0)
+    # Each text's tokens at most (longer ones are cut).
+    max_tokens: int = Field(256, ge=2)
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        if value.startswith(BUILTIN_PREFIX):
+            return _check_general_text(value)
+        if value != IMPORTANCE_PROBE_SOURCE and not value.lower().endswith(IMPORTANCE_FILE_SUFFIXES):
+            raise ValueError(f"optimizer.importance.source {quoted(value)} is neither {IMPORTANCE_PROBE_SOURCE!r} "
+                             f"nor a file ending {' or '.join(IMPORTANCE_FILE_SUFFIXES)}; valid: {IMPORTANCE_PROBE_SOURCE} "
+                             f"(the forgetting probe's text), {_builtin_general_texts()} (shipped text), or a path "
+                             "to a .txt file (one document a line) or a .jsonl file (a text field)")
+        return value
+
+
 class OptimizerConfig(_Section):
     """Optimizer name, its hyper-parameters, and how parameters are grouped."""
 
@@ -456,6 +543,10 @@ class OptimizerConfig(_Section):
     state_dtype: Literal["float32", "bfloat16"] = "float32"
     # Child-Tuning-D, e.g. {reserve_p: 0.3}; None: off (every element updates).
     child_tuning: ChildTuningConfig | None = None
+    # The per-element importance of the pull toward theta* (the Fisher of theta*), e.g.
+    # {source: builtin:general_text}; None: off (every element is pulled alike). Required by ewc;
+    # recadam and prior_wd take it.
+    importance: ImportanceConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -489,6 +580,16 @@ class OptimizerConfig(_Section):
             if self.anchor_dtype != "bfloat16":
                 raise ValueError("optimizer.state_dtype bfloat16 keeps theta* in bf16: set optimizer.anchor_dtype: "
                                  "bfloat16 too")
+        rule = optimizer_factory(self.name)
+        if self.importance is None and getattr(rule, "needs_importance", False):
+            raise ValueError(f"optimizer {self.name!r} weighs its pull by the Fisher of theta*: set "
+                             "optimizer.importance (e.g. {source: builtin:general_text}), or use recadam or prior_wd "
+                             "for an unweighted pull")
+        if self.importance is not None and getattr(rule, "max_pull", None) is None:
+            pulls = ", ".join(n for n in sorted(optim.available_optimizers())
+                              if getattr(optimizer_factory(n), "max_pull", None) is not None)
+            raise ValueError(f"optimizer.importance weighs a pull toward theta*, and optimizer {self.name!r} has none; "
+                             f"valid: {pulls} (or optimizer.importance: null)")
         return self
 
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -833,6 +934,19 @@ class LoggingConfig(_Section):
         return self
 
 
+class LossConfig(_Section):
+    """Terms added to the task's loss."""
+
+    # β of the KL anchor to θ* (a decoder's supervised fine-tuning only): the loss gains
+    # β · KL(p_θ* ‖ p_θ) at the trained tokens, over θ*'s kl_top_k most likely ids and one bucket for
+    # the rest, from a pass at θ* before the first step kept in the token cache (models/kl_anchor.py).
+    # 0: off.
+    kl_to_pretrained: float = Field(0.0, ge=0.0)
+    # How many of θ*'s most likely ids the anchor keeps per trained token (the whole vocabulary when
+    # larger): 8 bytes each in the token cache.
+    kl_top_k: int = Field(32, gt=0)
+
+
 class CheckpointConfig(_Section):
     """Periodic checkpoints and resuming."""
 
@@ -867,6 +981,7 @@ class RunConfig(_Section):
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
     # Per-task values merged over this config when data.task is that task (keys nested or dotted:
     # {"optimizer.hparams.lr": 3e-5} or {"optimizer": {"hparams": {"lr": 3e-5}}}). A validated
     # RunConfig has them merged already and this map empty, so it can be re-validated as is.
@@ -900,6 +1015,7 @@ class RunConfig(_Section):
                 "pretrained weights have none. Drop select_best (the export at the end works), or use strategy "
                 "fsdp or ddp")
         _check_child_tuning(self)
+        _check_importance(self)
         _check_task_kind(self)
         if self.training.r3f is not None and self.data.task_spec().is_regression:
             raise ValueError(f"training.r3f needs a classification task: its KL compares class distributions, "
@@ -957,6 +1073,18 @@ def _check_child_tuning(cfg: "RunConfig") -> None:
                              "and deepspeed zero_stage 0-2, without LoRA")
 
 
+def _check_importance(cfg: "RunConfig") -> None:
+    """What the importance of the pull (optimizer.importance) needs, each refusal in one line."""
+    if cfg.optimizer.importance is None:
+        return
+    if cfg.data.problem != CAUSAL_LM:
+        raise ValueError(f"optimizer.importance is the Fisher of a decoder's next-token loss on general text: it needs "
+                         f"data.problem: {CAUSAL_LM} (got {cfg.data.problem}); set optimizer.importance: null")
+    if cfg.model.lora is not None:
+        raise ValueError("optimizer.importance cannot be combined with model.lora (it weighs the pull of full "
+                         "fine-tuning's pretrained weights); set one of them to null")
+
+
 def _check_task_kind(cfg: "RunConfig") -> None:
     """What a decoder's supervised fine-tuning (data.problem: causal_lm) cannot combine with, and the
     keys only it reads, each in one line."""
@@ -965,6 +1093,10 @@ def _check_task_kind(cfg: "RunConfig") -> None:
         if cfg.evaluation.generation != GenerationConfig():
             raise ValueError(f"evaluation.generation is read only when data.problem is {CAUSAL_LM} (a classifier "
                              "generates nothing); remove it")
+        if cfg.loss.kl_to_pretrained:
+            raise ValueError(f"loss.kl_to_pretrained anchors a decoder's next-token distributions (valid with "
+                             f"data.problem: {CAUSAL_LM}); a {cfg.data.task_spec().kind} run has none: set "
+                             "loss.kl_to_pretrained: 0")
         if cfg.evaluation.benchmarks.tasks:
             raise ValueError(f"evaluation.benchmarks scores a decoder LLM (data.problem: {CAUSAL_LM}) on "
                              "lm-evaluation-harness tasks; an encoder's run has none: remove evaluation.benchmarks")

@@ -37,7 +37,7 @@ from ft_framework.data.token_cache import (DEFAULT_CACHE_DIR, FORMAT_VERSION, Ca
                                            tokenizer_fingerprint)
 
 __all__ = ["DEFAULT_CACHE_DIR", "PackedSFTDataset", "SFTCollator", "SFTData", "SFTDataset", "SFTSettings",
-           "attention_windows", "load_sft_data"]
+           "attention_windows", "load_sft_data", "load_text_rows"]
 
 # The arrays of a split's cache entry: flat tokens, their targets (1: a loss on this token), each row's
 # token offsets, its tokens before the last completion and that completion's tokens.
@@ -76,6 +76,25 @@ class SFTDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    @property
+    def rows(self) -> "SFTDataset":
+        """The rows its items are made of: itself (a PackedSFTDataset's are the rows it packs)."""
+        return self
+
+    def rows_of(self, index: int) -> list[int]:
+        """The rows item `index` is made of, in its order: the row itself."""
+        return [index]
+
+    @property
+    def cache_key(self) -> dict[str, Any]:
+        """Its token cache entry's key: what its tokens are made of (data, tokenizer, settings)."""
+        return dict(self._key)
+
+    def target_counts(self) -> np.ndarray:
+        """Each row's target tokens (its labels that count: a row's first token never does)."""
+        mask = np.asarray(self._arrays["target_mask"], dtype=np.int64)
+        return np.add.reduceat(mask, self._arrays["offsets"][:-1]) if len(self) else np.zeros(0, dtype=np.int64)
 
     @property
     def prompt_lengths(self) -> np.ndarray:
@@ -122,6 +141,10 @@ class PackedSFTDataset(Dataset):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def rows_of(self, index: int) -> list[int]:
+        """The rows packed sequence `index` is made of, in its order."""
+        return self.order[self.offsets[index]:self.offsets[index + 1]].tolist()
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         if index < 0:
             index += len(self)
@@ -143,6 +166,8 @@ class SFTData:
     train: Dataset
     eval: dict[str, Dataset]
     stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    # data.replay's rows and their draw (data/replay.py's ReplayMix); None: no replay.
+    replay: Any = None
 
 
 def load_sft_data(files: Mapping[str, str | Path | HubSplit], tokenizer: Any, settings: SFTSettings, *,
@@ -201,6 +226,32 @@ def load_sft_data(files: Mapping[str, str | Path | HubSplit], tokenizer: Any, se
         train = PackedSFTDataset(train, settings.max_seq_length)
         stats[TRAIN]["packed_sequences"] = len(train)
     return SFTData(train=train, eval=datasets, stats=stats)
+
+
+def load_text_rows(name: str, fingerprint: str, table: Callable[[], Table], tokenizer: Any, max_seq_length: int, *,
+                   split: str, cache_dir: Path, is_main: bool = True, barrier: Callable[[], None] = lambda: None,
+                   progress: bool = False) -> tuple[SFTDataset, dict[str, int]]:
+    """Rows of the text shape (the caller's ``table`` holds only those): every token a target, cut to
+    ``max_seq_length``, through the token cache as a split's rows are (keyed on ``fingerprint``, the
+    tokenizer and the length; ``name`` says where they come from in messages). The rows and their
+    counts (STAT_KEYS)."""
+    if is_main:
+        make_writable_directory(cache_dir, key=CACHE_DIR_KEY)
+    source = _RowSource(name, fingerprint, table)
+    key = {"format": FORMAT_VERSION, "tokenization": TOKENIZATION_VERSION, "split": split, "source": fingerprint,
+           "tokenizer": tokenizer_fingerprint(tokenizer, None), "max_seq_length": max_seq_length,
+           "train_on_prompt": True, "rows": None}
+    if is_main:
+        row_tokenizer = RowTokenizer(tokenizer, max_seq_length=max_seq_length, train_on_prompt=True, chat_template=None)
+        prepare_entry(cache_dir, key, ARRAYS,
+                      build=lambda writer: _tokenize_split(writer, row_tokenizer, source, split, None, progress),
+                      check=lambda entry: _check_entry(entry, len(tokenizer)))
+    barrier()
+    entry = _open(cache_dir, key, split)
+    stats = {stat: int(entry.facts[stat]) for stat in STAT_KEYS}
+    if not len(entry.arrays["prompt_lengths"]):
+        raise UserError(f"{name}: no row has two tokens or more to predict from ({stats['rows']} read)")
+    return SFTDataset(entry, key, with_lengths=False), stats
 
 
 @dataclass

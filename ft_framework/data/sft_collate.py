@@ -25,11 +25,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["IGNORE_INDEX", "SFTCollator", "attention_windows", "packed_attention_mask"]
+__all__ = ["ANCHOR_KEYS", "IGNORE_INDEX", "SFTCollator", "attention_windows", "packed_attention_mask"]
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
+# A training item's stored KL-anchor targets (models/kl_anchor.py), one row per trained token: the
+# collator concatenates them in item order, which is the batch's row-major label order.
+ANCHOR_KEYS = ("anchor_ids", "anchor_logp", "anchor_tail")
 
 # A model's layers slide over a window (an int), or each layer type has its own (None: no window).
 Windows = int | Mapping[str, int | None] | None
@@ -102,6 +106,9 @@ class SFTCollator:
             starts = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
             position_ids[b] = torch.arange(width) - starts
         batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if "anchor_ids" in items[0]:  # the KL anchor's stored targets (models/kl_anchor.py), in label order
+            for key in ANCHOR_KEYS:
+                batch[key] = torch.from_numpy(np.concatenate([np.asarray(item[key]) for item in items]))
         if not packed:
             batch["attention_mask"] = (segments == 0).long()
         elif not self.dense_packed_mask:

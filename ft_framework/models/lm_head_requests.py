@@ -20,13 +20,16 @@ a model that changes the logits after its head (a final soft-cap, a logit scale)
 as before and the request takes them as they are (the same answers, the old memory).
 
 Requests (one model call each): :class:`NextTokenLoss` (the summed next-token cross-entropy of the
-label tokens, or per token with greedy hits for evaluation) and :class:`ProbeLogProbs` (a forgetting
-probe's log-probabilities, or its per-position loss and KL against a reference).
+label tokens, or per token with greedy hits for evaluation; with :class:`AnchorTargets`, also the
+summed KL anchor to θ*'s stored top-k distributions, loss.kl_to_pretrained), :class:`TopKDistribution`
+(θ*'s top-k and tail mass at each label position, the KL anchor's pass) and :class:`ProbeLogProbs`
+(a forgetting probe's log-probabilities, or its per-position loss and KL against a reference).
 """
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -35,8 +38,9 @@ from torch import nn
 
 from ft_framework.data.sft_collate import IGNORE_INDEX
 
-__all__ = ["CHUNK_LOGITS", "NextTokenLoss", "ProbeLogProbs", "REQUEST_KEY", "chunk_positions", "head_is_chunked",
-           "install_head_requests"]
+__all__ = ["AnchorTargets", "CHUNK_LOGITS", "NextTokenLoss", "ProbeLogProbs", "REQUEST_KEY", "TopKDistribution",
+           "anchor_head_bytes", "anchor_kl", "anchor_kl_bytes", "chunk_positions", "head_is_chunked",
+           "install_head_requests", "label_rows"]
 
 # One chunk's logits, in values: 2^25 (128 MiB in fp32), 261 positions of Llama-3's vocabulary.
 CHUNK_LOGITS = 1 << 25
@@ -53,6 +57,18 @@ def chunk_positions(vocab_size: int) -> int:
     return max(1, CHUNK_LOGITS // vocab_size)
 
 
+def anchor_head_bytes(tokens: int, k: int, vocab_size: int) -> tuple[int, int]:
+    """What the chunked head's loss with the KL anchor (_ChunkedCrossEntropyKL) holds beyond the plain
+    chunked loss at backward's peak, for `tokens` label tokens and θ*'s top `k`: (kept from forward
+    to backward: the ids widened to int64 and each row's log-sum-exp over the tail; in one chunk of
+    backward: the recomputed fp32 logits beside their gradient, which the plain loss computes in
+    their place, and the chunk's p*_k and log p*_k, with a tail also p*_tail and log p*_tail, fp32)."""
+    k = min(k, vocab_size)
+    rows = min(chunk_positions(vocab_size), tokens)
+    tail = 2 * 4 * rows if k < vocab_size else 0
+    return tokens * (8 * k + 4), rows * vocab_size * 4 + 2 * 4 * rows * k + tail
+
+
 def _logits_of(hidden: torch.Tensor, head: nn.Linear | None) -> tuple[Logits, int]:
     """(rows -> their logits, the vocabulary size): through `head`, or `hidden` are the finished logits."""
     if head is None:
@@ -66,16 +82,77 @@ def _chunks(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
     return list(rows.split(size)) if len(rows) else [rows]
 
 
+def label_rows(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The rows of `values` (B, T, ...) at the label positions of `labels` (B, T), in row-major order:
+    position t predicts label t + 1."""
+    return values[NextTokenLoss(labels).targets(values.device) != IGNORE_INDEX]
+
+
+@dataclass(frozen=True)
+class AnchorTargets:
+    """θ*'s stored next-token distribution at each label position of a batch, in row-major order (the
+    KL anchor, models/kl_anchor.py): its top-k token ids ``ids`` (N, k, int64), their log-probabilities
+    ``logp`` (N, k, fp32), and ``tail_logp`` (N, fp32), the log of the mass outside the top k (None
+    when k is the whole vocabulary: no tail)."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    tail_logp: torch.Tensor | None
+
+    def to(self, device: torch.device) -> "AnchorTargets":
+        return AnchorTargets(self.ids.to(device), self.logp.to(device),
+                             None if self.tail_logp is None else self.tail_logp.to(device))
+
+    def split(self, size: int) -> list["AnchorTargets"]:
+        tails = [None] * len(_chunks(self.ids, size)) if self.tail_logp is None else _chunks(self.tail_logp, size)
+        return [AnchorTargets(i, p, t) for i, p, t in zip(_chunks(self.ids, size), _chunks(self.logp, size), tails)]
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(p*_k, log p*_k, p*_tail, log p*_tail), each log-probability 0 where its probability is 0 (so
+        that 0 · log 0 counts 0, not NaN)."""
+        p = self.logp.exp()
+        logp = torch.where(p > 0, self.logp, torch.zeros_like(self.logp))
+        if self.tail_logp is None:
+            return p, logp, None, None
+        pt = self.tail_logp.exp()
+        return p, logp, pt, torch.where(pt > 0, self.tail_logp, torch.zeros_like(self.tail_logp))
+
+
+def anchor_kl(logits: torch.Tensor, anchor: AnchorTargets) -> torch.Tensor:
+    """Σ over rows of KL_approx(p* ‖ softmax(logits)) (fp32, differentiable: the plain formula autograd
+    differentiates; the whole logits' path and the reference of the chunked one): over θ*'s top-k ids
+    and one tail bucket, the rest of the vocabulary,
+    Σ_k p*_k (log p*_k − log p_k) + p*_tail (log p*_tail − log p_tail), p_tail = 1 − Σ_k p_k."""
+    z = logits.float()
+    p, logp, pt, tail = anchor.weights()
+    lse = torch.logsumexp(z, -1)
+    total = (p * (logp - z.gather(1, anchor.ids) + lse[:, None])).sum()
+    if pt is not None:  # the tail's log-mass from the logits outside the top k (log space: no cancellation)
+        lse_tail = torch.logsumexp(z.scatter(1, anchor.ids, float("-inf")), -1)
+        total = total + (pt * (tail - lse_tail + lse)).sum()
+    return total
+
+
+def anchor_kl_bytes(tokens: int, vocab_size: int) -> int:
+    """What :func:`anchor_kl` on the whole logits (training.chunked_loss off) holds beyond the
+    next-token loss at the step's peak, for `tokens` label tokens: three fp32 copies of their rows
+    of logits (the widened rows and the rows without θ*'s top k, kept for backward, and their
+    gradient). Measured on a tiny Llama step, fp32 and bf16 logits: 2.96 copies."""
+    return 3 * tokens * vocab_size * 4
+
+
 class NextTokenLoss:
     """Position t predicts label t + 1; IGNORE_INDEX labels count nothing. The answer: the summed
     cross-entropy in fp32 (0-dim, differentiable), or with ``per_token`` (evaluation, no gradient)
     a (2, N) tensor, per label token in row-major order: its loss and whether the head's argmax is
     the label (1.0) or not. ``every_position``: the labels are taken to be label tokens at every
     position but each row's first (the memory plan's worst case; its fake tensors have no values
-    to select label tokens by)."""
+    to select label tokens by). ``anchor`` (training only): θ*'s stored distributions at the label
+    tokens; the answer is then (2,): the summed cross-entropy and the summed :func:`anchor_kl`."""
 
-    def __init__(self, labels: torch.Tensor, *, per_token: bool = False, every_position: bool = False):
-        self.labels, self.per_token, self.every_position = labels, per_token, every_position
+    def __init__(self, labels: torch.Tensor, *, per_token: bool = False, every_position: bool = False,
+                 anchor: AnchorTargets | None = None):
+        self.labels, self.per_token, self.every_position, self.anchor = labels, per_token, every_position, anchor
 
     def targets(self, device: torch.device) -> torch.Tensor:
         """(B, T): the label each position predicts (IGNORE_INDEX: none)."""
@@ -97,12 +174,20 @@ class NextTokenLoss:
                     z = logits(h).float()
                     parts.append(torch.stack([F.cross_entropy(z, y, reduction="none"), (z.argmax(-1) == y).float()]))
                 return torch.cat(parts, dim=1)
+        anchor = None if self.anchor is None else self.anchor.to(rows.device)
+        if anchor is not None and len(anchor.ids) != len(rows):
+            raise ValueError(f"the KL anchor's stored targets cover {len(anchor.ids)} label tokens, the batch has "
+                             f"{len(rows)}")
         if head is None:  # finished logits
-            return F.cross_entropy(rows.float(), wanted, reduction="sum")
+            loss = F.cross_entropy(rows.float(), wanted, reduction="sum")
+            return loss if anchor is None else torch.stack([loss, anchor_kl(rows, anchor)])
         device = rows.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
         with torch.autocast(device, enabled=False):  # the function casts as autocast would, in backward too
-            return _ChunkedCrossEntropy.apply(rows, wanted, head.weight, head.bias, dtype, size)
+            if anchor is None:
+                return _ChunkedCrossEntropy.apply(rows, wanted, head.weight, head.bias, dtype, size)
+            return _ChunkedCrossEntropyKL.apply(rows, wanted, head.weight, head.bias, dtype, size, anchor.ids,
+                                                anchor.logp, anchor.tail_logp)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -151,6 +236,98 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad_bias.add_(g.sum(0).to(bias.dtype))
             start += len(h)
         return grad_rows, None, grad_weight, grad_bias, None, None
+
+
+class _ChunkedCrossEntropyKL(torch.autograd.Function):
+    """(Σ cross-entropy, Σ anchor_kl) over rows, computed as _ChunkedCrossEntropy computes the first:
+    `size` rows at a time, each chunk's logits recomputed in backward, the weight's gradient added
+    into one buffer. Forward keeps each row's log-sum-exp over the vocabulary and over the tail (the
+    ids outside θ*'s top k). The gradient of the KL at logit j of a row: softmax_j − p*_j for a top-k
+    id j, softmax_j − p*_tail · exp(z_j − lse_tail) for the others."""
+
+    @staticmethod
+    def forward(ctx, rows, wanted, weight, bias, dtype, size, ids, logp, tail_logp):
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        anchor = AnchorTargets(ids, logp, tail_logp)
+        ce = torch.zeros((), dtype=torch.float32, device=rows.device)
+        kl = torch.zeros((), dtype=torch.float32, device=rows.device)
+        lse = torch.empty(len(rows), dtype=torch.float32, device=rows.device)
+        lse_tail = torch.empty(len(rows), dtype=torch.float32, device=rows.device)
+        start = 0
+        for h, y, a in zip(_chunks(rows, size), _chunks(wanted, size), anchor.split(size)):
+            z = F.linear(h.to(dtype), w, b).float()
+            here = slice(start, start + len(h))
+            lse[here] = torch.logsumexp(z, -1)
+            ce += (lse[here] - z.gather(1, y[:, None])[:, 0]).sum()
+            p, lp, pt, tail = a.weights()
+            kl += (p * (lp - z.gather(1, a.ids) + lse[here, None])).sum()
+            if pt is not None:
+                lse_tail[here] = torch.logsumexp(z.scatter_(1, a.ids, float("-inf")), -1)
+                kl += (pt * (tail - lse_tail[here] + lse[here])).sum()
+            start += len(h)
+        ctx.save_for_backward(rows, wanted, weight, bias, lse, lse_tail, ids, logp, tail_logp)
+        ctx.dtype, ctx.size = dtype, size
+        return torch.stack([ce, kl])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, wanted, weight, bias, lse, lse_tail, ids, logp, tail_logp = ctx.saved_tensors
+        dtype, size = ctx.dtype, ctx.size
+        g_ce, g_kl = grad_out[0], grad_out[1]
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        grad_rows = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[3] else None
+        start = 0
+        for h, y, a in zip(_chunks(rows, size), _chunks(wanted, size), AnchorTargets(ids, logp, tail_logp).split(size)):
+            hd = h.to(dtype)
+            here = slice(start, start + len(h))
+            z = F.linear(hd, w, b).float()
+            g = (z - lse[here, None]).exp_().mul_(g_ce + g_kl)  # softmax, from both terms
+            g[torch.arange(len(y), device=g.device), y] -= g_ce
+            p, _, pt, _ = a.weights()
+            g.scatter_add_(1, a.ids, -g_kl * p)
+            if pt is not None:  # the tail bucket's pull, on the ids outside the top k only
+                z.sub_(lse_tail[here, None]).exp_().mul_(-g_kl * pt[:, None])
+                g.add_(z.scatter_(1, a.ids, 0.0))
+            g = g.to(dtype)
+            if grad_rows is not None:
+                grad_rows[here] = g @ w
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t().to(weight.dtype), h.to(weight.dtype))
+            if grad_bias is not None:
+                grad_bias.add_(g.sum(0).to(bias.dtype))
+            start += len(h)
+        return grad_rows, None, grad_weight, grad_bias, None, None, None, None, None
+
+
+class TopKDistribution:
+    """The KL anchor's pass (no gradient): at each label position of `labels` (as NextTokenLoss takes
+    them), in row-major order, the model's `k` most likely next tokens, their fp32 log-probabilities
+    and the log of the mass outside them. The answer: (N, 2k + 1) fp32, [ids | log-probabilities |
+    tail], the ids exact (a vocabulary below 2^24); k is at most the vocabulary, and when it is the
+    whole vocabulary the tail column is -inf (no mass)."""
+
+    def __init__(self, labels: torch.Tensor, k: int):
+        self.labels, self.k = labels, k
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Linear | None) -> torch.Tensor:
+        logits, vocab_size = _logits_of(hidden, head)
+        if vocab_size >= 1 << 24:
+            raise ValueError(f"a vocabulary of {vocab_size} ids cannot be answered as fp32 ids")
+        k = min(self.k, vocab_size)
+        with torch.no_grad():
+            rows = label_rows(hidden, self.labels)
+            parts = []
+            for h in _chunks(rows, chunk_positions(vocab_size)):
+                z = logits(h).float()
+                lse = torch.logsumexp(z, -1)
+                top, ids = z.topk(k, dim=-1)
+                tail = torch.full_like(lse, float("-inf"))
+                if k < vocab_size:
+                    tail = torch.logsumexp(z.scatter_(1, ids, float("-inf")), -1) - lse
+                parts.append(torch.cat([ids.float(), top - lse[:, None], tail[:, None]], dim=1))
+            return torch.cat(parts, dim=0)
 
 
 class ProbeLogProbs:

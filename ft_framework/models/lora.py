@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_TARGET_MODULES", "ADAPTER_SUBDIR", "LORA_INSTALL_HINT", "require_peft",
            "default_target_modules", "apply_lora", "is_lora_model", "merged_forgetting_distance",
-           "merged_copy", "save_model"]
+           "merged_copy", "save_model", "unadapted_state"]
 
 ADAPTER_SUBDIR = "adapter"
 LORA_INSTALL_HINT = "pip install 'ft_framework[lora]' (or: pip install peft)"
@@ -124,6 +124,40 @@ def is_lora_model(model: nn.Module) -> bool:
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (FSDP2: gathered by DTensor itself), or the tensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def unadapted_state(model: nn.Module) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """For a LoRA model whose adapters leave its function the base model's (every B zero, as peft
+    initialises them, so ΔW = 0 whatever A's random values; no modules_to_save copies): the base
+    model's class name and its state as it was before the wrap (the adapters' tensors left out, the
+    wrapped layers' weights under their own names). None for any other model (its state is its own)."""
+    if not is_lora_model(model):
+        return None
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = model.get_base_model()
+    layers: dict[str, Any] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            return None
+        if isinstance(module, LoraLayer):
+            zero_b = [*(m.weight for m in module.lora_B.values()), *module.lora_embedding_B.values()]
+            if any(bool(_full(b).count_nonzero()) for b in zero_b):
+                return None
+            layers[name + "."] = module
+    state = {}
+    for key, tensor in base.state_dict(keep_vars=False).items():
+        layer = next((prefix for prefix in layers if key.startswith(prefix)), None)
+        if layer is not None:
+            rest = key[len(layer):]
+            if rest.split(".", 1)[0] in layers[layer].adapter_layer_names:  # peft's names of adapter parameters
+                continue
+            if rest.startswith("base_layer."):
+                key = layer + rest[len("base_layer."):]
+        state[key] = tensor
+    return type(base).__name__, state
 
 
 @torch.no_grad()

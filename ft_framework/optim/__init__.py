@@ -11,16 +11,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ft_framework.optim import adam, prior_wd, recadam  # noqa: F401 - the built-in rules register themselves
+from ft_framework.optim import adam, ewc, prior_wd, recadam  # noqa: F401 - the built-in rules register themselves
 from ft_framework.optim.anneal import ANNEAL_FUNCTIONS, anneal_lambda
 from ft_framework.optim.registry import available_optimizers, optimizer_hparams, register_optimizer
 from ft_framework.optim.validation import PullOvershootWarning
 
-_LAZY = {"AdamW": "optimizers", "BertAdam": "optimizers", "PriorWD": "optimizers", "RecAdam": "optimizers",
+_LAZY = {"AdamW": "optimizers", "BertAdam": "optimizers", "EWC": "optimizers", "PriorWD": "optimizers", "RecAdam": "optimizers",
          "build_optimizer": "optimizers", "AnchoredOptimizer": "base"}
 
 __all__ = [
-    "ANNEAL_FUNCTIONS", "AdamW", "AnchoredOptimizer", "BertAdam", "PriorWD", "PullOvershootWarning",
+    "ANNEAL_FUNCTIONS", "AdamW", "AnchoredOptimizer", "BertAdam", "EWC", "PriorWD", "PullOvershootWarning",
     "RecAdam", "anneal_lambda", "available_optimizers", "build_optimizer", "optimizer_hparams",
     "register_optimizer",
 ]

@@ -30,8 +30,8 @@ from ft_framework.optim.programs import StepProgram, impl_names, resolve_impl, s
 from ft_framework.optim.torch_step import finite_flags
 from ft_framework.optim.validation import PullOvershootWarning, check_ranges, overshoot_message, rule_max_pull
 
-__all__ = ["ANCHOR_DTYPES", "CHILD_MASK", "AnchoredOptimizer", "PullOvershootWarning", "anchored_parameter_names",
-           "check_loaded_anchors", "local_tensor"]
+__all__ = ["ANCHOR_DTYPES", "CHILD_MASK", "IMPORTANCE", "AnchoredOptimizer", "PullOvershootWarning",
+           "anchored_parameter_names", "check_loaded_anchors", "local_tensor"]
 
 ANCHOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Keys a param group may carry besides the optimizer's hyper-parameters.
@@ -40,11 +40,21 @@ GROUP_META_KEYS = frozenset({"params", "anchors", "anchored", "child_candidate",
 # Child-Tuning's mask (optim/child_tuning.py): optimizer state like the anchor, sharded like p;
 # where present, step() multiplies the gradient by it before the rule.
 CHILD_MASK = "child_mask"
+# The normalised diagonal Fisher F~ of theta* (optim/importance.py): optimizer state like the anchor,
+# sharded like p, bf16; where present, the pulls toward theta* weigh each element by it.
+IMPORTANCE = "importance"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local shard of a DTensor (FSDP2), or the tensor itself; element-wise steps run on it."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _importance_of(state: dict[str, Any], pulls: bool) -> torch.Tensor | None:
+    """The step programs' importance (the last element of their rows, optim/programs.py): the local
+    F~ of a parameter whose step pulls toward theta*, else None (the unweighted program)."""
+    importance = state.get(IMPORTANCE) if pulls else None
+    return None if importance is None else local_tensor(importance)
 
 
 def anchored_parameter_names(optimizer: torch.optim.Optimizer) -> set[str]:
@@ -132,8 +142,9 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         self._requested_impl = impl
         self.anchor_dtype: torch.dtype = ANCHOR_DTYPES[anchor_dtype]
         self._warned_overshoot: set[int] = set()
-        # While set (Child-Tuning's Fisher pass), step() hands the optimizer to it instead of
-        # stepping: it reads each strategy's reduced (and sharded) gradients where they arrive.
+        # While set (a Fisher pass, optim/fisher.py), step() and step_tensors() hand it each
+        # (tensor, gradient, param group) instead of stepping: it reads each strategy's reduced (and
+        # sharded) gradients where they arrive.
         self.gradient_sink = None
         super().__init__(params, defaults)
         self._resolved_impl = self._resolve_impl()
@@ -321,7 +332,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.gradient_sink is not None:
-            self.gradient_sink(self)
+            self.gradient_sink([(p, p.grad, group) for group in self.param_groups for p in group["params"]])
             return loss
         if self._requested_impl == "auto":
             # DeepSpeed and FSDP swap in their own (e.g. CPU-offloaded) tensors after construction.
@@ -384,18 +395,19 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
         deltas = [local_tensor(s["delta"]) if with_anchor and self.delta_masters else None for s in states]
         anchors = [local_tensor(s["anchor"]) if with_anchor else None for s in states]
+        importances = [_importance_of(s, with_anchor and c.uses_anchor) for s in states]
         bases = [self.index_base(p) for p in ps]
         weights = [local_tensor(p) if id(p) in self._bf16_weights else None if weights is None else
                    None if weights[i] is None else local_tensor(weights[i]) for i, p in enumerate(ps)]
         plain, bf16 = [], []
-        for p, g, m, v, d, a, base, w in zip(ps, grads, ms, vs, deltas, anchors, bases, weights):
+        for p, g, m, v, d, a, base, w, f in zip(ps, grads, ms, vs, deltas, anchors, bases, weights, importances):
             if w is None:
-                plain.append((local_tensor(p), g, m, v, d, a, base))
+                plain.append((local_tensor(p), g, m, v, d, a, base, f))
             elif d is not None and id(p) not in self._bf16_weights:
                 raise ValueError("a bf16 weight for a delta master that keeps its fp32 weight would leave that weight "
                                  "stale: drop it first (keep_bf16_weight)")
             else:
-                bf16.append((None if d is not None else local_tensor(p), g, m, v, d, a, base, w))
+                bf16.append((None if d is not None else local_tensor(p), g, m, v, d, a, base, w, f))
         if plain:
             self._program.step_compact(plain, c, self.rounding_seed, t, num_threads=num_threads)
         if bf16:
@@ -408,7 +420,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         ms = [local_tensor(s["exp_avg"]) for s in states]
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
         anchors = [local_tensor(s["anchor"]) for s in states] if with_anchor else [None] * len(params)
-        self._program.step(list(zip(params, grads, ms, vs, anchors)), c)
+        importances = [_importance_of(s, with_anchor) for s in states]
+        self._program.step(list(zip(params, grads, ms, vs, anchors, importances)), c)
 
     # ---- speculative steps, one tensor at a time (the overlapped offload) ------------------
     def _step_plan(self, p: torch.Tensor, group: dict[str, Any], t: int) -> tuple[StepCoefficients, bool]:
@@ -431,7 +444,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
     def _tensors(self, p: torch.Tensor, grad: torch.Tensor, with_anchor: bool):
         state = self.state[p]
         return (local_tensor(p), local_tensor(grad), local_tensor(state["exp_avg"]),
-                local_tensor(state["exp_avg_sq"]), local_tensor(state["anchor"]) if with_anchor else None)
+                local_tensor(state["exp_avg_sq"]), local_tensor(state["anchor"]) if with_anchor else None,
+                _importance_of(state, with_anchor))
 
     @torch.no_grad()
     def step_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None = None,
@@ -448,12 +462,17 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         `known_finite`: the caller has checked the gradients already (a finite norm), so the
         kernel's own check, one more pass over each gradient, is skipped.
         `keep_undo`: the step may be rolled back (a speculative step). The fp32 state needs nothing
-        for that; the compact state copies what the rollback restores first.
+        for that, except where the pull is weighted by an importance (IMPORTANCE): an element pulled
+        onto theta* (min(w * F~, 1) = 1) has no inverse, so such a tensor's m, v and weight are
+        copied first, as the compact state copies what its rollback restores.
         `weights` (the compact state only): per tensor a bf16 tensor that receives the new weight
         rounded to nearest even (it may be the tensor's bf16 gradient: read first), or None; a
         parameter of the bf16 weight form (keep_bf16_weight) writes its own data without one.
         """
         grads = [p.grad for p in ps] if grads is None else grads
+        if self.gradient_sink is not None:
+            self._hand_to_sink(ps, grads, weights)
+            return [None] * len(ps)
         if self._resolved_impl == "auto":
             self._resolved_impl = self._resolve_impl()
         if self.compact:
@@ -481,6 +500,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
                                             stacklevel=4)
             c, with_anchor = plans[key]
             tensors = self._tensors(p, g, with_anchor)
+            if keep_undo and tensors[-1] is not None:  # weighted by F~: restored from copies, not inverted
+                self._keep_undo(p, state, t - 1)
             if known_finite:
                 batched[key].append(tensors)
                 batched_states.append(state)
@@ -495,6 +516,22 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         if batched_states:  # as in step(): the counts in one foreach op, not one add per tensor
             torch._foreach_add_([state["step"] for state in batched_states], 1)
         return used
+
+    @torch.no_grad()
+    def _hand_to_sink(self, ps: list[torch.Tensor], grads: list[torch.Tensor | None],
+                      weights: list[torch.Tensor | None] | None) -> None:
+        """step_tensors while a Fisher pass reads the gradients: nothing steps, and a bf16 weight the
+        caller asked for (which may hold the gradient: read first) receives the weight as it is, as a
+        step would have written it (a parameter of the bf16 weight form: theta* + delta rounded to
+        nearest even)."""
+        self.gradient_sink(list(zip(ps, grads, self._groups_of(ps))))
+        for i, p in enumerate(ps):
+            if id(p) in self._bf16_weights:
+                state = self.state[p]
+                local_tensor(p).copy_(round_nearest_bf16(local_tensor(state["anchor"]).float()
+                                                         + local_tensor(state["delta"])))
+            elif weights is not None and weights[i] is not None:
+                local_tensor(weights[i]).copy_(round_nearest_bf16(local_tensor(p).float()))
 
     def _step_tensors_compact(self, ps, grads, num_threads, known_finite, keep_undo: bool,
                               weights=None) -> list[StepCoefficients | None]:
@@ -521,7 +558,8 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         return used
 
     def _keep_undo(self, p: torch.Tensor, state: dict[str, Any], step: int) -> None:
-        """Copies p's compact state before its step `step + 1` (into the buffers of an earlier copy)."""
+        """Copies p's state (m, v and its master: delta, or p itself) before its step `step + 1`, into
+        the buffers of an earlier copy: the compact state's, or an importance-weighted fp32 step's."""
         master = state["delta"] if "delta" in state else p
         now = [local_tensor(x) for x in (state["exp_avg"], state["exp_avg_sq"], master)]
         kept = self._undo.get(id(p))
@@ -537,29 +575,35 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         """Restores each parameter's compact state from the copies its last step kept, bit for bit:
         the parameter of an anchored tensor is written as anchor + delta, as every step writes it."""
         for p in ps:
-            state = self.state[p]
-            kept = self._undo.get(id(p))
-            if kept is None or kept[0] is not p or kept[1] != int(state["step"].item()) - 1:
-                raise RuntimeError("rollback_tensors: this compact step was taken without keep_undo=True, so "
-                                   "there is nothing to restore it from")
-            _, _, m, v, master = kept
-            local_tensor(state["exp_avg"]).copy_(m)
-            local_tensor(state["exp_avg_sq"]).copy_(v)
-            if "delta" in state:
-                local_tensor(state["delta"]).copy_(master)
-                weight = local_tensor(state["anchor"]).float() + master
-                # a bf16-weight parameter: the kernel's rounding of theta* + delta, its NaN too
-                local_tensor(p).copy_(round_nearest_bf16(weight) if id(p) in self._bf16_weights else weight)
-            else:
-                local_tensor(p).copy_(master)
-            state["step"] -= 1
+            self._restore_undo(p, "compact")
+
+    def _restore_undo(self, p: torch.Tensor, what: str) -> None:
+        """Restores p's state from the copies step_tensors(keep_undo=True) kept before its last step,
+        bit for bit, and moves its step count back by one."""
+        state = self.state[p]
+        kept = self._undo.get(id(p))
+        if kept is None or kept[0] is not p or kept[1] != int(state["step"].item()) - 1:
+            raise RuntimeError(f"rollback_tensors: this {what} step was taken without keep_undo=True, so "
+                               "there is nothing to restore it from")
+        _, _, m, v, master = kept
+        local_tensor(state["exp_avg"]).copy_(m)
+        local_tensor(state["exp_avg_sq"]).copy_(v)
+        if "delta" in state:
+            local_tensor(state["delta"]).copy_(master)
+            weight = local_tensor(state["anchor"]).float() + master
+            # a bf16-weight parameter: the kernel's rounding of theta* + delta, its NaN too
+            local_tensor(p).copy_(round_nearest_bf16(weight) if id(p) in self._bf16_weights else weight)
+        else:
+            local_tensor(p).copy_(master)
+        state["step"] -= 1
 
     @torch.no_grad()
     def rollback_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None,
                          coefficients: list[StepCoefficients], num_threads: int | None = None) -> None:
         """Undoes the last step of each parameter, taken with `grads` and `coefficients` (what
         step_tensors returned). The fp32 state: from the stepped state alone, the inverse element
-        program of cpp/step_args.h, exact to a few ulp, with no saved copy. The compact state: from
+        program of cpp/step_args.h, exact to a few ulp, with no saved copy (a pull weighted by an
+        importance: from the copies step_tensors(keep_undo=True) kept, bit for bit). The compact state: from
         the copies step_tensors(keep_undo=True) kept, bit for bit (stochastic rounding has no
         inverse). The step count goes back by one."""
         if self.compact:
@@ -569,7 +613,11 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         for p, g, c in zip(ps, grads, coefficients):
             state = self.state[p]
             with_anchor = state.get("anchor") is not None and c.uses_anchor
-            self._program.inverse(self._tensors(p, g, with_anchor), c, num_threads=num_threads)
+            tensors = self._tensors(p, g, with_anchor)
+            if tensors[-1] is not None:  # a pull weighted by F~ may have reached theta*: from the copies
+                self._restore_undo(p, "importance-weighted")
+                continue
+            self._program.inverse(tensors, c, num_threads=num_threads)
             state["step"] -= 1
 
     def coefficients_changed(self, ps: list[torch.Tensor], used: list[StepCoefficients]) -> bool:

@@ -9,9 +9,9 @@ Which parameters are candidates is decided once, by optim/groups.py (``child_can
 group; ZeRO flattens group by group, so the flag holds for its flat partitions too).
 
 The Fisher reads the gradients where every strategy hands them over, in the optimizer's step:
-``FisherPass`` makes step() accumulate g^2 instead of updating (no step count moves), so g is the
-global micro-batch's reduced gradient, as the strategy delivers it (whole under one process and
-DDP, a flat partition under ZeRO, a DTensor shard under FSDP2).
+optim/fisher.py's ``FisherPass`` makes step() accumulate g^2 of the candidate groups instead of
+updating (no step count moves), so g is the global micro-batch's reduced gradient, as the strategy
+delivers it (whole under one process and DDP, a flat partition under ZeRO, a DTensor shard under FSDP2).
 
 The threshold is exact and global over every rank's candidate elements: tau is the k-th largest
 Fisher value, k = ceil(reserve_p * N) (N: the candidate elements of the model), found by bisection
@@ -29,10 +29,12 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from ft_framework.distributed import collectives
+from ft_framework.optim import fisher
 from ft_framework.optim.base import CHILD_MASK, local_tensor
+from ft_framework.optim.fisher import FisherPass
 
-__all__ = ["ChildTuningResult", "FisherPass", "candidate_elements", "candidate_params", "prepare_masks",
-           "run_fisher_pass", "select_child"]
+__all__ = ["ChildTuningResult", "candidate_elements", "candidate_params", "prepare_masks", "run_fisher_pass",
+           "select_child"]
 
 # Bit patterns of non-negative float32: 0 is +0.0, one past +inf is above every finite value.
 _ABOVE_INF_BITS = 0x7F800001
@@ -66,36 +68,6 @@ def candidate_elements(optimizer: torch.optim.Optimizer, numel_of: Mapping[str, 
     """N: the number of candidate elements in the whole model (`numel_of`: each parameter's full
     element count by name; the groups' ``param_names`` survive ZeRO's flattening)."""
     return sum(numel_of[n] for g in optimizer.param_groups if g.get("child_candidate") for n in g["param_names"])
-
-
-class FisherPass:
-    """While active, the optimizer's step() adds g^2 (fp32, per element) of each candidate tensor
-    to a buffer kept here (not in the optimizer state: it is dropped once the child is chosen)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        if not candidate_params(optimizer):
-            raise ValueError("Child-Tuning: the optimizer has no child_candidate param group; build the groups "
-                             "with build_param_groups(..., child_tuning=True)")
-        self.optimizer = optimizer
-        self.fisher: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p) -> (p, F)
-        self.batches = 0  # counted by the caller: ZeRO calls step() once per param group
-
-    def __enter__(self) -> "FisherPass":
-        self.optimizer.gradient_sink = self._accumulate
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.optimizer.gradient_sink = None
-
-    @torch.no_grad()
-    def _accumulate(self, optimizer: torch.optim.Optimizer) -> None:
-        for p in candidate_params(optimizer):
-            if p.grad is None:
-                continue
-            grad = local_tensor(p.grad).float()
-            if id(p) not in self.fisher:
-                self.fisher[id(p)] = (p, torch.zeros_like(grad, dtype=torch.float32))
-            self.fisher[id(p)][1].addcmul_(grad, grad)
 
 
 def _count_at_least(fishers: list[torch.Tensor], bits: int, partitioned: bool) -> int:
@@ -157,12 +129,16 @@ def prepare_masks(optimizer: torch.optim.Optimizer) -> None:
         optimizer.state[p][CHILD_MASK] = torch.zeros_like(p, dtype=torch.bool)
 
 
+def _is_candidate_group(group: dict[str, Any]) -> bool:
+    return bool(group.get("child_candidate"))
+
+
 def run_fisher_pass(optimizer: torch.optim.Optimizer, batches: Iterable[Any],
                     micro_step: Callable[[Any], None]) -> FisherPass:
     """Runs `micro_step(batch)` (forward, backward, the strategy's unclipped step) for each batch
-    with the optimizer's step accumulating the Fisher; returns the pass for select_child."""
-    with FisherPass(optimizer) as fisher_pass:
-        for batch in batches:
-            micro_step(batch)
-            fisher_pass.batches += 1
-    return fisher_pass
+    with the optimizer's step accumulating the Fisher of the candidates; returns the pass for
+    select_child."""
+    if not candidate_params(optimizer):
+        raise ValueError("Child-Tuning: the optimizer has no child_candidate param group; build the groups "
+                         "with build_param_groups(..., child_tuning=True)")
+    return fisher.run_fisher_pass(optimizer, batches, micro_step, _is_candidate_group)

@@ -9,6 +9,7 @@ lambda(t)) lives in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,14 @@ def kernel_values(c: StepCoefficients) -> dict[str, float]:
     """Every field of the kernel's StepCoeffs for `c`, in the struct's order."""
     own = {f.name: getattr(c, f.name) for f in fields(c)}
     return {name: _DERIVED[name](c) if name in _DERIVED else own[name] for name in KERNEL_FIELDS}
+
+
+def split_importance(row: tuple, width: int) -> tuple[tuple, Any]:
+    """A step program's tensor row (optim/programs.py) as its first `width` tensors and its
+    per-element importance F~, the row's optional last element (None where the row leaves it off).
+
+    With F~ (an anchored tensor's, bf16) each pull's fraction w (pre_pull, post_pull) is per element
+    min(fp32(w) * fp32(F~_i), 1) in every program (cpp/step_args.h); the decays never read it."""
+    if len(row) not in (width, width + 1):
+        raise ValueError(f"a step row holds {width} tensors and an optional importance, got {len(row)} entries")
+    return tuple(row[:width]), (row[width] if len(row) > width else None)

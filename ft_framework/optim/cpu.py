@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ft_framework.optim.coefficients import StepCoefficients, kernel_values
+from ft_framework.optim.coefficients import StepCoefficients, kernel_values, split_importance
 from ft_framework.optim.compact import rounding_key
 
 SIMD_ENV_VAR = "FT_FRAMEWORK_SIMD"
@@ -36,6 +36,8 @@ else:
 
 _PARAM_DTYPES = (torch.float32,)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16)
+# The per-element importance F~ (optimizer state, cpp/step_args.h) is read as bf16 only.
+_IMPORTANCE_DTYPES = (torch.bfloat16,)
 
 
 def kernel_available() -> bool:
@@ -80,7 +82,16 @@ def check_param(p: torch.Tensor) -> str | None:
     return tensor_problem(p, "parameter", _PARAM_DTYPES)
 
 
-def _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor) -> int:
+def _importance_problem(importance, anchor) -> str | None:
+    """Why the kernel cannot read `importance` beside `anchor` (None: it can, or there is none)."""
+    if importance is None:
+        return None
+    if anchor is None:
+        raise ValueError("the importance weighs the pull toward theta*: it needs its anchor")
+    return tensor_problem(importance, "importance", _IMPORTANCE_DTYPES)
+
+
+def _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor, importance=None) -> int:
     """The element count of one tensor's step; raises TypeError / ValueError on inputs the kernel
     cannot update in place."""
     checks = [
@@ -88,6 +99,7 @@ def _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor) -> int:
         tensor_problem(grad, "gradient", _INPUT_DTYPES),
         tensor_problem(exp_avg, "exp_avg", _PARAM_DTYPES),
         tensor_problem(exp_avg_sq, "exp_avg_sq", _PARAM_DTYPES),
+        _importance_problem(importance, anchor),
     ]
     if anchor is not None:
         checks.append(tensor_problem(anchor, "anchor", _INPUT_DTYPES))
@@ -98,19 +110,21 @@ def _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor) -> int:
     sizes = {"gradient": grad.numel(), "exp_avg": exp_avg.numel(), "exp_avg_sq": exp_avg_sq.numel()}
     if anchor is not None:
         sizes["anchor"] = anchor.numel()
+    if importance is not None:
+        sizes["importance"] = importance.numel()
     wrong = {k: v for k, v in sizes.items() if v != n}
     if wrong:
         raise ValueError(f"size mismatch with the parameter's {n} elements: {wrong}")
     return n
 
 
-def _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor) -> tuple | None:
-    """The kernel's buffers for one tensor's step (None when it is empty), after
-    _check_step_tensors."""
-    if _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor) == 0:
+def _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor, importance=None) -> tuple | None:
+    """The kernel's buffers for one tensor's step, its importance's last (None when the tensor is
+    empty), after _check_step_tensors."""
+    if _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor, importance) == 0:
         return None
     return (_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
-            None if anchor is None else _buffer(anchor))
+            None if anchor is None else _buffer(anchor), None if importance is None else _buffer(importance))
 
 
 def _threads(num_threads: int | None) -> int:
@@ -125,27 +139,32 @@ def fused_step(
     anchor: torch.Tensor | None,
     coeffs: StepCoefficients,
     num_threads: int | None = None,
+    *,
+    importance: torch.Tensor | None = None,
 ) -> None:
-    """Runs one fused step on one tensor in place; raises TypeError/ValueError on unusable inputs."""
+    """Runs one fused step on one tensor in place; raises TypeError/ValueError on unusable inputs.
+    `importance` (bf16, beside an anchor): each pull's fraction is min(w * importance, 1) per element."""
     kernel = _require_kernel()
-    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
+    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor, importance)
     if buffers is not None:
-        kernel.fused_step(*buffers, _kernel_coefficients(coeffs), _threads(num_threads))
+        kernel.fused_step(*buffers[:5], _kernel_coefficients(coeffs), _threads(num_threads), buffers[5])
 
 
 def fused_step_many(
-    tensors: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    tensors: Sequence[tuple],
     coeffs: StepCoefficients,
     num_threads: int | None = None,
 ) -> None:
-    """fused_step on each (param, grad, exp_avg, exp_avg_sq, anchor) of `tensors`, all with
-    `coeffs`, in one kernel call: the same arithmetic, bit for bit, with the GIL released once
+    """fused_step on each (param, grad, exp_avg, exp_avg_sq, anchor[, importance]) of `tensors`, all
+    with `coeffs`, in one kernel call: the same arithmetic, bit for bit, with the GIL released once
     instead of once per tensor (a bucket of small tensors cost more in Python than in the kernel).
     Every tensor is checked before any is touched; raises TypeError/ValueError as fused_step."""
     kernel = _require_kernel()
     columns: tuple[list, ...] = ([], [], [], [], [], [], [], [])
-    for param, grad, exp_avg, exp_avg_sq, anchor in tensors:
-        n = _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor)
+    importances: list[int] = []
+    for row in tensors:
+        (param, grad, exp_avg, exp_avg_sq, anchor), importance = split_importance(row, 5)
+        n = _check_step_tensors(param, grad, exp_avg, exp_avg_sq, anchor, importance)
         if n == 0:
             continue
         for column, value in zip(columns, (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(),
@@ -153,11 +172,14 @@ def fused_step_many(
                                            grad.dtype is torch.bfloat16,
                                            anchor is not None and anchor.dtype is torch.bfloat16)):
             column.append(value)
+        importances.append(0 if importance is None else importance.data_ptr())
     if columns[0]:
-        kernel._fused_step_many(*columns, _kernel_coefficients(coeffs), _threads(num_threads))
+        # No importance anywhere: the call of a kernel without them (the list is optional there).
+        weighted = {"importances": importances} if any(importances) else {}
+        kernel._fused_step_many(*columns, _kernel_coefficients(coeffs), _threads(num_threads), **weighted)
 
 
-def _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) -> int:
+def _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor, importance=None) -> int:
     """The element count of one compact step; raises TypeError / ValueError on inputs the kernel
     cannot update in place."""
     checks = [
@@ -165,6 +187,7 @@ def _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) -> i
         tensor_problem(grad, "gradient", _INPUT_DTYPES),
         tensor_problem(exp_avg, "exp_avg", (torch.bfloat16,)),
         tensor_problem(exp_avg_sq, "exp_avg_sq", (torch.bfloat16,)),
+        _importance_problem(importance, anchor),
     ]
     if delta is not None and anchor is None:
         raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
@@ -175,7 +198,7 @@ def _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) -> i
     problems = [c for c in checks if c]
     if problems:
         raise TypeError("cannot run the CPU optimizer kernel: " + "; ".join(problems))
-    tensors = (param, grad, exp_avg, exp_avg_sq) + tuple(t for t in (delta, anchor) if t is not None)
+    tensors = (param, grad, exp_avg, exp_avg_sq) + tuple(t for t in (delta, anchor, importance) if t is not None)
     if any(t.numel() != param.numel() for t in tensors):
         raise ValueError(f"size mismatch with the parameter's {param.numel()} elements: "
                          f"{[t.numel() for t in tensors]}")
@@ -193,37 +216,43 @@ def fused_step_compact(
     sr_key: int,
     index_base: int,
     num_threads: int | None = None,
+    *,
+    importance: torch.Tensor | None = None,
 ) -> None:
     """One step of the compact state (optim/compact.py) on one tensor in place: bf16 exp_avg and
     exp_avg_sq; for an anchored parameter with a delta, delta is the master (param is written as
     anchor + delta); with an anchor and no delta, param is the master (DeepSpeed's partitions).
-    `sr_key` (compact.rounding_key) and `index_base` key the stochastic rounding."""
+    `sr_key` (compact.rounding_key) and `index_base` key the stochastic rounding; `importance` as
+    fused_step's."""
     kernel = _require_kernel()
-    if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor) == 0:
+    if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor, importance) == 0:
         return
     kernel.fused_step_compact(_buffer(param), _buffer(grad), _buffer(exp_avg), _buffer(exp_avg_sq),
                               None if delta is None else _buffer(delta), None if anchor is None else _buffer(anchor),
-                              _kernel_coefficients(coeffs), int(sr_key), int(index_base), _threads(num_threads))
+                              _kernel_coefficients(coeffs), int(sr_key), int(index_base), _threads(num_threads),
+                              None if importance is None else _buffer(importance))
 
 
 def fused_step_compact_many(tensors: Sequence[tuple], coeffs: StepCoefficients, sr_key: int,
                             num_threads: int | None = None) -> None:
-    """fused_step_compact on each (param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base) of
-    `tensors`, all with `coeffs` and `sr_key`, in one kernel call (bit for bit the same; the GIL is
-    released once). Every tensor is checked before any is touched."""
+    """fused_step_compact on each (param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base[,
+    importance]) of `tensors`, all with `coeffs` and `sr_key`, in one kernel call (bit for bit the
+    same; the GIL is released once). Every tensor is checked before any is touched."""
     rows = []
-    for param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base in tensors:
-        if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor):
-            rows.append((param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, None))
+    for row in tensors:
+        (param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base), importance = split_importance(row, 7)
+        if _check_compact_tensors(param, grad, exp_avg, exp_avg_sq, delta, anchor, importance):
+            rows.append((param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, None, importance))
     _compact_kernel_call(rows, coeffs, sr_key, num_threads)
 
 
 def _compact_kernel_call(rows: list[tuple], coeffs: StepCoefficients, sr_key: int, num_threads: int | None) -> None:
     """One kernel call over checked rows (param or None, grad, exp_avg, exp_avg_sq, delta, anchor,
-    index_base, weight or None), none of them empty."""
+    index_base, weight or None, importance or None), none of them empty."""
     kernel = _require_kernel()
     columns: tuple[list, ...] = ([], [], [], [], [], [], [], [], [], [], [])
-    for param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight in rows:
+    importances = [0 if row[8] is None else row[8].data_ptr() for row in rows]
+    for param, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight, _importance in rows:
         for column, value in zip(columns, (0 if param is None else param.data_ptr(), grad.data_ptr(),
                                            exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                            0 if delta is None else delta.data_ptr(),
@@ -233,7 +262,9 @@ def _compact_kernel_call(rows: list[tuple], coeffs: StepCoefficients, sr_key: in
                                            0 if weight is None else weight.data_ptr())):
             column.append(value)
     if columns[0]:
-        kernel._fused_step_compact_many(*columns, _kernel_coefficients(coeffs), int(sr_key), _threads(num_threads))
+        weighted = {"importances": importances} if any(importances) else {}
+        kernel._fused_step_compact_many(*columns, _kernel_coefficients(coeffs), int(sr_key), _threads(num_threads),
+                                        **weighted)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -246,7 +277,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor, weight) -> int:
+def _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor, weight, importance=None) -> int:
     """The element count of one step of the bf16 weight form; raises TypeError / ValueError on inputs
     the kernel cannot update in place. `grad` may be `weight` itself (in place), or apart from it."""
     if (master is None) != (delta is not None):
@@ -257,7 +288,8 @@ def _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor
     checks = [tensor_problem(weight, "weight", (torch.bfloat16,)),
               tensor_problem(grad, "gradient", _INPUT_DTYPES),
               tensor_problem(exp_avg, "exp_avg", (torch.bfloat16,)),
-              tensor_problem(exp_avg_sq, "exp_avg_sq", (torch.bfloat16,))]
+              tensor_problem(exp_avg_sq, "exp_avg_sq", (torch.bfloat16,)),
+              _importance_problem(importance, anchor)]
     if master is not None:
         checks.append(tensor_problem(master, "parameter", _PARAM_DTYPES))
     if delta is not None:
@@ -267,7 +299,7 @@ def _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor
     problems = [c for c in checks if c]
     if problems:
         raise TypeError("cannot run the CPU optimizer kernel: " + "; ".join(problems))
-    others = [t for t in (master, exp_avg, exp_avg_sq, delta, anchor) if t is not None]
+    others = [t for t in (master, exp_avg, exp_avg_sq, delta, anchor, importance) if t is not None]
     if any(t.numel() != weight.numel() for t in (grad, *others)):
         raise ValueError(f"size mismatch with the weight's {weight.numel()} elements: "
                          f"{[t.numel() for t in (grad, *others)]}")
@@ -283,16 +315,17 @@ def _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor
 def fused_step_compact_bf16_many(tensors: Sequence[tuple], coeffs: StepCoefficients, sr_key: int,
                                  num_threads: int | None = None) -> None:
     """The compact step in its bf16 weight form (the device-lean offload's) on each (master, grad,
-    exp_avg, exp_avg_sq, delta, anchor, index_base, weight) of `tensors`, in one kernel call: the
+    exp_avg, exp_avg_sq, delta, anchor, index_base, weight[, importance]) of `tensors`, in one kernel call: the
     same program as fused_step_compact_many, bit for bit in every stored state, and the new weight
     also stored in bf16 into `weight`, rounded to nearest even. A delta master keeps no fp32 weight
     (master None: theta* + delta is formed in registers); a parameter without theta* keeps its fp32
     master. `weight` may be the bf16 gradient itself: each element's gradient is read before its
     weight is written. Every tensor is checked before any is touched."""
     rows = []
-    for master, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight in tensors:
-        if _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor, weight):
-            rows.append((master, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight))
+    for row in tensors:
+        (master, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight), importance = split_importance(row, 8)
+        if _check_compact_bf16_tensors(master, grad, exp_avg, exp_avg_sq, delta, anchor, weight, importance):
+            rows.append((master, grad, exp_avg, exp_avg_sq, delta, anchor, index_base, weight, importance))
     _compact_kernel_call(rows, coeffs, sr_key, num_threads)
 
 
@@ -304,14 +337,16 @@ def guarded_step(
     anchor: torch.Tensor | None,
     coeffs: StepCoefficients,
     num_threads: int | None = None,
+    *,
+    importance: torch.Tensor | None = None,
 ) -> bool:
     """fused_step when every element of `grad` is finite (returns True); otherwise leaves every
     tensor untouched and returns False (a NaN or infinite step could never be undone)."""
     kernel = _require_kernel()
-    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
+    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor, importance)
     if buffers is None:
         return True
-    return bool(kernel.guarded_step(*buffers, _kernel_coefficients(coeffs), _threads(num_threads)))
+    return bool(kernel.guarded_step(*buffers[:5], _kernel_coefficients(coeffs), _threads(num_threads), buffers[5]))
 
 
 def fused_inverse(
@@ -322,13 +357,17 @@ def fused_inverse(
     anchor: torch.Tensor | None,
     coeffs: StepCoefficients,
     num_threads: int | None = None,
+    *,
+    importance: torch.Tensor | None = None,
 ) -> None:
-    """Undoes fused_step(param, grad, ..., coeffs) in place: the same gradient and coefficients
-    give back the parameter and moments within a few ulp (cpp/step_args.h); no saved copy."""
+    """Undoes fused_step(param, grad, ..., coeffs, importance=...) in place: the same gradient,
+    coefficients and importance give back the parameter and moments within a few ulp
+    (cpp/step_args.h); no saved copy. A step whose weighted pull reached theta* (some
+    min(w * importance, 1) = 1) cannot be undone: ValueError."""
     kernel = _require_kernel()
-    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor)
+    buffers = _checked_buffers(param, grad, exp_avg, exp_avg_sq, anchor, importance)
     if buffers is not None:
-        kernel.fused_inverse(*buffers, _kernel_coefficients(coeffs), _threads(num_threads))
+        kernel.fused_inverse(*buffers[:5], _kernel_coefficients(coeffs), _threads(num_threads), buffers[5])
 
 
 def _buffer(t: torch.Tensor):
@@ -368,10 +407,12 @@ class CpuKernelProgram:
         fused_step_many(tensors, coeffs, num_threads=num_threads)
 
     def guarded_step(self, tensors: tuple, coeffs: StepCoefficients, num_threads: int | None = None) -> bool:
-        return guarded_step(*tensors, coeffs, num_threads=num_threads)
+        row, importance = split_importance(tensors, 5)
+        return guarded_step(*row, coeffs, num_threads=num_threads, importance=importance)
 
     def inverse(self, tensors: tuple, coeffs: StepCoefficients, num_threads: int | None = None) -> None:
-        fused_inverse(*tensors, coeffs, num_threads=num_threads)
+        row, importance = split_importance(tensors, 5)
+        fused_inverse(*row, coeffs, num_threads=num_threads, importance=importance)
 
     def step_compact(self, tensors: Sequence[tuple], coeffs: StepCoefficients, seed: int, step: int,
                      num_threads: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The built-in optimizers, each an update rule (adam.py, recadam.py, prior_wd.py) put on
+"""The built-in optimizers, each an update rule (adam.py, recadam.py, prior_wd.py, ewc.py) put on
 AnchoredOptimizer, and build_optimizer, which builds any registered optimizer by name.
 
 The registry names the torch-free rules, so that the config reads their hyper-parameters without
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from ft_framework.optim.adam import AdamWRule, BertAdamRule
 from ft_framework.optim.base import AnchoredOptimizer
+from ft_framework.optim.ewc import EWCRule
 from ft_framework.optim.groups import GROUP_HPARAMS
 from ft_framework.optim.prior_wd import PriorWDRule
 from ft_framework.optim.recadam import RecAdamRule
 from ft_framework.optim.registry import factory_signature, optimizer_factory, optimizer_hparams
 
-__all__ = ["AdamW", "BertAdam", "PriorWD", "RecAdam", "build_optimizer"]
+__all__ = ["AdamW", "BertAdam", "EWC", "PriorWD", "RecAdam", "build_optimizer"]
 
 
 class AdamW(AdamWRule, AnchoredOptimizer):
@@ -34,8 +35,13 @@ class PriorWD(PriorWDRule, AnchoredOptimizer):
     __doc__ = PriorWDRule.__doc__
 
 
+class EWC(EWCRule, AnchoredOptimizer):
+    __doc__ = EWCRule.__doc__
+
+
 # What build_optimizer builds for a built-in name, whose registry entry is the rule.
-_OPTIMIZER_OF_RULE = {AdamWRule: AdamW, BertAdamRule: BertAdam, RecAdamRule: RecAdam, PriorWDRule: PriorWD}
+_OPTIMIZER_OF_RULE = {AdamWRule: AdamW, BertAdamRule: BertAdam, RecAdamRule: RecAdam, PriorWDRule: PriorWD,
+                       EWCRule: EWC}
 
 
 def build_optimizer(name: str, param_groups, impl: str = "auto", **hparams):

@@ -26,12 +26,17 @@ from ft_framework.optim.cpu import CpuKernelProgram
 from ft_framework.optim.torch_step import TorchProgram
 from ft_framework.optim.triton_step import TritonProgram
 
-# (param, grad, exp_avg, exp_avg_sq, anchor or None): one tensor's fp32-state step.
+# Every row ends with `importance`: the anchored tensor's per-element importance F~ (bf16, the
+# optimizer state base.IMPORTANCE) or None. With it each pull's fraction w (pre_pull, post_pull) is
+# min(fp32(w) * fp32(F~_i), 1) per element (cpp/step_args.h); None runs the unweighted program, the
+# same bits at the same speed. A row may leave it off (coefficients.split_importance).
+# (param, grad, exp_avg, exp_avg_sq, anchor or None, importance or None): one tensor's fp32-state step.
 Fp32Tensors = tuple
-# (param, grad, exp_avg, exp_avg_sq, delta or None, anchor or None, index_base): one compact step.
+# (param, grad, exp_avg, exp_avg_sq, delta or None, anchor or None, index_base, importance or None):
+# one compact step.
 CompactTensors = tuple
-# (master or None, grad, exp_avg, exp_avg_sq, delta or None, anchor or None, index_base, weight): one
-# compact step in the bf16 weight form; master is None exactly where delta is given.
+# (master or None, grad, exp_avg, exp_avg_sq, delta or None, anchor or None, index_base, weight,
+# importance or None): one compact step in the bf16 weight form; master is None exactly where delta is.
 CompactBf16Tensors = tuple
 
 

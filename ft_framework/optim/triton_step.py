@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from ft_framework.counter_rng import LOWBIAS32_MUL1, LOWBIAS32_MUL2
-from ft_framework.optim.coefficients import StepCoefficients
+from ft_framework.optim.coefficients import StepCoefficients, split_importance
 from ft_framework.optim.compact import BF16_NAN_BITS, rounding_key
 from ft_framework.optim.torch_step import TorchProgram, check_bf16_form
 
@@ -57,9 +57,10 @@ NUM_WARPS = 4
 # Bytes every address of a launch is a multiple of when the kernel is told so (ALIGNED): 16-byte
 # loads and stores. A fresh CUDA allocation is aligned far beyond; a view may not be, then no hint.
 ALIGN_BYTES = 16
-# Columns of the address table (_WEIGHT: the bf16 weight form's output, 0 otherwise).
-_PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _ANCHOR, _DELTA, _WEIGHT = range(7)
-_COLUMNS = 7
+# Columns of the address table (_WEIGHT: the bf16 weight form's output, 0 otherwise; _IMPORTANCE:
+# the anchored tensor's per-element importance F~, bf16, 0 otherwise).
+_PARAM, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _ANCHOR, _DELTA, _WEIGHT, _IMPORTANCE = range(8)
+_COLUMNS = 8
 _TABLE_CACHE_SIZE = 64
 
 
@@ -71,6 +72,7 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
                  beta1, beta2, one_minus_beta1, one_minus_beta2, eps, denom_scale, step_size,
                  pre_decay, pre_pull, post_pull, post_decay, sr_key,
                  GRAD_BF16: tl.constexpr, ANCHOR_BF16: tl.constexpr, HAS_ANCHOR: tl.constexpr,
+                 HAS_IMPORTANCE: tl.constexpr,
                  HAS_PRE: tl.constexpr, HAS_POST_DECAY: tl.constexpr, COMPACT: tl.constexpr,
                  DELTA_MASTER: tl.constexpr, WEIGHT_OUT: tl.constexpr, FUSED_MUTANT: tl.constexpr,
                  CHUNK_ELEMS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
@@ -78,7 +80,7 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
     t = tl.load(chunk_tensor + pid)
     start = tl.load(chunk_start + pid)
     end = tl.minimum(start + CHUNK_ELEMS, tl.load(numels + t))
-    row = addresses + t * 7
+    row = addresses + t * COLUMNS
     param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
     if GRAD_BF16:
         grad_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint16))
@@ -99,6 +101,8 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
     # bf16 gradient: every element's gradient is loaded before its weight is stored), and a delta
     # master's fp32 param is neither loaded nor stored (its address is 0).
     weight_ptr = tl.load(row + 6).to(tl.pointer_type(tl.uint16))
+    # The per-element importance F~ of the pulls (cpp/step_args.h), bf16 bits; read only with an anchor.
+    importance_ptr = tl.load(row + 7).to(tl.pointer_type(tl.uint16))
     if ALIGNED:
         # Every address of this launch is a multiple of ALIGNMENT bytes and BLOCK divides
         # CHUNK_ELEMS (checked on the host: _aligned), and a chunk starts at a multiple of
@@ -112,6 +116,7 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
         anchor_ptr = tl.multiple_of(anchor_ptr, ALIGNMENT)
         delta_ptr = tl.multiple_of(delta_ptr, ALIGNMENT)
         weight_ptr = tl.multiple_of(weight_ptr, ALIGNMENT)
+        importance_ptr = tl.multiple_of(importance_ptr, ALIGNMENT)
         start = tl.multiple_of(start, CHUNK_ELEMS)
     base = tl.load(bases + t)
     key = sr_key.to(tl.uint32, bitcast=True)
@@ -168,13 +173,22 @@ def _step_kernel(addresses, numels, bases, chunk_tensor, chunk_start,
             v = (one_minus_beta2 * g) * g + beta2 * v
             denom = tl.sqrt_rn(v) * denom_scale + eps
             e = step_size * tl.div_rn(m, denom)
+            # The pulls' fractions: the coefficients, or per element min(w * F~, 1), a NaN kept as the
+            # C++ min(1, x) keeps it (PropagateNan.ALL: minimum, not minnum).
+            if HAS_ANCHOR and HAS_IMPORTANCE:
+                f = (tl.load(importance_ptr + idx, mask=mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+                w_pre = tl.minimum(pre_pull * f, 1.0, propagate_nan=tl.PropagateNan.ALL)
+                w_post = tl.minimum(post_pull * f, 1.0, propagate_nan=tl.PropagateNan.ALL)
+            else:
+                w_pre = pre_pull
+                w_post = post_pull
             if HAS_PRE:
                 pre = pre_decay * p
                 if HAS_ANCHOR:
-                    pre = pre_pull * (d - pre) + pre
+                    pre = w_pre * (d - pre) + pre
                 e = e + pre
             if HAS_ANCHOR:
-                e = post_pull * (d - e) + e
+                e = w_post * (d - e) + e
             if HAS_POST_DECAY:
                 e = post_decay * (p - e) + e
             # ---- stores ----
@@ -229,6 +243,7 @@ if tl is not None:
     # The compact state's NaN (optim/compact.py owns it) and the address alignment of the hints.
     BF16_QUIET_NAN = tl.constexpr(BF16_NAN_BITS)
     ALIGNMENT = tl.constexpr(ALIGN_BYTES)
+    COLUMNS = tl.constexpr(_COLUMNS)
 
 
 @functools.lru_cache(maxsize=2)
@@ -323,44 +338,54 @@ class TritonProgram(TorchProgram):
         return _problem(param, "parameter", _F32, interpreting())
 
     def step(self, tensors: Sequence[tuple], c: StepCoefficients, num_threads: int | None = None) -> None:
-        rows = [(p, g, m, v, a, None, None) for p, g, m, v, a in tensors if p.numel()]
-        for p, g, m, v, a, _, _ in rows:
-            self._check(p, g, (m, v), _F32, a, None)
+        rows = []
+        for row in tensors:
+            (p, g, m, v, a), f = split_importance(row, 5)
+            self._check(p, g, (m, v), _F32, a, None, importance=f)
+            if p.numel():
+                rows.append((p, g, m, v, a, None, None, f))
         self._launch(rows, [0] * len(rows), c, 0, compact=False)
 
     def step_compact(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
                      num_threads: int | None = None) -> None:
         rows, bases = [], []
-        for p, g, m, v, delta, a, base in tensors:
+        for row in tensors:
+            (p, g, m, v, delta, a, base), f = split_importance(row, 7)
             if delta is not None and a is None:
                 raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
-            self._check(p, g, (m, v), (torch.bfloat16,), a, delta)
+            self._check(p, g, (m, v), (torch.bfloat16,), a, delta, importance=f)
             if p.numel():
-                rows.append((p, g, m, v, a, delta, None))
+                rows.append((p, g, m, v, a, delta, None, f))
                 bases.append(int(base))
         self._launch(rows, bases, c, rounding_key(seed, step), compact=True)
 
     def step_compact_bf16(self, tensors: Sequence[tuple], c: StepCoefficients, seed: int, step: int,
                           num_threads: int | None = None) -> None:
         """The bf16 weight form (cpp/step_args.h): rows (master or None, grad, m, v, delta, anchor,
-        index_base, weight); a delta master has no fp32 param, `weight` may be the bf16 gradient."""
+        index_base, weight[, importance]); a delta master has no fp32 param, `weight` may be the bf16
+        gradient."""
         if not tensors:
             return
-        masters, _, _, _, deltas, _, _, weights = zip(*tensors)
+        split = [split_importance(row, 8) for row in tensors]
+        masters, _, _, _, deltas, _, _, weights = zip(*(row for row, _ in split))
         check_bf16_form(list(masters), list(deltas), list(weights))
         rows, bases = [], []
-        for master, g, m, v, delta, a, base, weight in tensors:
+        for (master, g, m, v, delta, a, base, weight), f in split:
             if delta is not None and a is None:
                 raise ValueError("the compact step's delta is theta - theta*: it needs its anchor")
-            self._check(master, g, (m, v), (torch.bfloat16,), a, delta, weight)
+            self._check(master, g, (m, v), (torch.bfloat16,), a, delta, weight, importance=f)
             if weight.numel():
-                rows.append((master, g, m, v, a, delta, weight))
+                rows.append((master, g, m, v, a, delta, weight, f))
                 bases.append(int(base))
         self._launch(rows, bases, c, rounding_key(seed, step), compact=True)
 
-    def _check(self, p, g, moments, moment_dtypes, a, delta, weight=None) -> None:
+    def _check(self, p, g, moments, moment_dtypes, a, delta, weight=None, importance=None) -> None:
         interpret = interpreting()
         problems = [_problem(g, "gradient", _INPUTS, interpret)]
+        if importance is not None:
+            if a is None:
+                raise ValueError("the importance weighs the pull toward theta*: it needs its anchor")
+            problems.append(_problem(importance, "importance", (torch.bfloat16,), interpret))
         if p is not None:
             problems.append(_problem(p, "parameter", _F32, interpret))
         if weight is not None:
@@ -373,36 +398,37 @@ class TritonProgram(TorchProgram):
         problems = [x for x in problems if x]
         if problems:
             raise TypeError("cannot run the Triton step: " + "; ".join(problems))
-        sizes = [x.numel() for x in (p, g, *moments, a, delta, weight) if x is not None]
+        sizes = [x.numel() for x in (p, g, *moments, a, delta, weight, importance) if x is not None]
         if any(n != g.numel() for n in sizes):
             raise ValueError(f"size mismatch with the gradient's {g.numel()} elements: {sizes}")
         if weight is not None:
             in_place = g.dtype == torch.bfloat16 and g.data_ptr() == weight.data_ptr()
-            others = [x for x in (p, *moments, a, delta) if x is not None] + ([] if in_place else [g])
+            others = [x for x in (p, *moments, a, delta, importance) if x is not None] + ([] if in_place else [g])
             if any(_overlaps(x, weight) for x in others):
                 raise ValueError("the bf16 weight may be the bf16 gradient itself (written in its place) and must "
                                  "not overlap any other tensor of the step")
 
     def _launch(self, rows: list[tuple], bases: list[int], c: StepCoefficients, key: int, compact: bool) -> None:
-        """One launch per kind of tensor (gradient and anchor dtypes, anchor and delta present)."""
+        """One launch per kind of tensor (gradient and anchor dtypes; anchor, delta, weight and
+        importance present)."""
         if not rows:
             return
         if (why := self.unavailable()) is not None:
             raise RuntimeError(why)
         kinds: dict[tuple, list[int]] = {}
-        for i, (p, g, m, v, a, delta, weight) in enumerate(rows):
-            kinds.setdefault((g.dtype, None if a is None else a.dtype, delta is not None, weight is not None),
-                             []).append(i)
+        for i, (p, g, m, v, a, delta, weight, f) in enumerate(rows):
+            kinds.setdefault((g.dtype, None if a is None else a.dtype, delta is not None, weight is not None,
+                              f is not None), []).append(i)
         interpret = interpreting()
         kernel = _jitted(interpret)
         block = self.block or (self.chunk if interpret else GPU_BLOCK)
-        for (grad_dtype, anchor_dtype, has_delta, weight_out), idx in kinds.items():
+        for (grad_dtype, anchor_dtype, has_delta, weight_out, has_importance), idx in kinds.items():
             has_anchor = anchor_dtype is not None
             tables = self._tables.get([rows[i] for i in idx], [bases[i] for i in idx], rows[idx[0]][1].device,
                                       self.chunk)
             flags = dict(GRAD_BF16=grad_dtype == torch.bfloat16, ANCHOR_BF16=anchor_dtype == torch.bfloat16,
                          ALIGNED=_aligned([rows[i] for i in idx], self.chunk, block),
-                         HAS_ANCHOR=has_anchor,
+                         HAS_ANCHOR=has_anchor, HAS_IMPORTANCE=has_importance,
                          HAS_PRE=_f32(c.pre_decay) != 0.0 or (has_anchor and _f32(c.pre_pull) != 0.0),
                          HAS_POST_DECAY=_f32(c.post_decay) != 0.0, COMPACT=compact, DELTA_MASTER=has_delta,
                          WEIGHT_OUT=weight_out, FUSED_MUTANT=self.fused_mutant, CHUNK_ELEMS=self.chunk,

@@ -60,6 +60,8 @@ def check_ranges(hparams: Mapping[str, Any]) -> None:
         raise ValueError(f"weight_decay must be >= 0, got {hparams['weight_decay']}")
     if given("pretrain_cof") and not hparams["pretrain_cof"] >= 0:
         raise ValueError(f"pretrain_cof must be >= 0, got {hparams['pretrain_cof']}")
+    if given("ewc_lambda") and not hparams["ewc_lambda"] >= 0:
+        raise ValueError(f"ewc_lambda must be >= 0, got {hparams['ewc_lambda']}")
     anneal_keys = ("anneal_fun", "anneal_k", "anneal_t0", "anneal_w")
     if given("anneal_fun") and hparams["anneal_fun"] not in ANNEAL_FUNCTIONS:
         raise ValueError(f"unknown anneal_fun {quoted(hparams['anneal_fun'])}; valid: {', '.join(ANNEAL_FUNCTIONS)}")
@@ -91,7 +93,8 @@ def rule_max_pull(rule: Any, hparams: Mapping[str, Any]) -> float:
 
 def overshoot_message(factor: float, where: str) -> str:
     return (f"{where}: the pull toward the pretrained weights removes {factor:.3g} x (theta - theta*) in "
-            "one step (>= 1 overshoots theta* and training diverges); lower lr, pretrain_cof or anneal_w")
+            "one step (>= 1 overshoots theta* and training diverges); lower lr or the pull's strength (pretrain_cof, "
+            "anneal_w, prior_wd's weight_decay, ewc_lambda)")
 
 
 def _coerce_like(key: str, value: Any, default: Any) -> Any:

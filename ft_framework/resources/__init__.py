@@ -18,6 +18,17 @@ def quickstart_sft_dir() -> Path:
     return Path(__file__).resolve().parent / "quickstart_sft"
 
 
+# General text shipped in the package, by the name a config gives it as "builtin:<name>"
+# (optimizer.importance.source, data.replay.file): the file inside this package. general_text/ is written
+# by scripts/build_general_text.py from the docstrings of Python's standard library (its README.md).
+GENERAL_TEXTS = {"general_text": "general_text/general_text.txt"}
+
+
+def general_text_file(name: str) -> Path:
+    """The shipped general-text file GENERAL_TEXTS names `name` (one document a line, UTF-8)."""
+    return Path(__file__).resolve().parent / GENERAL_TEXTS[name]
+
+
 def benchmarks_dir() -> Path:
     """The lm-evaluation-harness tasks shipped with the package, one folder each (a task YAML, its rows,
     their licence and provenance): pass it to lm-eval as `--include_path` or `TaskManager(include_path=...)`.

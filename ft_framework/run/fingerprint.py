@@ -11,20 +11,36 @@ compares the config it is started with against that one, key by key:
 Every change that passes is returned, stamped with the step it takes effect at, so results.json
 can record when the run stopped being one config.
 
+The record also holds the content id of every data file and Hub data set the run reads, under the
+config key that names it (the task kind's ``data_content``: the token cache's key of a file's bytes,
+a Hub data set's revision). A resume compares those too, once the data is read
+(:func:`check_data_content`): a file whose content changed refuses the resume as a changed key does,
+naming the key, the file and both short ids.
+
     changes = check_resume(saved_record, current_record, step=120, allowed_by_user=["optimizer.hparams.lr"])
+    content, changes = check_data_content(saved_record, {"data.files.train": "9f2c..."}, config, step=120)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import Any, Callable, Iterable, Mapping
 
 from ft_framework.dotted import flatten_dotted
 from ft_framework.errors import UserError, did_you_mean, quoted, shortened
 
-__all__ = ["ALLOWED_ON_RESUME", "ResumeRefused", "check_allow_list", "check_resume", "config_record",
-           "diff_configs", "fingerprint"]
+__all__ = ["ALLOWED_ON_RESUME", "DATA_CONTENT", "ResumeRefused", "check_allow_list", "check_data_content",
+           "check_resume", "config_record", "diff_configs", "fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+# The record's entry of the data's content ids ({config key: content id}); a record without it was
+# written before they were recorded.
+DATA_CONTENT = "data_content"
+# How many hex digits of a content id a message shows.
+_SHORT_ID = 12
 
 # Dotted key (or key prefix: a whole section) -> why it may change when a run resumes. Written here
 # once; the README and the refusal message point at this list.
@@ -61,12 +77,15 @@ _DERIVED = ("world_size", "training.global_batch_size")
 
 
 class ResumeRefused(UserError):
-    """The config of a resumed run differs from its checkpoint's in a training-relevant key."""
+    """The config of a resumed run differs from its checkpoint's in a training-relevant key, or the
+    content of a data file it reads from what the checkpoint trained on."""
 
 
-def config_record(config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+def config_record(config: Mapping[str, Any], world_size: int,
+                  data_content: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a checkpoint stores about its config: the resolved config, the world size, the global
-    batch and the fingerprint (a hash of the training-relevant part)."""
+    batch, the fingerprint (a hash of the training-relevant part) and the content ids of the data
+    the run read (`data_content`: {config key: content id}, the task kind's)."""
     training = config.get("training") or {}
     record = {
         "config": json.loads(json.dumps(config)),
@@ -74,6 +93,7 @@ def config_record(config: Mapping[str, Any], world_size: int) -> dict[str, Any]:
         "global_batch_size": _global_batch(training, world_size),
     }
     record["fingerprint"] = fingerprint(record)
+    record[DATA_CONTENT] = dict(data_content or {})
     return record
 
 
@@ -186,3 +206,51 @@ def check_resume(saved: Mapping[str, Any], current: Mapping[str, Any], *, step: 
             "the checkpoint's values, start a fresh run in another logging.output_dir, or allow these keys "
             f"with checkpoint.allow_config_change=[{','.join(k for k, _, _ in refused)}]")
     return changes
+
+
+def check_data_content(saved: Mapping[str, Any] | None, current: Mapping[str, str], config: Mapping[str, Any], *,
+                       step: int, allowed_by_user: Iterable[str] = (),
+                       where: str = "the checkpoint") -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """Compares the content ids of the data a resumed run read (`current`: {config key: content id},
+    the task kind's) against those its checkpoint's record (`saved`) holds, `config` being the
+    resolved config the run resumes with. A key whose content differs passes when the user allows it
+    (checkpoint.allow_config_change) or the key may change on resume (ALLOWED_ON_RESUME: the
+    forgetting probe's file); any other refuses the resume in one line naming each key, its file and
+    both short ids. Returns the ids the run records from now on and the changes that passed (as
+    :func:`check_resume`'s, with ``"content": True``).
+
+    A key the checkpoint holds and this run did not read (a file read once, before the first step,
+    as optimizer.importance's) keeps the checkpoint's id while the config names the same file. A
+    record without content ids (a checkpoint written before they were recorded) is not compared: one
+    warning says so."""
+    if saved is None or DATA_CONTENT not in saved:
+        logger.warning("checkpoint %s records no content ids of its data files (written before they were recorded): "
+                       "the data this run reads could not be checked against the data it trained on", where)
+        return dict(current), []
+    old_ids = dict(saved[DATA_CONTENT])
+    new_config, old_config = flatten_dotted(config), flatten_dotted(saved.get("config") or {})
+    kept = {key: content for key, content in old_ids.items()
+            if key not in current and key in new_config and new_config[key] == old_config.get(key)}
+    user = list(allowed_by_user)
+    changes, refused = [], []
+    for key in sorted(set(old_ids) & set(current)):
+        old, new = old_ids[key], current[key]
+        if old == new:
+            continue
+        if _matches(key, user):
+            allowed_by = "checkpoint.allow_config_change"
+        elif _matches(key, ALLOWED_ON_RESUME):
+            allowed_by = "allowed on resume"
+        else:
+            refused.append((key, old, new))
+            continue
+        changes.append({"step": int(step), "key": key, "old": old, "new": new, "allowed_by": allowed_by,
+                        "content": True})
+    if refused:
+        listed = "; ".join(f"{key} ({shortened(str(new_config.get(key)))}): {old[:_SHORT_ID]} -> {new[:_SHORT_ID]}"
+                           for key, old, new in refused)
+        raise ResumeRefused(
+            f"cannot resume from {where} (step {step}): the content of its data differs in {listed}. Resume with the "
+            "data it trained on, start a fresh run in another logging.output_dir, or accept the new data with "
+            f"checkpoint.allow_config_change=[{','.join(key for key, _, _ in refused)}]")
+    return {**kept, **current}, changes

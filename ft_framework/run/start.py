@@ -3,6 +3,8 @@
 - `check_start`: a resume must name a readable checkpoint trained with this config (fingerprint.py);
   `checkpoint.resume_from: auto` picks the latest complete checkpoint or starts fresh; a fresh run
   must not mix its files with a previous run's (output_dir.py). Every rank reaches the same verdict.
+- `check_resume_data`: once the data is read, a resume must read the data its checkpoint trained on
+  (the content ids of its files, fingerprint.py: check_data_content).
 - `capture_rng` / `restore_rng`: each rank's CPU and CUDA generator states, so a resumed run draws
   the same dropout masks and data order as an uninterrupted one, on every rank.
 """
@@ -24,7 +26,7 @@ from ft_framework.checkpointing.manager import CheckpointError, CheckpointManage
 from ft_framework.errors import UserError
 from ft_framework.run.failures import same_on_every_rank
 from ft_framework.config.schema import schema_default
-from ft_framework.run.fingerprint import check_allow_list, check_resume, config_record
+from ft_framework.run.fingerprint import check_allow_list, check_data_content, check_resume, config_record
 from ft_framework.run.output_dir import OutputDirInUse, guard_output_dir
 from ft_framework.run.files import TRAINER_STATE_FILE, RunPaths
 
@@ -79,6 +81,23 @@ def check_start(cfg, strategy, paths: RunPaths) -> ResumePoint | None:
     except UserError as exc:
         raise same_on_every_rank(exc)
     return ResumePoint(directory, saved, changes)
+
+
+def check_resume_data(cfg, point: ResumePoint | None, content: dict[str, str]) -> dict[str, str]:
+    """The content ids the run records ({config key: content id}, the task kind's `data_content` of
+    the data it read): a fresh run's as read; a resume's after checking them against its checkpoint's
+    (a refusal is one line on every rank), the changes that pass added to the point's config changes."""
+    if point is None:
+        return dict(content)
+    try:
+        recorded, changes = check_data_content(point.saved.get("config_record"), content, cfg.to_dict(),
+                                               step=int(point.saved["train_state"]["step"]),
+                                               allowed_by_user=cfg.checkpoint.allow_config_change or [],
+                                               where=str(point.directory))
+    except UserError as exc:
+        raise same_on_every_rank(exc) from None
+    point.config_changes.extend(changes)
+    return recorded
 
 
 def auto_resume_point(strategy, paths: RunPaths) -> str | None:

@@ -69,10 +69,30 @@ class PlanRow:
     cpu_bytes: float
 
 
+# The row of theta*'s anchors, which the importance F~ (optim/importance.py) is placed beside.
+_ANCHOR_ROW = "anchors theta*"
+# F~'s bytes per anchored element (bf16).
+IMPORTANCE_BYTES = 2
+
+
 def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
                 device_is_host: bool = False) -> list[PlanRow]:
     """Rows for the run's strategy (single, ddp, deepspeed, fsdp). `device_is_host`: a CPU run, where
     the offloaded single-device strategy's parameters and gradients are the masters' own."""
+    rows = _state_rows(run_cfg, world_size=world_size, num_params=num_params, num_anchored=num_anchored,
+                       device_is_host=device_is_host)
+    if run_cfg.optimizer.importance is None:
+        return rows
+    # F~ is optimizer state like theta*: sharded and offloaded with it, 2 bytes per element.
+    anchor_bytes = 2 if run_cfg.optimizer.anchor_dtype == "bfloat16" else 4
+    at = next(i for i, r in enumerate(rows) if r.what == _ANCHOR_ROW)
+    scale = IMPORTANCE_BYTES / anchor_bytes
+    importance = PlanRow("importance F~ of theta* (bf16)", rows[at].device_bytes * scale, rows[at].cpu_bytes * scale)
+    return rows[:at + 1] + [importance] + rows[at + 1:]
+
+
+def _state_rows(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
+                device_is_host: bool) -> list[PlanRow]:
     precision = run_cfg.training.precision
     mixed = precision in ("bf16", "fp16")
     anchor_bytes = 2 if run_cfg.optimizer.anchor_dtype == "bfloat16" else 4
@@ -96,7 +116,7 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
         # The compact state keeps no delta here: DeepSpeed's fp32 partitions are the masters.
         rows += [PlanRow("Adam moments (exp_avg, exp_avg_sq" + (" in bf16)" if compact else ")"),
                          *_place(2 * P * (2 if compact else 4) / shard, off_opt)),
-                 PlanRow("anchors theta*", *_place(A * anchor_bytes / shard, off_opt))]
+                 PlanRow(_ANCHOR_ROW, *_place(A * anchor_bytes / shard, off_opt))]
         return rows
     moment_rows = ([PlanRow("Adam moments (exp_avg, exp_avg_sq in bf16)", 2 * P * 2, 0.0),
                     PlanRow("delta = theta - theta* (fp32 master of the anchored)", A * 4, 0.0)]
@@ -106,7 +126,7 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
         return [PlanRow("parameters (fp32 shards)", *_place(P * 4 / W, off)),
                 PlanRow("gradients (fp32 shards)", *_place(P * 4 / W, off)),
                 *[PlanRow(r.what, *_place(r.device_bytes / W, off)) for r in moment_rows],
-                PlanRow("anchors theta*", *_place(A * anchor_bytes / W, off))]
+                PlanRow(_ANCHOR_ROW, *_place(A * anchor_bytes / W, off))]
     offload = strategy.offload_optimizer if strategy.name == "single" else None
     if offload is not None:  # fp32 masters, their gradients and the state in host memory (offload.py)
         # The device-lean offload with the compact state runs the bf16 weight form (offload.py): an
@@ -117,6 +137,11 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
         # (AnchoredOptimizer._keep_undo): what its rollback restores, stochastic rounding having no inverse.
         undo = [PlanRow("undo copies of speculative steps (bf16 m, v and the fp32 master)", 0.0, P * 8)] \
             if compact and offload.overlap and not bf16_form else []
+        # A pull weighted by F~ may put an element onto theta*, which no inverse undoes: the fp32
+        # state keeps copies of m, v and the weight of the anchored parameters instead.
+        if not compact and offload.overlap and run_cfg.optimizer.importance is not None:
+            undo = [PlanRow("undo copies of importance-weighted speculative steps (fp32 m, v and weight)", 0.0,
+                            A * 12)]
         if bf16_form:
             master = PlanRow("fp32 master weights of the parameters without theta* (the anchored: theta* + delta)",
                              0.0, (P - A) * 4)
@@ -124,7 +149,7 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
             master = PlanRow("fp32 master weights" + (" (theta* + delta for the anchored)" if compact else ""), 0.0,
                              P * 4)
         host_state = [master, *[PlanRow(r.what, 0.0, r.device_bytes) for r in moment_rows],
-                      PlanRow("anchors theta*", 0.0, A * anchor_bytes), *undo]
+                      PlanRow(_ANCHOR_ROW, 0.0, A * anchor_bytes), *undo]
         if mixed:  # device-lean: the 16-bit model only; each gradient leaves the device as it is final
             low = _dtype_of(precision).itemsize
             accumulating = run_cfg.training.gradient_accumulation_steps > 1
@@ -148,11 +173,11 @@ def plan_memory(run_cfg, *, world_size: int, num_params: int, num_anchored: int,
                 *host_state[1:]]
     if compact:
         return [PlanRow("parameters (theta* + delta for the anchored)", P * 4, 0.0), PlanRow("gradients", P * 4, 0.0),
-                *moment_rows, PlanRow("anchors theta*", A * anchor_bytes, 0.0)]
+                *moment_rows, PlanRow(_ANCHOR_ROW, A * anchor_bytes, 0.0)]
     # single / ddp: everything replicated on the device (autocast does not change storage)
     return [PlanRow("parameters", P * 4, 0.0), PlanRow("gradients", P * 4, 0.0),
             PlanRow("Adam moments (exp_avg, exp_avg_sq)", 2 * P * 4, 0.0),
-            PlanRow("anchors theta*", A * anchor_bytes, 0.0)]
+            PlanRow(_ANCHOR_ROW, A * anchor_bytes, 0.0)]
 
 
 def _place(nbytes: float, on_cpu: bool) -> tuple[float, float]:
@@ -251,7 +276,8 @@ def plan_peak(run_cfg, arch: Any, *, task: PlannedTask, world_size: int, on_gpu:
     """The peak of one training step per rank: model states (:func:`plan_memory`), the traced
     activations of one micro-batch of `task`'s model class and loss (the run's task kind: its
     trace_batch), buckets and step temporaries, what the kind keeps (its memory_rows: the
-    forgetting probe's θ*), and on a GPU the CUDA context and the allocator's slack. On a CPU run
+    forgetting probe's θ*) and what its micro-batch holds beyond the trace (its step_rows: the KL
+    anchor's targets and buffers), and on a GPU the CUDA context and the allocator's slack. On a CPU run
     "device" and "host" are the same memory: add them."""
     shape = shape or model_shape(arch, model_class=task.model_class)
     P, W = shape.num_params, world_size
@@ -336,6 +362,10 @@ def plan_peak(run_cfg, arch: Any, *, task: PlannedTask, world_size: int, on_gpu:
         # the trace held every parameter; stage 3 holds its partition (a row above) and what it gathers
         extra.append(PlanRow("parameters gathered by ZeRO-3 (prefetch)", shape.largest_block * low.itemsize, 0.0))
     extra += [PlanRow(row.what, row.device_bytes, row.host_bytes) for row in task.memory_rows(arch, world_size=W)]
+    # The kind's micro-batch beyond the trace (the KL anchor's targets and buffers), alive at the peak.
+    extra += [PlanRow(row.what, row.device_bytes, row.host_bytes)
+              for row in task.step_rows(arch, batch_size=training.per_device_batch_size,
+                                        seq_len=run_cfg.data.max_seq_length)]
     if on_gpu and offload is None:
         # A checkpoint can be saved at any step (checkpoint.every_steps, on a signal): DCP's writer
         # copies the rank's device tensors to host memory and holds them until its file is written.

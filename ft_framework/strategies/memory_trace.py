@@ -47,7 +47,8 @@ ASSUMED_ATTENTION_BACKEND = ("scaled-dot-product attention by a flash or memory-
 class PlannedTask(Protocol):
     """What the memory plan asks of the run's task kind (task_kinds/base.py's TaskKind has it all):
     the model class it loads, one training micro-batch with its loss to trace, what of the run's
-    config that batch reads, and the rows of what it keeps for the whole run (its probe's θ*)."""
+    config that batch reads, the rows of what it keeps for the whole run (its probe's θ*) and of what
+    a micro-batch holds beyond the trace (a decoder's KL anchor)."""
 
     @property
     def model_class(self) -> ModelClass: ...
@@ -59,6 +60,9 @@ class PlannedTask(Protocol):
 
     def memory_rows(self, arch: Any, *, world_size: int) -> Sequence[Any]:
         """Objects with `what`, `device_bytes` and `host_bytes`."""
+
+    def step_rows(self, arch: Any, *, batch_size: int, seq_len: int) -> Sequence[Any]:
+        """What a micro-batch holds beyond the traced step (a decoder's KL anchor), as memory_rows."""
 
 
 def _live_bytes_mode_class():

@@ -389,7 +389,9 @@ class OffloadedSingleDeviceStrategy(SingleDeviceStrategy):
         # Here, not after backward: the norms overlap too. One call and one finiteness check per
         # bucket, not per tensor (each torch call also hands the GIL to the training thread and back).
         norms = _bucket_norms([grad for _, grad, _, _ in bucket])
-        if not self._speculate:
+        # A Fisher pass (optim/fisher.py) reads the gradients in the step after backward, once: a
+        # speculative step would hand them to it a second time.
+        if not self._speculate or self.optimizer.gradient_sink is not None:
             self._speculated += [_Speculation(master, grad, norm) for (master, grad, _, _), norm in zip(bucket, norms)]
             return
         finite = []

@@ -10,13 +10,21 @@ never branch on the backend (a Strategy hides that).
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
+import xxhash
 
+from ft_framework.data.readers import source_files
+from ft_framework.data.replay import ReplayMix
 from ft_framework.data.tasks import TaskSpec
+from ft_framework.data.token_cache import content_hash
+from ft_framework.errors import UserError
+from ft_framework.models.kl_anchor import KLAnchor
 from ft_framework.models.loading import ModelClass
 from ft_framework.models.lm_benchmarks import BenchmarkSuite
 from ft_framework.models.probes import ForgettingProbe
@@ -25,7 +33,7 @@ if TYPE_CHECKING:
     from ft_framework.config import RunConfig
 
 __all__ = ["Baseline", "EvalContext", "LossNormalizer", "MemoryRow", "MicroBatchLoss", "RunContext", "TaskKind",
-           "TraceBatch", "to_device"]
+           "TraceBatch", "combined_content", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -70,11 +78,14 @@ class LossNormalizer:
 class MicroBatchLoss:
     """One micro-batch's loss: what backward receives (scaled by the step's LossNormalizer), and for
     the log its summed loss over its `units` (examples, or a causal LM's label tokens), so that the
-    logged loss is the mean over every rank's units whatever the strategy."""
+    logged loss is the mean over every rank's units whatever the strategy. `terms`: the summed
+    values over the same units of what the objective adds to the loss (loss.kl_to_pretrained's KL),
+    logged beside it as their means."""
 
     backward: torch.Tensor
     total: float
     units: float
+    terms: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,8 @@ class TraceBatch:
 @dataclass(frozen=True)
 class MemoryRow:
     """What a kind keeps for the whole run beyond the model and its optimizer (its probe's θ*
-    side), as a row of the memory plan: bytes on the device and in host memory, per rank."""
+    side), or a micro-batch beyond the traced step (step_rows), as a row of the memory plan: bytes
+    on the device and in host memory, per rank."""
 
     what: str
     device_bytes: float
@@ -148,6 +160,49 @@ class TaskKind(ABC):
         """What results.json records about the data beyond its size ({} when nothing)."""
         return {}
 
+    def data_content(self, data: Any) -> dict[str, str]:
+        """{config key: content id} of every data file and Hub data set the run has read (`data`: what
+        load_data returned): its training and evaluation data, data.replay's file, the forgetting
+        probe's file; a file read once before the first step (optimizer.importance's) once it was read.
+        A file's id is the token cache's hash of its bytes (token_cache.content_hash), taken from the
+        cache key where the file went through the cache (never hashed a second time); a Hub data set's
+        is its revision as the cache keys it (hub_tables.HubSplit.fingerprint). A checkpoint records
+        them and a resume compares them (run/fingerprint.py: check_data_content). This default: the
+        files of data.files, each split by its bytes (one read of each), and the probe's file."""
+        files = self.cfg.data.files or {}
+        return {**self.probe_content(),
+                **{f"data.files.{split}": self._hashed(f"data.files.{split}",
+                                                       lambda: source_files(Path(path).expanduser(), split))
+                   for split, path in files.items()}}
+
+    def probe_content(self) -> dict[str, str]:
+        """{"evaluation.forgetting.probe_file": its content id} when the probe reads a file ({} when
+        not)."""
+        forgetting = self.cfg.evaluation.forgetting
+        if not (forgetting.enabled and forgetting.probe_file):
+            return {}
+        key = "evaluation.forgetting.probe_file"
+        return {key: self._hashed(key, lambda: [Path(forgetting.probe_file)])}
+
+    def _hashed(self, key: str, files: Callable[[], list[Path]]) -> str:
+        """The content id of the files of config key `key`, hashed once a run (a second data_content
+        call reads nothing again)."""
+        done = self.__dict__.setdefault("_content_ids", {})
+        if key not in done:
+            done[key] = content_hash(files())
+        return done[key]
+
+    def replay(self, data: Any) -> ReplayMix | None:
+        """data.replay's rows of general text and their draw (data/replay.py), which the loop adds to
+        every optimizer step; None: the kind replays nothing (the config refuses data.replay for it)."""
+        return None
+
+    def build_kl_anchor(self, model: Any, data: Any) -> KLAnchor | None:
+        """loss.kl_to_pretrained's stored targets (models/kl_anchor.py), keyed on `model` as loaded
+        (before the strategy's wrap) and the training data; the assembly prepares it at θ* before the
+        first step. None: off (the config refuses loss.kl_to_pretrained for a kind without it)."""
+        return None
+
     # ---- loss ----------------------------------------------------------------------------------
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The keyword arguments of the model's forward for a collated batch."""
@@ -179,6 +234,14 @@ class TaskKind(ABC):
         recorded at each evaluation; None: the kind has none."""
         return None
 
+    def general_text(self, tokenizer: Any, run: RunContext) -> Any:
+        """The general text whose next-token loss gives the Fisher of θ* (optimizer.importance,
+        optim/importance.py): a dataset whose items the collator takes and whose loss() scores all
+        their tokens but the first. A kind without a language model's loss has none (the config
+        refuses optimizer.importance for it)."""
+        raise UserError(f"optimizer.importance needs a language model's loss on general text; the {self.name} task "
+                        "kind has none")
+
     # ---- forgetting ----------------------------------------------------------------------------
     @abstractmethod
     def build_probe(self, tokenizer: Any, run: RunContext) -> ForgettingProbe | None:
@@ -205,6 +268,18 @@ class TaskKind(ABC):
         """What the kind keeps on each rank for the whole run besides the model states and the
         step's activations (its forgetting probe's θ* side), for the memory plan."""
         return []
+
+    def step_rows(self, arch: Any, *, batch_size: int, seq_len: int) -> list[MemoryRow]:
+        """What one training micro-batch of (batch_size, seq_len) holds at the step's peak beyond what
+        trace_batch traces (a decoder's KL anchor: its stored targets and its loss's buffers), as
+        rows of the memory plan."""
+        return []
+
+
+def combined_content(ids: Mapping[str, str]) -> str:
+    """One content id for several (a Hub data set's splits under its one config key, data.hub_id):
+    the xxh3-128 hash of each name with its id, in name order."""
+    return xxhash.xxh3_128(json.dumps(sorted(ids.items())).encode("utf-8")).hexdigest()
 
 
 def to_device(value: Any, device: torch.device) -> Any:

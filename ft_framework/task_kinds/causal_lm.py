@@ -17,6 +17,7 @@ A run is judged against the pretrained model itself: it is evaluated before the 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from pathlib import Path
@@ -26,19 +27,27 @@ import torch
 import torch.nn.functional as F
 
 from ft_framework import resources
+from ft_framework.config.schema import IMPORTANCE_PROBE_SOURCE, general_text_path
 from ft_framework.data.hub_tables import HubSplit, open_hub_split
-from ft_framework.data.sft import DEFAULT_CACHE_DIR, SFTCollator, SFTSettings, attention_windows, load_sft_data
+from ft_framework.data.replay import ReplayMix
+from ft_framework.data.general_text import REPLAY_KEY, load_replay, text_table
+from ft_framework.data.readers import Table
+from ft_framework.data.sft import (DEFAULT_CACHE_DIR, TRAIN, SFTCollator, SFTSettings, attention_windows,
+                                   load_sft_data, load_text_rows)
+from ft_framework.data.token_cache import content_hash
 from ft_framework.data.sft_collate import IGNORE_INDEX, packed_attention_mask
 from ft_framework.data.sft_tokenize import check_chat_template
 from ft_framework.data.sharding import eval_shard
 from ft_framework.errors import MissingPath, UserError
 from ft_framework.models.lm_benchmarks import BenchmarkSuite, BenchmarkTask
 from ft_framework.models.lm_forgetting import LMForgettingProbe, lm_probe_reference_bytes
-from ft_framework.models.lm_head_requests import REQUEST_KEY, NextTokenLoss
+from ft_framework.models.kl_anchor import KLAnchor, anchor_batch_bytes, anchor_targets
+from ft_framework.models.lm_head_requests import (REQUEST_KEY, NextTokenLoss, anchor_head_bytes, anchor_kl,
+                                                  anchor_kl_bytes, label_rows)
 from ft_framework.models.loading import CAUSAL_LM_CLASS, ModelClass
-from ft_framework.models.probes import build_probe
+from ft_framework.models.probes import build_probe, probe_text
 from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MemoryRow, MicroBatchLoss, RunContext,
-                                         TaskKind, TraceBatch, to_device)
+                                         TaskKind, TraceBatch, combined_content, to_device)
 from ft_framework.user_files import read_text
 
 logger = logging.getLogger(__name__)
@@ -144,14 +153,21 @@ class CausalLMKind(TaskKind):
         check_chat_template(template, f"data.chat_template: {path}")  # before any row is read
         return template
 
+    def _token_cache_dir(self) -> Path:
+        """data.token_cache_dir, or the default: where the rows' tokens and the KL anchor's targets go."""
+        cache = self.cfg.data.token_cache_dir
+        return Path(cache).expanduser() if cache else DEFAULT_CACHE_DIR.expanduser()
+
     def load_data(self, tokenizer: Any, run: RunContext) -> Any:
         data = self.cfg.data
         settings = SFTSettings(max_seq_length=data.max_seq_length, train_on_prompt=data.train_on_prompt,
                                chat_template=self._chat_template(), packing=data.packing)
-        cache = Path(data.token_cache_dir).expanduser() if data.token_cache_dir else DEFAULT_CACHE_DIR.expanduser()
+        cache = self._token_cache_dir()
         loaded = load_sft_data(self._files(), tokenizer, settings, cache_dir=cache, is_main=run.is_main,
                                barrier=run.barrier, max_train_examples=data.max_train_examples,
                                max_eval_examples=data.max_eval_examples, progress=run.progress)
+        if data.replay is not None:
+            loaded.replay = self._load_replay(tokenizer, run, cache)
         self.pad_id = _pad_id(tokenizer)
         self.tokenizer = tokenizer
         if "exact_match" in self.spec.metrics:
@@ -175,8 +191,48 @@ class CausalLMKind(TaskKind):
         return SFTCollator(_pad_id(tokenizer), attention_windows=attention_windows(model_config),
                            dense_packed_mask=dense)
 
+    def _load_replay(self, tokenizer: Any, run: RunContext, cache: Path) -> ReplayMix:
+        """data.replay's rows, drawn per step among the run's task rows (data/replay.py), said at start."""
+        replay, training = self.cfg.data.replay, self.cfg.training
+        task_rows = training.per_device_batch_size * run.world_size * training.gradient_accumulation_steps
+        mix = load_replay(general_text_path(replay.file), replay.fraction, tokenizer, self.cfg.data.max_seq_length,
+                          task_rows_per_step=task_rows, seed=training.data_seed, cache_dir=cache, is_main=run.is_main,
+                          barrier=run.barrier, progress=run.progress)
+        if run.is_main:
+            logger.info("replay: %d rows of general text join the %d task rows of every optimizer step (fraction %g "
+                        "asked, %.3f taken), drawn from %s (%d rows, sha256 %s), the LM loss on all their tokens",
+                        mix.rows_per_step, task_rows, replay.fraction,
+                        mix.rows_per_step / (mix.rows_per_step + task_rows), mix.source["file"],
+                        mix.source["rows_in_file"], mix.source["sha256"][:16])
+        return mix
+
     def describe_data(self, data: Any) -> dict[str, Any]:
         return {"sft": data.stats}
+
+    def data_content(self, data: Any) -> dict[str, str]:
+        # Every split's and the replay file's id is its token cache key's source: hashed once, when read.
+        splits = {TRAIN: data.train.rows.cache_key["source"],
+                  **{split: rows.cache_key["source"] for split, rows in data.eval.items()}}
+        source = self.cfg.data
+        if source.files is not None:
+            ids = {f"data.files.{split}": content for split, content in splits.items()}
+        else:  # a Hub data set's splits, or the shipped set's, under the one key that names them
+            ids = {"data.hub_id" if source.hub_source() is not None else "data.source": combined_content(splits)}
+        if data.replay is not None:
+            ids[REPLAY_KEY] = data.replay.rows.cache_key["source"]
+        return {**self.probe_content(), **ids, **getattr(self, "_importance_content", {})}
+
+    def build_kl_anchor(self, model: Any, data: Any) -> KLAnchor | None:
+        loss = self.cfg.loss
+        if not loss.kl_to_pretrained:
+            return None
+        return KLAnchor(loss.kl_to_pretrained, loss.kl_top_k, model=model, train_key=data.train.rows.cache_key,
+                        cache_dir=self._token_cache_dir(),
+                        forward_settings={"precision": self.cfg.training.precision,
+                                          "attn_implementation": self.cfg.model.attn_implementation})
+
+    def replay(self, data: Any) -> ReplayMix | None:
+        return data.replay
 
     # ---- loss ----------------------------------------------------------------------------------
     def model_inputs(self, batch: dict[str, torch.Tensor], *, per_token: bool = False) -> dict[str, Any]:
@@ -186,21 +242,30 @@ class CausalLMKind(TaskKind):
         if self.cfg.training.chunked_loss:
             # The model's head answers the loss itself, a chunk of label tokens at a time
             # (models/lm_head_requests.py): the output's logits are that answer.
-            inputs[REQUEST_KEY] = NextTokenLoss(batch["labels"], per_token=per_token)
+            inputs[REQUEST_KEY] = NextTokenLoss(batch["labels"], per_token=per_token,
+                                                anchor=None if per_token else anchor_targets(batch))
         return inputs
 
     def step_units(self, batches: Sequence[dict[str, torch.Tensor]]) -> float | None:
         return float(sum(label_token_count(b) for b in batches))
 
     def loss(self, outputs: Any, batch: dict[str, torch.Tensor], normalizer: LossNormalizer) -> MicroBatchLoss:
+        anchor = anchor_targets(batch)  # training batches of a run with loss.kl_to_pretrained (else None)
+        kl = None
         if self.cfg.training.chunked_loss:  # the head's answer to model_inputs' request: the summed loss
             total, count = outputs.logits, label_token_count(batch)
+            if anchor is not None:  # ... and the summed KL to θ*'s stored distributions
+                total, kl = total[0], total[1]
         else:
-            total, count = next_token_losses(outputs.logits, batch["labels"].to(outputs.logits.device))
+            labels = batch["labels"].to(outputs.logits.device)
+            total, count = next_token_losses(outputs.logits, labels)
+            if anchor is not None:
+                kl = anchor_kl(label_rows(outputs.logits, labels), anchor.to(outputs.logits.device))
+        objective = total if kl is None else total + self.cfg.loss.kl_to_pretrained * kl
         # The data-parallel strategies average the ranks' gradients: a rank's token sum over the
         # step's tokens on every rank, times the ranks, is the step's token mean once averaged.
-        return MicroBatchLoss(total * (normalizer.world_size / normalizer.step_units), float(total.detach()),
-                              float(count))
+        return MicroBatchLoss(objective * (normalizer.world_size / normalizer.step_units), float(total.detach()),
+                              float(count), {} if kl is None else {"kl_to_pretrained": float(kl.detach())})
 
     # ---- metrics -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -259,6 +324,31 @@ class CausalLMKind(TaskKind):
                         "generated": self.tokenizer.decode(answer[:cut], skip_special_tokens=True)})
         return out
 
+    def general_text(self, tokenizer: Any, run: RunContext) -> Any:
+        """optimizer.importance's text as text rows (every token but the first a label), through the
+        token cache: the forgetting probe's sentences (source: probe) or a file's documents, cut to
+        max_tokens."""
+        importance = self.cfg.optimizer.importance
+        cache = Path(self.cfg.data.token_cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        if importance.source == IMPORTANCE_PROBE_SOURCE:
+            sentences, source = probe_text(self.cfg.evaluation.forgetting)
+            name = f"optimizer.importance.source: probe ({source})"
+            fingerprint = hashlib.sha256("\n".join(sentences).encode()).hexdigest()
+            table = lambda: Table(None, name, ((f"{name}, sentence {i + 1}", {"text": text})  # noqa: E731
+                                               for i, text in enumerate(sentences)))
+        else:
+            path = general_text_path(importance.source)
+            if path.is_dir() or not path.exists():
+                raise UserError(f"optimizer.importance.source: {path} is not a file; give a .txt file (one document a "
+                                "line) or a .jsonl file (a text field), or probe")
+            name = f"optimizer.importance.source: {path}"
+            fingerprint = content_hash([path])
+            table = lambda: text_table(path, name)  # noqa: E731
+        rows, _stats = load_text_rows(name, fingerprint, table, tokenizer, importance.max_tokens, split="importance",
+                                      cache_dir=cache, is_main=run.is_main, barrier=run.barrier, progress=run.progress)
+        self._importance_content = {"optimizer.importance.source": fingerprint}  # data_content's, once read
+        return rows
+
     # ---- forgetting ----------------------------------------------------------------------------
     def build_probe(self, tokenizer: Any, run: RunContext) -> LMForgettingProbe | None:
         return build_probe(LMForgettingProbe, self.cfg.evaluation.forgetting, tokenizer=tokenizer,
@@ -305,6 +395,29 @@ class CausalLMKind(TaskKind):
             return []
         return [MemoryRow("theta*'s answers to the forgetting probe (its log-probabilities, fp32; this rank's share)",
                           0.0, lm_probe_reference_bytes(arch, forgetting, world_size=world_size))]
+
+    def step_rows(self, arch: Any, *, batch_size: int, seq_len: int) -> list[MemoryRow]:
+        """loss.kl_to_pretrained's share of a micro-batch, every position but each row's first a label
+        token (as trace_batch takes it): θ*'s stored targets in the batch and what its KL holds beyond
+        the next-token loss the trace counts, in the chunked head or on the whole logits
+        (models/lm_head_requests.py)."""
+        loss = self.cfg.loss
+        if not loss.kl_to_pretrained:
+            return []
+        tokens, k, vocab = batch_size * (seq_len - 1), loss.kl_top_k, arch.vocab_size
+        k_here = min(k, vocab)
+        rows = [MemoryRow(f"KL anchor: theta*'s top-{k_here} in the micro-batch (int32 ids, fp32 log-probabilities "
+                          "and tail)", anchor_batch_bytes(tokens, k, vocab), 0.0)]
+        if self.cfg.training.chunked_loss:
+            kept, chunk = anchor_head_bytes(tokens, k, vocab)
+            rows += [MemoryRow("KL anchor in the chunked head: ids widened to int64 and the tail's log-sum-exp, "
+                               "forward to backward", kept, 0.0),
+                     MemoryRow("KL anchor in the chunked head: a second fp32 chunk of logits in backward",
+                               chunk, 0.0)]
+        else:
+            rows.append(MemoryRow("KL anchor on the whole logits: three fp32 copies of the label tokens' logits",
+                                  anchor_kl_bytes(tokens, vocab), 0.0))
+        return rows
 
 
 def _dense_packed_mask(attn_implementation: str | None) -> bool:

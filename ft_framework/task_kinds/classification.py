@@ -13,13 +13,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from ft_framework.data import load_task_data, make_collator
+from ft_framework.data.hub_tables import open_hub_split
 from ft_framework.data.sharding import eval_shard, restore_order
 from ft_framework.metrics import compute_metrics, majority_baseline
 from ft_framework.models.forgetting import EncoderForgettingProbe, pretrained_mlm_head_parameters
 from ft_framework.models.loading import ModelClass, sequence_classifier
 from ft_framework.models.probes import build_probe
 from ft_framework.task_kinds.base import (Baseline, EvalContext, LossNormalizer, MemoryRow, MicroBatchLoss, RunContext,
-                                         TaskKind, TraceBatch)
+                                         TaskKind, TraceBatch, combined_content)
 
 __all__ = ["SequenceClassificationKind"]
 
@@ -36,6 +37,16 @@ class SequenceClassificationKind(TaskKind):
 
     def collator(self, tokenizer: Any, model_config: Any) -> Callable:
         return make_collator(tokenizer)
+
+    def data_content(self, data: Any) -> dict[str, str]:
+        # Your own files by their bytes (the base's: one more read of each, their rows were parsed
+        # without a cache), or your Hub data set's splits by their revision; GLUE's are not recorded.
+        hub = self.cfg.data.hub_source()
+        if hub is None:
+            return super().data_content(data)
+        splits = ("train",) + self.spec.eval_splits
+        return {**self.probe_content(),
+                "data.hub_id": combined_content({split: open_hub_split(hub, split).fingerprint for split in splits})}
 
     def loss(self, outputs: Any, batch: dict[str, torch.Tensor], normalizer: LossNormalizer) -> MicroBatchLoss:
         # The model's own loss is the micro-batch's mean; micro-batches and ranks hold as many

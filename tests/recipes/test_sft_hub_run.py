@@ -58,3 +58,7 @@ def test_an_sft_run_from_a_cached_hub_data_set_trains_offline_as_from_json_lines
     losses = [r["loss"] for r in records(tmp_path / "hub_run", "train")]
     assert len(losses) == 4 and losses == [r["loss"] for r in records(tmp_path / "files_run", "train")]
     assert losses[-1] < losses[0]
+    # What each run read, as its checkpoints record it: the files by their bytes, the Hub set's splits
+    # by their revision under the one key that names it.
+    assert set(want["data_content"]) == {"data.files.train", "data.files.validation"}
+    assert set(got["data_content"]) == {"data.hub_id"} and len(got["data_content"]["data.hub_id"]) == 32

@@ -55,7 +55,7 @@ def test_help_loads_no_slow_package(script):
     ("bogus.key=1", "unknown key 'bogus'"),
     # Checked against the optimizer registry (optim/validation.py): the rules are read without torch.
     ("optimizer.hparams.gamma=1", "unknown hyper-parameter 'gamma' for optimizer 'recadam'"),
-    ("optimizer.name=radam", "adamw, bertadam, prior_wd, recadam"),
+    ("optimizer.name=radam", "adamw, bertadam, ewc, prior_wd, recadam"),
 ])
 def test_a_config_error_loads_no_slow_package(override, named):
     result = _run("train_main", "--config", QUICKSTART, override)

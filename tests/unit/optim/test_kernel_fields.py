@@ -74,3 +74,33 @@ def test_built_kernel_holds_the_values():
     k = cpu._kernel_coefficients(c)
     for name, value in kernel_values(c).items():
         assert getattr(k, name) == value, name  # all exact in fp32
+
+
+# The entry points that run the element program and the name of their per-element importance
+# argument (cpp/step_args.h): every one of them takes it, optional, so a caller without it runs the
+# unweighted program.
+IMPORTANCE_ARGUMENTS = {
+    "fused_step": "importance", "guarded_step": "importance", "fused_inverse": "importance",
+    "fused_step_compact": "importance", "_fused_step_many": "importances", "_fused_step_compact_many": "importances",
+}
+
+
+def _def_blocks(bindings: str) -> dict[str, str]:
+    """Each m.def("name", ...) of the module, up to the next m.def or the module's end."""
+    starts = [(m.group(1), m.start()) for m in re.finditer(r'm\.def\("(\w+)"', bindings)]
+    ends = [start for _, start in starts[1:]] + [len(bindings)]
+    return {name: bindings[start:end] for (name, start), end in zip(starts, ends)}
+
+
+def test_every_step_entry_point_takes_an_optional_importance():
+    blocks = _def_blocks((CPP / "bindings.cpp").read_text())
+    for name, argument in IMPORTANCE_ARGUMENTS.items():
+        assert name in blocks, f"m.def({name!r}) not found"
+        assert re.search(r'py::arg\("' + argument + r'"\)\s*=', blocks[name]), \
+            f"{name} does not take an optional {argument!r}"
+
+
+@pytest.mark.skipif(not cpu.kernel_available(), reason="the C++ kernel is not built")
+def test_the_built_kernel_takes_the_importance():
+    for name, argument in IMPORTANCE_ARGUMENTS.items():
+        assert f"{argument}:" in getattr(cpu._kernel, name).__doc__, name

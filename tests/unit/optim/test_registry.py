@@ -20,7 +20,7 @@ def test_builtin_optimizers_are_registered():
 
 
 def test_unknown_name_lists_the_available_ones():
-    with pytest.raises(ValueError, match=r"unknown optimizer 'radam'; available: adamw, bertadam, prior_wd, recadam"):
+    with pytest.raises(ValueError, match=r"unknown optimizer 'radam'; available: adamw, bertadam, ewc, prior_wd, recadam"):
         build_optimizer("radam", [torch.nn.Parameter(torch.zeros(1))])
 
 

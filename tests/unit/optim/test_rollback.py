@@ -20,6 +20,7 @@ HPARAMS = {
     "adamw": dict(lr=1e-2, weight_decay=0.05),
     "bertadam": dict(lr=1e-2, weight_decay=0.05, correct_bias=False),
     "prior_wd": dict(lr=1e-2, weight_decay=0.5),
+    "ewc": dict(lr=1e-2, weight_decay=0.05, ewc_lambda=20.0),
 }
 RULES = available_optimizers()
 LEVELS = SIMD_LEVELS

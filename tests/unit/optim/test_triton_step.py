@@ -245,7 +245,8 @@ def test_without_triton_the_request_says_what_to_install(monkeypatch):
         build_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))], impl="triton")
 
 
-def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True, weight_out: bool = False) -> str:
+def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True, weight_out: bool = False,
+         importance: bool = False) -> str:
     """The kernel compiled for an H100 (sm_90) with the options a GPU launch uses, on this CPU
     (Triton's compiler and its bundled ptxas need no device)."""
     from triton.backends.compiler import GPUTarget
@@ -256,7 +257,8 @@ def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True, weight
                                                 "denom_scale", "step_size", "pre_decay", "pre_pull", "post_pull",
                                                 "post_decay")})
     signature["sr_key"] = "i32"
-    constants = dict(GRAD_BF16=True, ANCHOR_BF16=compact, HAS_ANCHOR=True, HAS_PRE=True, HAS_POST_DECAY=True,
+    constants = dict(GRAD_BF16=True, ANCHOR_BF16=compact, HAS_ANCHOR=True, HAS_IMPORTANCE=importance,
+                     HAS_PRE=True, HAS_POST_DECAY=True,
                      COMPACT=compact, DELTA_MASTER=compact, WEIGHT_OUT=weight_out, FUSED_MUTANT=fused_mutant,
                      CHUNK_ELEMS=triton_step.CHUNK, BLOCK=triton_step.GPU_BLOCK, ALIGNED=aligned)
     signature.update({name: "constexpr" for name in constants})
@@ -266,20 +268,24 @@ def _ptx(compact: bool, fused_mutant: bool = False, aligned: bool = True, weight
     return kernel.asm["ptx"]
 
 
-@pytest.mark.parametrize("compact, weight_out", [(False, False), (True, False), (True, True)],
-                         ids=["fp32", "compact", "compact-bf16-weight"])
-def test_the_compiled_kernel_rounds_every_operation_once(compact, weight_out, monkeypatch):
+@pytest.mark.parametrize("compact, weight_out, importance",
+                         [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
+                          (True, False, True)],
+                         ids=["fp32", "compact", "compact-bf16-weight", "fp32-importance", "compact-importance"])
+def test_the_compiled_kernel_rounds_every_operation_once(compact, weight_out, importance, monkeypatch):
     """What the interpreter cannot show: on the GPU, Triton contracts a*b + c into an FMA unless
     launched with enable_fp_fusion=False (64 fma in this kernel without it), and its plain / and
     sqrt are approximate. The PTX of every stage holds only correctly rounded ops; the fused
     variant shows up."""
     monkeypatch.setenv(triton_step.INTERPRET_ENV_VAR, "0")
-    ptx = _ptx(compact, weight_out=weight_out)
+    ptx = _ptx(compact, weight_out=weight_out, importance=importance)
     assert not re.findall(r"\bfma\.", ptx)
     assert not re.findall(r"\b(mul|add|sub)\.f32", ptx)  # no .rn: ptxas may contract them
     assert re.findall(r"\bdiv\.rn\.f32", ptx) and not re.findall(r"\bdiv\.(full|approx)", ptx)
     assert re.findall(r"\bsqrt\.rn\.f32", ptx) and not re.findall(r"\bsqrt\.approx", ptx)
-    assert re.findall(r"\bfma\.", _ptx(compact, fused_mutant=True, weight_out=weight_out))
+    assert re.findall(r"\bfma\.", _ptx(compact, fused_mutant=True, weight_out=weight_out, importance=importance))
+    # The weighted pulls' clamp: min(w * F~, 1) keeps a NaN (min.NaN), as the C++ min(1, x) does.
+    assert bool(re.findall(r"\bmin\.NaN\.f32", ptx)) == importance
 
 
 def _global_accesses(ptx: str) -> dict[str, int]:

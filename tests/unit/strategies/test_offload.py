@@ -13,6 +13,7 @@ from torch import nn
 from ft_framework.config.errors import format_validation_error
 from ft_framework.config.schema import StrategyConfig
 from ft_framework.optim import available_optimizers, build_optimizer
+from ft_framework.optim.base import IMPORTANCE
 from ft_framework.optim.groups import build_param_groups
 from ft_framework.errors import UserError
 from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy, build_strategy
@@ -24,6 +25,7 @@ HPARAMS = {
     "adamw": dict(lr=1e-2, weight_decay=0.05),
     "bertadam": dict(lr=1e-2, weight_decay=0.05),
     "prior_wd": dict(lr=1e-2, weight_decay=0.5),
+    "ewc": dict(lr=1e-2, weight_decay=0.05, ewc_lambda=20.0),
 }
 # Per step, the loss multiplier (the gradient norm scales with it). With max_grad_norm 1, steps 0
 # and 6 clip and step 3 gets a NaN in one tensor's gradient (skipped). A step after one that
@@ -47,7 +49,7 @@ def _model():
 
 
 def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=NAN_STEP, max_norm=MAX_NORM,
-           **optimizer_kw):
+           importance: bool = False, **optimizer_kw):
     model = _model()
     pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
     hparams = {**HPARAMS.get(rule, dict(lr=1e-2)), **optimizer_kw}
@@ -55,6 +57,14 @@ def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=
     strategy.setup(model, lambda m: build_optimizer(
         rule, build_param_groups(m, pretrained, **group_hparams, no_decay_bias_and_norm=False, attach_anchors=False),
         impl="auto", **hparams), anchors=pretrained)
+    if importance:  # F~ in every anchored state, every fifth element so large that its pull lands on theta*
+        gen = torch.Generator().manual_seed(4)
+        for group in strategy.optimizer.param_groups:
+            for q in group["params"]:
+                if "anchor" in strategy.optimizer.state[q]:
+                    f = torch.rand(q.shape, generator=gen) * 2
+                    f.view(-1)[::5] = 1.0e6
+                    strategy.optimizer.state[q][IMPORTANCE] = f.bfloat16()
     gen = torch.Generator().manual_seed(9)
     norms = []
     for step in range(steps):
@@ -87,6 +97,24 @@ def _keyword_forward(monkeypatch):
 # Hand-offs to the worker: one per tensor, a few tensors each (the test model's tensors hold
 # 8 B to 792 B of gradient), and one for all of them at the end of backward (the default here).
 BUCKETS_MB = {"per_tensor": 1e-9, "a_few_tensors": 0.0005, "one_for_all": 4.0}
+
+
+@pytest.mark.parametrize("rule", ["recadam", "prior_wd", "ewc"])
+def test_overlapped_equals_serial_with_an_importance_that_pulls_elements_onto_theta_star(rule):
+    """A pull weighted by F~ that puts elements onto theta* has no inverse: the overlapped offload's
+    speculative steps restore those tensors from copies when clipping fires or a gradient is not
+    finite, and end where the serial offload does."""
+    serial, serial_norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=False), importance=True)
+    overlap, norms = _train(rule, OffloadedSingleDeviceStrategy("fp32", "cpu", overlap=True, worker_threads=1),
+                            importance=True)
+    assert overlap.rollbacks == 3 and overlap.skipped_steps == serial.skipped_steps == 1
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms), rtol=1e-6, atol=0, equal_nan=True)
+    for (name, p), q in zip(overlap.model.named_parameters(), serial.model.parameters()):
+        _close(p.detach(), q.detach(), f"{rule} {name}")
+        s, r = overlap.optimizer.state[p], serial.optimizer.state[q]
+        assert set(s) == set(r) and float(s["step"]) == float(r["step"]) == len(LOSS_SCALES) - 1
+        for key in ("exp_avg", "exp_avg_sq"):
+            _close(s[key], r[key], f"{rule} {name} {key}")
 
 
 @pytest.mark.parametrize("bucket", list(BUCKETS_MB))
