@@ -4,6 +4,8 @@ without it is refused."""
 
 import pytest
 
+from config_errors import one_line_error
+
 from ft_framework.config import ConfigError, apply_overrides, validate_config
 
 
@@ -12,14 +14,6 @@ def decoder(**optimizer) -> dict:
             "data": {"problem": "causal_lm", "source": "builtin:quickstart_sft"},
             "optimizer": {"name": "recadam", "hparams": {"lr": 2e-5}, "importance": {"source": "probe"}, **optimizer},
             "schedule": {"warmup_ratio": 0.1}, "training": {"max_steps": 10}}
-
-
-def error_of(config: dict, overrides=()) -> str:
-    with pytest.raises(ConfigError) as info:
-        validate_config(apply_overrides(config, list(overrides)), pinned=list(overrides))
-    message = str(info.value)
-    assert message.count("\n") <= 1  # one line, or "invalid config:" and the one error's line
-    return message
 
 
 def test_defaults_and_off():
@@ -47,21 +41,21 @@ def test_the_valid_sources(source):
     ("optimizer.importance.kind=fisher", "max_tokens"),
 ])
 def test_bad_values_are_one_line(override, said):
-    assert said in error_of(decoder(), [override])
+    assert said in one_line_error(decoder(), [override])
 
 
 @pytest.mark.parametrize("name", ["adamw", "bertadam"])
 def test_a_rule_without_a_pull_is_refused_naming_those_with_one(name):
-    message = error_of(decoder(), [f"optimizer.name={name}", "optimizer.hparams={lr: 2.0e-5}"])
+    message = one_line_error(decoder(), [f"optimizer.name={name}", "optimizer.hparams={lr: 2.0e-5}"])
     assert f"optimizer {name!r} has none; valid: ewc, prior_wd, recadam (or optimizer.importance: null)" in message
 
 
 def test_ewc_needs_the_importance():
     config = decoder(name="ewc", hparams={"lr": 2e-5, "ewc_lambda": 1000.0})
     assert validate_config(config).optimizer.resolved_hparams()["ewc_lambda"] == 1000.0
-    message = error_of(config, ["optimizer.importance=null"])
+    message = one_line_error(config, ["optimizer.importance=null"])
     assert "optimizer 'ewc' weighs its pull by the Fisher of theta*: set optimizer.importance" in message
-    assert "ewc_lambda must be >= 0" in error_of(config, ["optimizer.hparams.ewc_lambda=-1"])
+    assert "ewc_lambda must be >= 0" in one_line_error(config, ["optimizer.hparams.ewc_lambda=-1"])
 
 
 @pytest.mark.parametrize("overrides,said", [
@@ -70,7 +64,7 @@ def test_ewc_needs_the_importance():
     (["model.lora={r: 4}"], "cannot be combined with model.lora"),
 ])
 def test_refused_combinations(overrides, said):
-    assert said in error_of(decoder(), overrides)
+    assert said in one_line_error(decoder(), overrides)
 
 
 @pytest.mark.parametrize("strategy", [

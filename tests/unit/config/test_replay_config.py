@@ -2,6 +2,7 @@
 its file checked before anything loads, and refused for an encoder's run; each error one line."""
 
 import pytest
+from config_errors import one_line_error
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 
 from ft_framework.config import ConfigError, apply_overrides, load_config, validate_config
@@ -13,14 +14,6 @@ def decoder() -> dict:
                      "replay": {"file": "general.txt", "fraction": 0.2}},
             "optimizer": {"name": "adamw", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_ratio": 0.1},
             "training": {"max_steps": 10}}
-
-
-def error_of(config: dict, overrides=()) -> str:
-    with pytest.raises(ConfigError) as info:
-        validate_config(apply_overrides(config, list(overrides)), pinned=list(overrides))
-    message = str(info.value)
-    assert message.count("\n") <= 1  # one line, or "invalid config:" and the one error's line
-    return message
 
 
 def test_off_by_default_and_read_when_given():
@@ -35,7 +28,7 @@ def test_off_by_default_and_read_when_given():
 
 @pytest.mark.parametrize("fraction", [0, 1, 1.5, -0.2])
 def test_a_fraction_outside_the_open_interval_is_one_line(fraction):
-    message = error_of(decoder(), [f"data.replay.fraction={fraction}"])
+    message = one_line_error(decoder(), [f"data.replay.fraction={fraction}"])
     assert f"data.replay.fraction: {float(fraction)!r} is outside (0, 1)" in message
 
 
@@ -44,7 +37,7 @@ def test_a_fraction_outside_the_open_interval_is_one_line(fraction):
     (["data.replay={file: general.txt}"], "fraction"),
 ])
 def test_unknown_and_missing_keys_are_named(overrides, said):
-    assert said in error_of(decoder(), overrides)
+    assert said in one_line_error(decoder(), overrides)
 
 
 def test_an_encoder_run_refuses_replay():
@@ -52,7 +45,7 @@ def test_an_encoder_run_refuses_replay():
                                                                                           "fraction": 0.2}},
               "optimizer": {"name": "adamw", "hparams": {"lr": 2e-5}}, "schedule": {"warmup_ratio": 0.1},
             "training": {"max_steps": 10}}
-    message = error_of(config)
+    message = one_line_error(config)
     assert "data.replay is read only when data.problem is causal_lm" in message
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiny_llm import build_tiny_tokenizer, tiny_llm_config
+from lm_head_cases import label_batch as batch, random_tiny_lm
 
 from ft_framework.models import lm_head_requests
 from ft_framework.models.lm_head_requests import (NextTokenLoss, ProbeLogProbs, REQUEST_KEY, head_is_chunked,
@@ -20,29 +20,7 @@ MODELS = {"llama": True, "qwen2": True, "gemma": True, "gemma3_text": True, "mis
 
 
 def tiny(model_type: str):
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = build_tiny_tokenizer()
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(tiny_llm_config(model_type, tokenizer), attn_implementation="eager")
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.2)
-    return model
-
-
-def batch(vocab: int):
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (3, 13), generator=g)
-    labels = ids.clone()
-    labels[0, :4] = -100         # a prompt
-    labels[1, 9:] = -100         # padding
-    labels[2, :] = -100          # a row without label tokens
-    labels[2, 6] = ids[2, 6]
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    return ids, labels, mask
+    return random_tiny_lm(model_type)
 
 
 def reference_loss(logits, labels):

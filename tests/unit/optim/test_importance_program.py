@@ -208,6 +208,16 @@ def _compact_rows(seed: int, bf16_form: bool):
     return rows
 
 
+def _step(program, rows, kind: str) -> None:
+    """One step of `rows` in the state `kind` names (fp32, compact, or compact's bf16 weight form)."""
+    if kind == "fp32":
+        program.step(rows, C)
+    elif kind == "compact":
+        program.step_compact(rows, C, seed=7, step=3)
+    else:
+        program.step_compact_bf16(rows, C, seed=7, step=3)
+
+
 def _outputs(rows, kind: str) -> list[torch.Tensor]:
     if kind == "fp32":
         return _bits([t for r in rows for t in r[:4]])
@@ -224,12 +234,7 @@ def test_every_program_stores_the_scalar_kernels_bits(name, level, kind, monkeyp
     def run(program) -> list[torch.Tensor]:
         rows = _fp32_rows(21) if kind == "fp32" else _compact_rows(21, kind == "bf16")
         for _ in range(2):
-            if kind == "fp32":
-                program.step(rows, C)
-            elif kind == "compact":
-                program.step_compact(rows, C, seed=7, step=3)
-            else:
-                program.step_compact_bf16(rows, C, seed=7, step=3)
+            _step(program, rows, kind)
         return _outputs(rows, kind)
 
     cpu_kernel.set_simd_level("scalar")
@@ -248,12 +253,7 @@ def test_importance_one_is_the_unweighted_program_bit_for_bit(name, level, kind,
     def run(ones: bool) -> list[torch.Tensor]:
         rows = _fp32_rows(31) if kind == "fp32" else _compact_rows(31, kind == "bf16")
         rows = [r[:-1] + ((torch.ones_like(r[-1]) if ones else None) if r[-1] is not None else None,) for r in rows]
-        if kind == "fp32":
-            program.step(rows, C)
-        elif kind == "compact":
-            program.step_compact(rows, C, seed=7, step=3)
-        else:
-            program.step_compact_bf16(rows, C, seed=7, step=3)
+        _step(program, rows, kind)
         return _outputs(rows, kind)
 
     for i, (x, y) in enumerate(zip(run(True), run(False))):
