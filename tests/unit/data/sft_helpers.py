@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tiny_llm import CHATML_TEMPLATE, SPECIAL_TOKENS, TINY_LLM_CONFIGS, build_tiny_tokenizer
 
-__all__ = ["CHATML_TEMPLATE", "CHATS", "MARKED_CHATML", "MARKED_WITH_NEWLINE", "PAIRS", "TEXTS", "build_tiny_tokenizer",
-           "merging_tokenizer", "tiny_model", "write_jsonl"]
+__all__ = ["CHATML_TEMPLATE", "CHATS", "MARKED_CHATML", "MARKED_WITH_NEWLINE", "PAIRS", "TEXTS", "TOOLS_TEMPLATE",
+           "build_tiny_tokenizer", "merging_tokenizer", "tiny_model", "write_jsonl"]
 
 # ChatML with generation markers around what an assistant turn adds after the generation prompt:
 # its content, <|im_end|> and the newline.
@@ -25,6 +25,15 @@ MARKED_WITH_NEWLINE = (
     "{% generation %}{{ '\n' + message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
     "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# A ChatML template that renders a row's tools (in a system turn of their own) and an assistant's
+# tool calls, and the tool's answer as a turn of role tool (Arrow gives every message every field,
+# null where absent: the template reads only what is there).
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}{{ '<call>' + (c['function'] | tojson) + '</call>' }}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 TEXTS = [{"text": "The quick brown fox jumps over the lazy dog."}, {"text": "Ünïcödé and emoji 🦊 too"},
          {"text": "already ends with the EOS<|im_end|>"}]

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from sft_helpers import build_tiny_tokenizer, tiny_model, write_jsonl
+from sft_helpers import TOOLS_TEMPLATE, build_tiny_tokenizer, tiny_model, write_jsonl
 
 from ft_framework.data.sft import SFTCollator, SFTSettings, load_sft_data
 
@@ -137,14 +137,6 @@ def pipeline_loss(tmp_path, tokenizer, rows, packing=False, **settings) -> tuple
         return model(**batch, labels=labels).loss.item(), model
 
 
-# A ChatML template that renders a row's tools (in a system turn of its own) and an assistant's tool
-# calls, and the tool's answer as a turn of role tool.
-TOOLS_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
-    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}{{ '<call>' + (c['function'] | tojson) + '</call>' }}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "add"}}]  # short: the tiny model sees 256 positions
 CALL = {"name": "add", "arguments": {"a": 2}}
 TOOL_CHAT = [{"role": "user", "content": "2+2?"},

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from sft_helpers import (CHATML_TEMPLATE, CHATS, MARKED_CHATML, MARKED_WITH_NEWLINE, PAIRS, TEXTS,
+from sft_helpers import (CHATML_TEMPLATE, CHATS, MARKED_CHATML, MARKED_WITH_NEWLINE, PAIRS, TEXTS, TOOLS_TEMPLATE,
                          build_tiny_tokenizer, merging_tokenizer, tiny_model, write_jsonl)
 
 from ft_framework.data.sft import SFTSettings, load_sft_data
@@ -108,14 +108,6 @@ CHAT_PAIRS = [{"prompt": row["messages"][:-1], "completion": row["messages"][-1:
     {"prompt": [{"role": "user", "content": "Count"}],
      "completion": [{"role": "assistant", "content": "one"}, {"role": "user", "content": "more"},
                     {"role": "assistant", "content": "two"}]}]
-# With tools: a ChatML template that renders them and the assistant's calls (Arrow gives every message
-# every field, null where absent: the template reads only what is there).
-TOOLS_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}"
-    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}{{ '<call>' + (c['function'] | tojson) + '</call>' }}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 TOOL_PAIRS = [{"prompt": [{"role": "user", "content": "2+2?"}],
                "completion": [{"role": "assistant", "content": "",
                                "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "2, 2"}}]},

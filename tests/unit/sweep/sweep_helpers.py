@@ -87,3 +87,10 @@ def write_results(run_dir: Path, *, task: str, score: float, failed: bool, split
             if step % 2 == 0:
                 lines.append({"type": "eval", "step": step, "metrics": {split: {main: score * step / 4}}})
         (run_dir / METRICS_FILE).write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def dominated(point: tuple[float, float], others: list[tuple[float, float]]) -> bool:
+    """Whether another (score, forgetting) point is at least as low in both and strictly lower in one
+    (both lower-is-better, as the frontier tests' completion-loss scores are): the frontier's rule, brute force."""
+    (s, f) = point
+    return any(s2 <= s and f2 <= f and (s2 < s or f2 < f) for s2, f2 in others)

@@ -18,6 +18,7 @@ import yaml
 
 from lm_eval_tasks import write_lm_eval_tasks
 from tiny_run import InProcessRunner
+from sweep_helpers import dominated
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 from ft_framework.cli import report_main
 from ft_framework.sweep import load_sweep, run_sweep
@@ -26,11 +27,6 @@ pytestmark = pytest.mark.slow   # six short runs, each scoring two tiny tasks 3 
 DROP = "benchmark_forgetting"
 PREDICTORS = ("kl_from_pretrained", "lm_loss_gained", "forgetting_distance")
 ALPHAS = [0, 0.5, 1]
-
-
-def _dominated(point, others):
-    (s, f) = point
-    return any(s2 <= s and f2 <= f and (s2 < s or f2 < f) for s2, f2 in others)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +112,7 @@ def test_the_benchmark_drop_is_a_frontier_axis_with_its_alpha_curve(benchmark_sw
     # Non-dominated by the lower-is-better rule, on this axis's points.
     pairs = [(float(p["score"]), float(p["forgetting"])) for p in mine]
     flags = [p["non_dominated"] == "True" for p in mine]
-    assert flags == [not _dominated(pair, pairs[:i] + pairs[i + 1:]) for i, pair in enumerate(pairs)]
+    assert flags == [not dominated(pair, pairs[:i] + pairs[i + 1:]) for i, pair in enumerate(pairs)]
     report = (store / "report.md").read_text()
     assert f"### custom: non-dominated points on {DROP}" in report
     assert "2 points without benchmark scores are left out of the benchmark_forgetting axis" in report

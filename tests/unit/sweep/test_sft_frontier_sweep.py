@@ -17,6 +17,7 @@ import pytest
 import scipy.stats
 import yaml
 
+from sweep_helpers import dominated
 from tiny_llm import build_tiny_llm_dir, write_sft_rows, write_sft_run_config
 from tiny_run import InProcessRunner
 from ft_framework.cli import report_main
@@ -24,11 +25,6 @@ from ft_framework.sweep import load_sweep, run_sweep
 
 pytestmark = pytest.mark.slow   # four short runs: about 15 s on 2 cores
 MEASURES = ("kl_from_pretrained", "lm_loss_gained", "cka_drift_last", "cka_drift_mean")
-
-
-def _dominated(point, others):
-    (s, f) = point
-    return any(s2 <= s and f2 <= f and (s2 < s or f2 < f) for s2, f2 in others)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +87,7 @@ def test_the_report_of_a_decoder_sweep_has_the_decoder_frontier(sft_sweep):
         # Non-dominated by the lower-is-better rule, point by point.
         pairs = [(float(p["score"]), float(p["forgetting"])) for p in mine]
         flags = [p["non_dominated"] == "True" for p in mine]
-        assert flags == [not _dominated(pair, pairs[:i] + pairs[i + 1:]) for i, pair in enumerate(pairs)]
+        assert flags == [not dominated(pair, pairs[:i] + pairs[i + 1:]) for i, pair in enumerate(pairs)]
         assert f"### custom: non-dominated points on {measure}" in report
 
     # Forgetting at matched accuracy: the target is vanilla's lowest loss / 0.99.
