@@ -50,10 +50,15 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _importance_of(state: dict[str, Any], pulls: bool) -> torch.Tensor | None:
+def _importance_of(state: dict[str, Any], pulls: bool, required: bool) -> torch.Tensor | None:
     """The step programs' importance (the last element of their rows, optim/programs.py): the local
-    F~ of a parameter whose step pulls toward theta*, else None (the unweighted program)."""
+    F~ of a parameter whose step pulls toward theta*, else None (the unweighted program). A rule
+    that `required` it (EWC: without F~ it would silently be L2-SP) refuses to pull without it."""
     importance = state.get(IMPORTANCE) if pulls else None
+    if importance is None and pulls and required:
+        raise ValueError("this rule pulls toward theta* weighted by the importance F~, and a parameter has theta* but "
+                         "no F~: capture it before the first step (optim.importance.capture_importance; in a config, "
+                         "optimizer.importance)")
     return None if importance is None else local_tensor(importance)
 
 
@@ -107,6 +112,10 @@ class AnchoredOptimizer(torch.optim.Optimizer):
     wrap or partition the parameters build the optimizer without anchors and place them
     afterwards with `set_anchor` / `init_anchor` (Strategy.place_anchors).
     """
+
+    # A rule whose pull means nothing without the importance F~ (EWC) sets this: its step then
+    # refuses an anchored parameter that has none (the config refuses such a run earlier).
+    needs_importance: bool = False
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], impl: str = "auto",
                  anchor_dtype: str = "float32", state_dtype: str = "float32", rounding_seed: int = 0):
@@ -395,7 +404,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
         deltas = [local_tensor(s["delta"]) if with_anchor and self.delta_masters else None for s in states]
         anchors = [local_tensor(s["anchor"]) if with_anchor else None for s in states]
-        importances = [_importance_of(s, with_anchor and c.uses_anchor) for s in states]
+        importances = [_importance_of(s, with_anchor and c.uses_anchor, self.needs_importance) for s in states]
         bases = [self.index_base(p) for p in ps]
         weights = [local_tensor(p) if id(p) in self._bf16_weights else None if weights is None else
                    None if weights[i] is None else local_tensor(weights[i]) for i, p in enumerate(ps)]
@@ -420,7 +429,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         ms = [local_tensor(s["exp_avg"]) for s in states]
         vs = [local_tensor(s["exp_avg_sq"]) for s in states]
         anchors = [local_tensor(s["anchor"]) for s in states] if with_anchor else [None] * len(params)
-        importances = [_importance_of(s, with_anchor) for s in states]
+        importances = [_importance_of(s, with_anchor, self.needs_importance) for s in states]
         self._program.step(list(zip(params, grads, ms, vs, anchors, importances)), c)
 
     # ---- speculative steps, one tensor at a time (the overlapped offload) ------------------
@@ -445,7 +454,7 @@ class AnchoredOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         return (local_tensor(p), local_tensor(grad), local_tensor(state["exp_avg"]),
                 local_tensor(state["exp_avg_sq"]), local_tensor(state["anchor"]) if with_anchor else None,
-                _importance_of(state, with_anchor))
+                _importance_of(state, with_anchor, self.needs_importance))
 
     @torch.no_grad()
     def step_tensors(self, ps: list[torch.Tensor], grads: list[torch.Tensor] | None = None,

@@ -23,7 +23,8 @@ class EWCRule(AdamWRule):
     """AdamW's hyper-parameters and defaults, plus ewc_lambda (the penalty's strength, in
     RecAdam's pretrain_cof unit). Needs optimizer.importance: without F~ it would be L2-SP."""
 
-    # The config refuses this rule without optimizer.importance (config/schema.py).
+    # The config refuses this rule without optimizer.importance (config/schema.py); the step, a
+    # parameter with theta* and no F~ (optim/base.py).
     needs_importance = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

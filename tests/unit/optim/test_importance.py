@@ -254,6 +254,30 @@ def test_ewc_with_a_captured_importance_equals_the_weighted_float64_rule(impl):
         torch.testing.assert_close(p.detach().double(), want, rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("state_dtype,split", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_ewc_without_an_importance_refuses_to_step(state_dtype, split):
+    """EWC built from Python with theta* and no capture would be L2-SP under EWC's name: its step (the
+    fp32 program, the compact one, the offloads' tensor-by-tensor steps) refuses; a zero lambda, which
+    pulls nothing, steps; prior_wd, whose pull is unweighted without F~, steps."""
+    layer = torch.nn.Linear(5, 3)
+    anchors = {n: p.detach().clone() for n, p in layer.named_parameters()}
+
+    def step(name, **hparams):
+        optimizer = build_optimizer(name, build_param_groups(layer, anchors, lr=1e-3), impl="torch",
+                                    state_dtype=state_dtype, anchor_dtype=state_dtype, **hparams)
+        for p in layer.parameters():
+            p.grad = torch.ones_like(p)
+        if split:
+            optimizer.step_tensors(list(layer.parameters()))
+        else:
+            optimizer.step()
+
+    with pytest.raises(ValueError, match="weighted by the importance F~, and a parameter has theta\\* but no F~"):
+        step("ewc", ewc_lambda=10.0)
+    step("ewc", ewc_lambda=0.0)
+    step("prior_wd")
+
+
 @pytest.mark.parametrize("gradient,said", [
     (float("nan"), "met a NaN or infinite gradient on the general text"),
     (0.0, "is zero on every anchored element"),
