@@ -123,8 +123,8 @@ class DeepSpeedStrategy(ProcessGroupMixin, Strategy):
     # ---- topology ------------------------------------------------------------------------------
     @property
     def optimizer_state_is_partitioned(self) -> bool:
-        # bf16 at stage 0 still runs DeepSpeed's BF16 optimizer, which partitions the fp32 state.
-        return self.zero_stage > 0 or self.precision == "bf16"
+        # Stage 0 runs in fp32 only (the config refuses DeepSpeed's unfused bf16/fp16 wrapper): whole state.
+        return self.zero_stage > 0
 
     # ---- set-up ----------------------------------------------------------------------------------
     def setup(self, model: nn.Module, build_optimizer, anchors=None):

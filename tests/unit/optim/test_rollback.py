@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from ft_framework.optim import available_optimizers, build_optimizer
+from ft_framework.optim.registry import optimizer_factory
+from ft_framework.optim.base import IMPORTANCE
 from ft_framework.optim import cpu as cpu_kernel
 from ft_framework.optim.coefficients import StepCoefficients
 from ft_framework.optim.torch_step import foreach_inverse_step, foreach_step
@@ -123,6 +125,13 @@ def _run(rule: str, impl: str, speculate: bool, seed: int = 3):
     anchors = [p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for p in params[:2]]
     opt = build_optimizer(rule, [{"params": params[:2], "anchors": anchors}, {"params": params[2:]}], impl=impl,
                           **HPARAMS.get(rule, dict(lr=1e-2)))
+    weighted = getattr(optimizer_factory(rule), "needs_importance", False)
+    if weighted:
+        # F~ in [0, 2): lr * ewc_lambda * F~ < 1; a weighted step is still rolled back from the copies
+        # step_tensors keeps (keep_undo), as the overlapped offload does, not by the inverse program
+        weights = torch.Generator().manual_seed(seed + 1)
+        for p in params[:2]:
+            opt.state[p][IMPORTANCE] = (2 * torch.rand(p.shape, generator=weights)).bfloat16()
     max_norm, rollbacks = 1.0, 0
     for step in range(8):
         grads = [torch.randn(p.shape, generator=gen) for p in params]
@@ -135,7 +144,7 @@ def _run(rule: str, impl: str, speculate: bool, seed: int = 3):
             p.grad = g
         norm = torch.nn.utils.get_total_norm(grads)
         if speculate:
-            used = opt.step_tensors(params)
+            used = opt.step_tensors(params, keep_undo=weighted)
             stepped = [(p, c) for p, c in zip(params, used) if c is not None]
             fires = bool(max_norm / (norm + 1e-6) < 1.0)
             if not torch.isfinite(norm) or fires:

@@ -14,6 +14,7 @@ from ft_framework.config.errors import format_validation_error
 from ft_framework.config.schema import StrategyConfig
 from ft_framework.optim import available_optimizers, build_optimizer
 from ft_framework.optim.base import IMPORTANCE
+from ft_framework.optim.registry import optimizer_factory
 from ft_framework.optim.groups import build_param_groups
 from ft_framework.errors import UserError
 from ft_framework.strategies import OffloadedSingleDeviceStrategy, SingleDeviceStrategy, build_strategy
@@ -49,7 +50,7 @@ def _model():
 
 
 def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=NAN_STEP, max_norm=MAX_NORM,
-           importance: bool = False, **optimizer_kw):
+           importance: bool | None = None, **optimizer_kw):
     model = _model()
     pretrained = {n: p.detach() + 0.05 for n, p in model.named_parameters() if n != "4.weight"}
     hparams = {**HPARAMS.get(rule, dict(lr=1e-2)), **optimizer_kw}
@@ -57,6 +58,8 @@ def _train(rule, strategy, steps=len(LOSS_SCALES), scales=LOSS_SCALES, nan_step=
     strategy.setup(model, lambda m: build_optimizer(
         rule, build_param_groups(m, pretrained, **group_hparams, no_decay_bias_and_norm=False, attach_anchors=False),
         impl="auto", **hparams), anchors=pretrained)
+    if importance is None:  # a rule that needs F~ (EWC) always has one
+        importance = getattr(optimizer_factory(rule), "needs_importance", False)
     if importance:  # F~ in every anchored state, every fifth element so large that its pull lands on theta*
         gen = torch.Generator().manual_seed(4)
         for group in strategy.optimizer.param_groups:
