@@ -26,6 +26,7 @@ from ft_framework.optim.validation import PullOvershootWarning, overshoot_messag
 from ft_framework.run.tracking import missing_tracker_packages
 
 from ft_framework.config.overrides import resolve_task_overrides
+from ft_framework.config.deepspeed_stage import unfused_wrapper_problem
 
 __all__ = ["GlueTask", "BUILTIN_DATA_SOURCES", "ModelConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig",
            "TrainingConfig",
@@ -1023,14 +1024,12 @@ class RunConfig(_Section):
         fsdp = self.strategy.fsdp
         if fsdp is not None and fsdp.mixed_precision and self.training.precision == "fp32":
             raise ValueError("strategy.fsdp.mixed_precision needs training.precision bf16 or fp16 (got fp32)")
-        if self.strategy.name == "deepspeed" and ds is not None and ds.zero_stage == 0 \
-                and self.training.precision != "fp32":
-            # Without ZeRO, DeepSpeed wraps a client optimizer in bf16/fp16 in its FP16_UnfusedOptimizer, whose
-            # set-up steps the optimizer once on zero gradients: before theta* is placed, and moving the weights
-            # by the weight decay before the first batch.
-            raise ValueError(f"strategy.deepspeed.zero_stage 0 with training.precision {self.training.precision} is "
-                             "DeepSpeed's FP16_UnfusedOptimizer, which steps the optimizer before the first batch; "
-                             "valid: zero_stage 1-3 in bf16/fp16, zero_stage 0 in fp32, or strategy.name ddp")
+        problem = None if self.strategy.name != "deepspeed" or ds is None else \
+            unfused_wrapper_problem(ds.zero_stage, self.training.precision)
+        if problem:
+            raise ValueError(f"strategy.deepspeed.zero_stage {ds.zero_stage} with training.precision "
+                             f"{self.training.precision} {problem}; valid: zero_stage 1-3 in bf16/fp16, zero_stage 0 in fp32, "
+                             "or strategy.name ddp")
         if self.optimizer.state_dtype == "bfloat16" and ds is not None and ds.zero_stage == 3:
             raise ValueError("optimizer.state_dtype bfloat16 is not built for DeepSpeed ZeRO-3 (its sub-group partitions "
                              "are not numbered for the stochastic rounding); valid: strategy.deepspeed.zero_stage 0, 1 "

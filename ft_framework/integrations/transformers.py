@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ft_framework.config.deepspeed_stage import unfused_wrapper_problem
 from ft_framework.distributed import collectives
 from ft_framework.errors import UserError
 from ft_framework.models.loading import capture_pretrained_state, new_parameter_names
@@ -139,6 +140,12 @@ def _prepare_deepspeed(args: Any) -> None:
         raise UserError(f"ft_optimizer: TrainingArguments(deepspeed=...) sets zero_optimization.stage={stage}; "
                         f"valid with the Trainer: {', '.join(map(str, DEEPSPEED_ZERO_STAGES))} (for ZeRO-3 use ft-train, "
                         "strategy.name: deepspeed with deepspeed.zero_stage: 3)")
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    problem = unfused_wrapper_problem(stage, precision)
+    if problem:
+        raise UserError(f"ft_optimizer: TrainingArguments(deepspeed=...) sets zero_optimization.stage={stage} with "
+                        f"{precision}, which {problem}; valid with the Trainer: stage 1 or 2 in bf16/fp16, or stage 0 "
+                        "in fp32")
     if config.get("optimizer"):
         raise UserError("ft_optimizer: the DeepSpeed config has an 'optimizer' section, which makes DeepSpeed build its "
                         "own optimizer instead of ours; remove it")

@@ -31,7 +31,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ft_framework.config.deepspeed_stage import unfused_wrapper_problem
 from ft_framework.distributed import collectives
+from ft_framework.errors import UserError
 from ft_framework.strategies.base import Strategy, anchors_for
 from ft_framework.strategies.checkpointable import StrategyCheckpoint
 from ft_framework.distributed.process_group import ProcessGroupMixin
@@ -59,6 +61,11 @@ def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
     config = {**user, **{k: v for k, v in ours.items() if k not in user}}
     zero = dict(user.get("zero_optimization", {}))
     zero.setdefault("stage", ds_cfg.zero_stage)
+    # The run config checked strategy.deepspeed.zero_stage; a stage in the user's own JSON wins over it.
+    problem = unfused_wrapper_problem(int(zero["stage"]), training_cfg.precision)
+    if problem:
+        raise UserError(f"the DeepSpeed config's zero_optimization.stage {zero['stage']} with training.precision "
+                        f"{training_cfg.precision} {problem}; valid: stage 1-3 in bf16/fp16, or stage 0 in fp32")
     # Pinned host memory makes the GPU<->CPU copies of the offloaded partitions asynchronous DMA
     # (DeepSpeed's default is pageable memory); there is nothing to pin for on a CPU-only run.
     on_cuda = training_cfg.device == "cuda" or (training_cfg.device == "auto" and torch.cuda.is_available())

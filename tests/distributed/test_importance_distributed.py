@@ -3,7 +3,7 @@ captured under DDP, FSDP2 (with and without cpu_offload) and DeepSpeed ZeRO 1-3 
 without the optimizer offloaded; one launch, each backend on ranks of its own forked from one process: rank_launcher.py), equals the
 one-process capture (each rank reads its share of the reduced gradient in the optimizer's step; F~
 is normalised over every rank's anchored elements): to the fp32 rounding of the gradients' reduce,
-then bf16. In bf16 mixed precision (DeepSpeed's BF16_Optimizer at ZeRO-1, ZeRO-2 in bf16), the
+then bf16. In bf16 mixed precision (DeepSpeed's ZeRO-1 and ZeRO-2 in bf16, fp32 masters), the
 2-rank capture equals one process's bf16 capture to the rounding of bf16 gradients. F~ is optimizer state: each backend's checkpoint holds it, and a resume reshards it
 instead of capturing it again (a ZeRO-3 checkpoint resumed under FSDP2 on 2 ranks, a one-process
 one under ZeRO-2, an FSDP2 one in one process), ending where the uninterrupted run ends."""
@@ -36,7 +36,7 @@ TWO_RANK = {
     # the fp32 partitions and their state (F~ with them) in host memory, stepped there
     "zero3_offload": {"name": "deepspeed", "deepspeed": {"zero_stage": 3, "offload_optimizer": True}},
 }
-# bf16 weights and gradients, fp32 masters: DeepSpeed's BF16_Optimizer (ZeRO-1 in bf16) and ZeRO-2's bf16 path.
+# bf16 weights and gradients, fp32 masters (ZeRO-0 in bf16 is refused: config/deepspeed_stage.py).
 BF16_TWO_RANK = {
     "zero1_bf16": {"name": "deepspeed", "deepspeed": {"zero_stage": 1}},
     "zero2_bf16": {"name": "deepspeed", "deepspeed": {"zero_stage": 2}},

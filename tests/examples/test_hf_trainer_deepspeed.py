@@ -73,12 +73,15 @@ def test_resume_from_the_deepspeed_checkpoint_keeps_theta_star_bit_exact(ran):
         torch.testing.assert_close(second[name], first[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_zero3_and_a_deepspeed_optimizer_section_are_refused_in_one_line(tmp_path):
+def test_zero3_a_deepspeed_optimizer_section_and_zero0_in_bf16_are_refused_in_one_line(tmp_path):
     for config, match in (
             ({"zero_optimization": {"stage": 3}}, r"stage=3; valid with the Trainer: 0, 1, 2"),
             ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, r"'optimizer' section"),
-            ({"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": True}, r"zero_force_ds_cpu_optimizer=true")):
-        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+            ({"zero_optimization": {"stage": 2}, "zero_force_ds_cpu_optimizer": True}, r"zero_force_ds_cpu_optimizer=true"),
+            ({"zero_optimization": {"stage": 0}, "bf16": True},
+             r"stage=0 with bf16, which runs DeepSpeed's FP16_UnfusedOptimizer.*valid with the Trainer: stage 1 or 2")):
+        bf16 = config.pop("bf16", False)
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=bf16,
                                  deepspeed={**config, "train_micro_batch_size_per_gpu": "auto"})
         with pytest.raises(UserError, match=rf"^ft_optimizer: .*{match}"):
             ft_optimizer("recadam", args, new_parameters=[])

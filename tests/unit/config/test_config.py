@@ -235,7 +235,7 @@ def test_range_errors_show_the_value():
         (["model.init=random", "model.reinit_top_layers=2"], "reinit_top_layers has no effect"),
         (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=4"], "strategy.deepspeed.zero_stage"),
         (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=0", "training.precision=bf16"],
-         "zero_stage 0 with training.precision bf16 is DeepSpeed's FP16_UnfusedOptimizer"),
+         "zero_stage 0 with training.precision bf16 runs DeepSpeed's FP16_UnfusedOptimizer"),
         (["strategy.name=deepspeed", "strategy.deepspeed.zero_stage=0", "training.precision=fp16"],
          "valid: zero_stage 1-3 in bf16/fp16, zero_stage 0 in fp32, or strategy.name ddp"),
     ],
