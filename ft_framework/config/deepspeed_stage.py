@@ -1,6 +1,6 @@
 """Which DeepSpeed ZeRO stage can run our optimizer in which precision: one owner for the rule the run
-config (strategy.deepspeed.zero_stage), the DeepSpeed strategy (a stage set in the user's own DeepSpeed
-JSON) and the Hugging Face Trainer integration each apply."""
+config (strategy.deepspeed.zero_stage, which a stage in the user's own DeepSpeed JSON must equal) and
+the Hugging Face Trainer integration (the stage of TrainingArguments' DeepSpeed config) each apply."""
 
 from __future__ import annotations
 

@@ -803,7 +803,9 @@ class DeepSpeedConfig(_Section):
     zero_stage: int = Field(2, ge=0, le=3)
     offload_optimizer: bool = False
     offload_param: bool = False
-    # A full DeepSpeed config, inline or as a JSON file; it takes precedence over the fields above.
+    # A full DeepSpeed config, inline or as a JSON file; its own keys take precedence over the fields
+    # above, except what the run config owns: batch size, accumulation, clipping, precision and the
+    # ZeRO stage (a different value there is an error: strategies/deepspeed.py).
     config: dict[str, Any] | None = None
     config_file: str | None = None
 

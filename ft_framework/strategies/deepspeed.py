@@ -31,7 +31,6 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ft_framework.config.deepspeed_stage import unfused_wrapper_problem
 from ft_framework.distributed import collectives
 from ft_framework.errors import UserError
 from ft_framework.strategies.base import Strategy, anchors_for
@@ -41,8 +40,8 @@ from ft_framework.distributed.process_group import ProcessGroupMixin
 
 def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
     """DeepSpeed's JSON config from our YAML: the user's own config (inline or file) if given, with
-    batch size, accumulation, clipping and precision set from the run config (a contradicting
-    value in the user's config is an error: one source of truth)."""
+    batch size, accumulation, clipping, precision and the ZeRO stage set from the run config (a
+    contradicting value in the user's config is an error: one source of truth)."""
     if ds_cfg.config_file:
         user = json.loads(Path(ds_cfg.config_file).read_text())
     else:
@@ -60,12 +59,14 @@ def build_deepspeed_config(ds_cfg, training_cfg) -> dict[str, Any]:
                              "set it in the run config (training.*) and remove it from the DeepSpeed config")
     config = {**user, **{k: v for k, v in ours.items() if k not in user}}
     zero = dict(user.get("zero_optimization", {}))
-    zero.setdefault("stage", ds_cfg.zero_stage)
-    # The run config checked strategy.deepspeed.zero_stage; a stage in the user's own JSON wins over it.
-    problem = unfused_wrapper_problem(int(zero["stage"]), training_cfg.precision)
-    if problem:
-        raise UserError(f"the DeepSpeed config's zero_optimization.stage {zero['stage']} with training.precision "
-                        f"{training_cfg.precision} {problem}; valid: stage 1-3 in bf16/fp16, or stage 0 in fp32")
+    # The run config's rules (config/schema.py, config/deepspeed_stage.py) read strategy.deepspeed.zero_stage:
+    # a different stage in the user's JSON would run unchecked.
+    if "stage" in zero and zero["stage"] != ds_cfg.zero_stage:
+        raise UserError(f"the DeepSpeed config sets zero_optimization.stage={zero['stage']!r} but "
+                        f"strategy.deepspeed.zero_stage is {ds_cfg.zero_stage}; set strategy.deepspeed.zero_stage: "
+                        f"{zero['stage']!r} (the run config's checks read it) and remove the stage from the "
+                        "DeepSpeed config")
+    zero["stage"] = ds_cfg.zero_stage
     # Pinned host memory makes the GPU<->CPU copies of the offloaded partitions asynchronous DMA
     # (DeepSpeed's default is pageable memory); there is nothing to pin for on a CPU-only run.
     on_cuda = training_cfg.device == "cuda" or (training_cfg.device == "auto" and torch.cuda.is_available())

@@ -1,7 +1,7 @@
 """DeepSpeed without ZeRO in bf16/fp16 cannot run our optimizer (config/deepspeed_stage.py): the fact
 the refusal rests on, checked against the DeepSpeed installed (in a process of its own: deepspeed
-reads the accelerator and the rank from the environment at import), and the refusal where the stage
-comes from the user's own DeepSpeed JSON, which the run config's check cannot see."""
+reads the accelerator and the rank from the environment at import); and a stage in the user's own
+DeepSpeed JSON, which the run config's checks cannot see, must equal strategy.deepspeed.zero_stage."""
 
 import os
 import subprocess
@@ -50,17 +50,23 @@ def test_deepspeed_without_zero_in_bf16_steps_the_optimizer_before_the_first_bat
     assert lines[1][0] == "1" and lines[1][1] != "FP16_UnfusedOptimizer" and int(lines[1][2]) == 0, run.stdout
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_a_stage_0_in_the_users_deepspeed_json_is_refused_in_one_line(precision):
-    training = TrainingConfig(max_steps=1, device="cpu", precision=precision)
-    inline = DeepSpeedConfig(config={"zero_optimization": {"stage": 0}})  # zero_stage keeps its default, 2
-    with pytest.raises(UserError) as info:
-        build_deepspeed_config(inline, training)
-    message = str(info.value)
-    assert "\n" not in message and message.startswith(
-        f"the DeepSpeed config's zero_optimization.stage 0 with training.precision {precision} runs DeepSpeed's "
-        "FP16_UnfusedOptimizer") and message.endswith("valid: stage 1-3 in bf16/fp16, or stage 0 in fp32")
-    # the same JSON in fp32, and stage 1 in bf16, build
-    assert build_deepspeed_config(inline, TrainingConfig(max_steps=1, device="cpu"))["zero_optimization"]["stage"] == 0
-    stage1 = DeepSpeedConfig(config={"zero_optimization": {"stage": 1}})
-    assert build_deepspeed_config(stage1, training)["zero_optimization"]["stage"] == 1
+@pytest.mark.parametrize("json_stage", [0, 3])
+def test_a_stage_in_the_users_deepspeed_json_must_equal_zero_stage(json_stage):
+    """The run config's stage rules (stage 0 in bf16, LoRA or the compact state under ZeRO-3) read
+    strategy.deepspeed.zero_stage: a JSON that set another stage would run unchecked."""
+    training = TrainingConfig(max_steps=1, device="cpu", precision="bf16")
+    given = {"zero_optimization": {"stage": json_stage, "contiguous_gradients": True}}
+    for ds in (DeepSpeedConfig(config={"zero_optimization": {"stage": json_stage}}),  # zero_stage keeps its default, 2
+               DeepSpeedConfig(zero_stage=1, config=given)):
+        with pytest.raises(UserError) as info:
+            build_deepspeed_config(ds, training)
+        message = str(info.value)
+        assert "\n" not in message and message == (
+            f"the DeepSpeed config sets zero_optimization.stage={json_stage} but strategy.deepspeed.zero_stage is "
+            f"{ds.zero_stage}; set strategy.deepspeed.zero_stage: {json_stage} (the run config's checks read it) and "
+            "remove the stage from the DeepSpeed config")
+    # the same stage in both, or none in the JSON: built, the JSON's other keys kept
+    same = DeepSpeedConfig(zero_stage=3, config={"zero_optimization": {"stage": 3, "contiguous_gradients": True}})
+    assert build_deepspeed_config(same, training)["zero_optimization"] == {"stage": 3, "contiguous_gradients": True}
+    unset = DeepSpeedConfig(zero_stage=1, config={"zero_optimization": {"contiguous_gradients": True}})
+    assert build_deepspeed_config(unset, training)["zero_optimization"] == {"stage": 1, "contiguous_gradients": True}
