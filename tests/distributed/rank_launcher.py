@@ -126,6 +126,13 @@ def close(strategies) -> None:
         strategy.close()
 
 
+# Every trainer a rank ran, kept until worker_exit.finish ends the rank with os._exit: freeing one when
+# fit() returns runs ~Reducer -> ~ProcessGroupGloo in the main thread with the GIL held, which can wait
+# forever for gloo's worker thread while that thread frees the last all-reduce's tensors and waits
+# for the GIL (seen with py-spy: a DDP rank hung after its run ended, until the watchdog).
+_KEPT_TRAINERS: list = []
+
+
 def fit(config: str, overrides: list[str], log: str | None) -> None:
     """fit_step's run in this rank; its log records from INFO up go to stderr (the launch's output)."""
     from ft_framework.config import load_config
@@ -138,6 +145,7 @@ def fit(config: str, overrides: list[str], log: str | None) -> None:
         logging.getLogger().addHandler(handler)
     try:
         trainer = Trainer(load_config(config, overrides))
+        _KEPT_TRAINERS.append(trainer)
         trainer.fit()
     finally:
         if handler is not None:
